@@ -1,0 +1,1 @@
+"""Hydra configs: YAML presets per group, validated by the dataclasses in configs/schema.py."""

@@ -1,0 +1,95 @@
+"""Training batches from a prepared dataset: random windows of tokens, reproducible across resumes.
+
+A prepared dataset is a directory holding `train.bin` and `val.bin` (flat uint16 GPT-2 tokens, an
+EOT after each document) and `meta.json`, written last by data/prepare.py as the completion marker.
+load_meta() is the one place that decides whether such a directory is complete and intact.
+"""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+SPLITS = ("train", "val")
+
+
+class DatasetError(ValueError):
+    """A prepared dataset is missing, incomplete or corrupt, or too small for the request."""
+
+
+def load_meta(dataset_dir: str | Path) -> dict:
+    """meta.json of a complete dataset, after checking that each bin has the size it records."""
+    d = Path(dataset_dir)
+    meta_path = d / "meta.json"
+    if not meta_path.is_file():
+        problem = "has no meta.json (never prepared, or prepare was interrupted)" if d.is_dir() else "not found"
+        raise DatasetError(f"dataset {d} {problem}: run `python -m data.prepare {d.name}` or let train.py prepare it")
+    corrupt = f"corrupt or truncated: delete {d} and re-run prepare"
+    try:
+        meta = json.loads(meta_path.read_text())
+        itemsize = np.dtype(meta["dtype"]).itemsize
+        expected = {split: meta["splits"][split]["tokens"] * itemsize for split in SPLITS}
+    except (ValueError, KeyError, TypeError) as e:
+        raise DatasetError(f"{meta_path} is unreadable ({e!r}): {corrupt}") from e
+    for split, size in expected.items():
+        path = d / f"{split}.bin"
+        actual = path.stat().st_size if path.is_file() else "missing"
+        if actual != size:
+            raise DatasetError(f"{path} is {actual} bytes, meta.json says {size}: {corrupt}")
+    return meta
+
+
+class TokenWindows:
+    """Batches of (x, y) token windows from one split; y is x shifted left by one token.
+
+    Windows start at uniformly random offsets and may span document boundaries, as in nanoGPT.
+    The offsets come from a CPU torch.Generator; save state_dict() in a checkpoint and a resumed
+    run draws exactly the batches the interrupted one would have drawn next.
+    """
+
+    def __init__(
+        self,
+        dataset_dir: str | Path,
+        split: str,
+        seq_len: int,
+        batch_size: int,
+        device: str | torch.device = "cpu",
+        seed: int = 0,
+    ):
+        if split not in SPLITS:
+            raise DatasetError(f"unknown split {split!r}: expected one of {SPLITS}")
+        meta = load_meta(dataset_dir)
+        self.n_tokens = meta["splits"][split]["tokens"]
+        if self.n_tokens < seq_len + 1:
+            raise DatasetError(
+                f"{split} split of {dataset_dir} has {self.n_tokens} tokens, need at least "
+                f"seq_len+1 = {seq_len + 1}: use a smaller seq_len or a bigger dataset"
+            )
+        self.path = Path(dataset_dir) / f"{split}.bin"
+        self.dtype = np.dtype(meta["dtype"])
+        self.seq_len = seq_len
+        self.batch_size = batch_size
+        self.device = torch.device(device)
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, y), both int64 of shape (batch_size, seq_len), on self.device."""
+        # a fresh memmap per batch keeps pages from piling up in resident memory (nanoGPT, after
+        # https://stackoverflow.com/questions/45132940/numpy-memmap-memory-usage-want-to-iterate-once/61472122#61472122)
+        data = np.memmap(self.path, dtype=self.dtype, mode="r")
+        T = self.seq_len
+        starts = torch.randint(self.n_tokens - T, (self.batch_size,), generator=self.generator)
+        windows = data[starts.numpy()[:, None] + np.arange(T + 1)].astype(np.int64)  # (B, T+1)
+        x = torch.from_numpy(np.ascontiguousarray(windows[:, :-1]))  # (B, T)
+        y = torch.from_numpy(np.ascontiguousarray(windows[:, 1:]))  # (B, T)
+        if self.device.type == "cuda":
+            # from pinned memory the host-to-device copy runs asynchronously, overlapping compute
+            return x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(self.device, non_blocking=True)
+        return x.to(self.device), y.to(self.device)
+
+    def state_dict(self) -> dict:
+        return {"generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.generator.set_state(state["generator"])

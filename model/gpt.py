@@ -1,0 +1,165 @@
+"""A small causal GPT: pre-LN blocks, learned or rotary positions, tied head, pluggable attention.
+
+The attention function comes from model/attention.py by name; this file never knows which one runs.
+"""
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from configs.schema import ModelConfig
+from model.attention import AttentionFn, get_attention
+
+
+def padded_vocab(vocab_size: int) -> int:
+    # a multiple of 64 keeps the head matmul on full tensor-core tiles (50257 -> 50304)
+    return (vocab_size + 63) // 64 * 64
+
+
+class Rotary(nn.Module):
+    """RoPE tables (positions x D/2); applied to q and k of shape (B, H, T, D)."""
+
+    def __init__(self, head_dim: int, max_seq_len: int, theta: float):
+        super().__init__()
+        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+        angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)  # (T, D/2)
+        # not persistent: derived from the config, so checkpoints stay small and shape-free
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        T = x.size(-2)
+        cos, sin = self.cos[:T].to(x.dtype), self.sin[:T].to(x.dtype)
+        x1, x2 = x[..., 0::2], x[..., 1::2]  # (B, H, T, D/2) each: rotate consecutive pairs
+        return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, attention: AttentionFn, rotary: Rotary | None):
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.proj.residual_scaled = True
+        self.attention = attention
+        self.rotary = rotary
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        # (B, T, 3, H, D) -> three (B, H, T, D) strided views; the kernels take strides, no copy
+        q, k, v = self.qkv(x).view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4)
+        if self.rotary is not None:
+            q, k = self.rotary(q), self.rotary(k)
+        y = self.attention(q, k, v)  # (B, H, T, D)
+        y = y.transpose(1, 2).reshape(B, T, C)
+        return self.dropout(self.proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.fc = nn.Linear(cfg.d_model, 4 * cfg.d_model, bias=cfg.bias)
+        self.proj = nn.Linear(4 * cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.proj.residual_scaled = True
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.proj(F.gelu(self.fc(x), approximate="tanh")))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, attention: AttentionFn, rotary: Rotary | None):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
+        self.attn = CausalSelfAttention(cfg, attention, rotary)
+        self.ln2 = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: ModelConfig, attn: str):
+        super().__init__()
+        if cfg.d_model % cfg.n_head:
+            raise ValueError(f"model.d_model {cfg.d_model} is not divisible by model.n_head {cfg.n_head}")
+        if cfg.pos_emb not in ("learned", "rope"):
+            raise ValueError(f"model.pos_emb {cfg.pos_emb!r}: choose 'learned' or 'rope'")
+        self.cfg = cfg
+        self.vocab_size = padded_vocab(cfg.vocab_size)
+        attention = get_attention(attn)
+        head_dim = cfg.d_model // cfg.n_head
+        # one table shared by all layers
+        rotary = Rotary(head_dim, cfg.max_seq_len, cfg.rope_theta) if cfg.pos_emb == "rope" else None
+        self.tok_emb = nn.Embedding(self.vocab_size, cfg.d_model)
+        self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model) if rotary is None else None
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg, attention, rotary) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
+        self.head = nn.Linear(cfg.d_model, self.vocab_size, bias=False)
+        self.head.weight = self.tok_emb.weight  # tied: https://arxiv.org/abs/1608.05859
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        # GPT-2 init; residual projections scaled by 1/sqrt(2 * n_layer) so the residual stream's
+        # variance does not grow with depth (GPT-2 paper, section 2.3)
+        if isinstance(module, nn.Linear):
+            std = 0.02 / math.sqrt(2 * self.cfg.n_layer) if getattr(module, "residual_scaled", False) else 0.02
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def num_params(self, matmul_only: bool = False) -> int:
+        """Parameter count; matmul_only leaves out the position table (a lookup, no FLOPs)."""
+        n = sum(p.numel() for p in self.parameters())
+        if matmul_only and self.pos_emb is not None:
+            n -= self.pos_emb.weight.numel()
+        return n
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6N for the weights plus causal attention's two T x T matmuls.
+
+        Attention does QK^T and PV, 2 * 2 * T * d_model FLOPs per token forward per layer, halved
+        by the causal mask as in the FlashAttention papers, times 3 for forward + backward.
+        """
+        attention = 3 * 2 * seq_len * self.cfg.d_model * self.cfg.n_layer
+        return 6 * self.num_params(matmul_only=True) + attention
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        """idx (B, T) token ids -> logits (B, T, V); with targets (B, T) also the mean loss."""
+        B, T = idx.shape
+        if T > self.cfg.max_seq_len:
+            raise ValueError(f"sequence of {T} tokens exceeds model.max_seq_len {self.cfg.max_seq_len}")
+        x = self.tok_emb(idx)  # (B, T, C)
+        if self.pos_emb is not None:
+            x = x + self.pos_emb(torch.arange(T, device=idx.device))
+        x = self.drop(x)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln_f(x))  # (B, T, V)
+        if targets is None:
+            return logits, None
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.view(-1))
+        return logits, loss
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 0.8,
+                 top_k: int | None = 200, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Extends idx (B, T) by max_new_tokens sampled tokens (no KV cache: recomputes the window)."""
+        for _ in range(max_new_tokens):
+            window = idx[:, -self.cfg.max_seq_len:]
+            logits, _ = self(window)
+            logits = logits[:, -1, : self.cfg.vocab_size].float() / temperature  # drop padded ids
+            if top_k is not None:
+                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            probs = torch.softmax(logits, dim=-1)
+            idx = torch.cat((idx, torch.multinomial(probs, 1, generator=generator)), dim=1)
+        return idx

@@ -1,0 +1,96 @@
+"""The GPT model: shapes, initial loss, and that every attention computes the same function.
+
+naive and sdpa are compared in float64 (where both are exact up to rounding), triton through
+Triton's CPU interpreter in float32. Run: .venv/bin/python -m pytest tests/test_model.py -q
+"""
+
+import math
+
+import pytest
+import torch
+
+from configs.schema import ModelConfig
+from model import ATTENTIONS, GPT, get_attention
+
+
+def tiny_config(**overrides) -> ModelConfig:
+    base = dict(name="test", n_layer=2, n_head=4, d_model=64, max_seq_len=64, vocab_size=50257)
+    return ModelConfig(**{**base, **overrides})
+
+
+def twin_models(cfg: ModelConfig, attns: tuple[str, ...], dtype: torch.dtype) -> list[GPT]:
+    models = []
+    for attn in attns:
+        torch.manual_seed(0)  # identical weights: only the attention differs
+        models.append(GPT(cfg, attn).to(dtype))
+    return models
+
+
+def logits_and_grads(model: GPT, idx: torch.Tensor, targets: torch.Tensor):
+    logits, loss = model(idx, targets)
+    loss.backward()
+    return logits.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def test_shapes_and_padded_vocab():
+    model = GPT(tiny_config(), "sdpa")
+    assert model.vocab_size == 50304
+    idx = torch.randint(0, 50257, (3, 17))
+    logits, loss = model(idx)
+    assert logits.shape == (3, 17, 50304) and loss is None
+
+
+@pytest.mark.parametrize("pos_emb", ["learned", "rope"])
+def test_initial_loss_is_uniform(pos_emb):
+    # GPT-2 init gives near-uniform predictions: loss ~ ln(vocab), not the >> value of a bad init
+    torch.manual_seed(1)
+    model = GPT(tiny_config(pos_emb=pos_emb), "sdpa")
+    idx = torch.randint(0, 50257, (4, 64))
+    _, loss = model(idx, torch.randint(0, 50257, (4, 64)))
+    assert abs(loss.item() - math.log(50304)) < 0.1
+
+
+@pytest.mark.parametrize("pos_emb", ["learned", "rope"])
+def test_naive_and_sdpa_same_logits_and_grads_float64(pos_emb):
+    cfg = tiny_config(pos_emb=pos_emb)
+    gen = torch.Generator().manual_seed(2)
+    idx, targets = (torch.randint(0, 50257, (2, 37), generator=gen) for _ in range(2))
+    naive, sdpa = (logits_and_grads(m, idx, targets) for m in twin_models(cfg, ("naive", "sdpa"), torch.float64))
+    torch.testing.assert_close(naive[0], sdpa[0], rtol=1e-10, atol=1e-12)
+    for name in naive[1]:
+        torch.testing.assert_close(naive[1][name], sdpa[1][name], rtol=1e-9, atol=1e-12, msg=name)
+
+
+def test_triton_matches_sdpa_in_the_model():
+    # float32 through the interpreter: the kernel computes in fp32 (IEEE dots), SDPA too, so the
+    # two differ by accumulation order only; 1e-4 relative is ~100x float32 rounding on these sums
+    cfg = tiny_config(n_layer=2, n_head=2, d_model=32, max_seq_len=40)
+    gen = torch.Generator().manual_seed(3)
+    idx, targets = (torch.randint(0, 50257, (2, 40), generator=gen) for _ in range(2))
+    sdpa, triton = (logits_and_grads(m, idx, targets) for m in twin_models(cfg, ("sdpa", "triton"), torch.float32))
+    torch.testing.assert_close(triton[0], sdpa[0], rtol=1e-4, atol=1e-5)
+    for name in sdpa[1]:
+        assert torch.isfinite(triton[1][name]).all(), name
+        torch.testing.assert_close(triton[1][name], sdpa[1][name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_unknown_attention_lists_the_valid_ones():
+    with pytest.raises(ValueError, match="naive.*sdpa.*triton"):
+        get_attention("flash")
+    assert set(ATTENTIONS) == {"naive", "sdpa", "triton"}
+
+
+def test_sequence_longer_than_positions_is_refused():
+    model = GPT(tiny_config(max_seq_len=16), "sdpa")
+    with pytest.raises(ValueError, match="max_seq_len 16"):
+        model(torch.zeros(1, 17, dtype=torch.long))
+
+
+def test_residual_projections_are_scaled():
+    torch.manual_seed(4)
+    cfg = tiny_config(n_layer=8, d_model=256)
+    model = GPT(cfg, "sdpa")
+    std_proj = model.blocks[0].mlp.proj.weight.std().item()
+    std_fc = model.blocks[0].mlp.fc.weight.std().item()
+    assert abs(std_fc - 0.02) < 0.002
+    assert abs(std_proj - 0.02 / math.sqrt(2 * cfg.n_layer)) < 0.001

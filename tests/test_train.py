@@ -1,0 +1,158 @@
+"""Training end to end on the CPU: every attention learns, resume is exact, W&B and metrics are real.
+
+Each test trains a tiny GPT for a few steps on the real prepared Shakespeare data. The W&B runs are
+real offline runs, read back from their .wandb files; the multirun test launches train.py itself.
+    .venv/bin/python -m pytest tests/test_train.py -q
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+import train as train_module
+from configs.schema import register_configs
+from data.prepare import prepare
+from tests.wandb_records import history, run_info
+
+REPO = Path(__file__).resolve().parents[1]
+register_configs()
+TINY = ["model=tiny", "model.n_layer=1", "model.n_head=2", "model.d_model=32", "seq_len=32", "batch_size=4",
+        "eval_steps=2", "sample_tokens=0", "optim.warmup_steps=2", "optim.lr=1e-2", "device=cpu"]
+
+
+@pytest.fixture(scope="module")
+def data_root(tmp_path_factory) -> str:
+    root = tmp_path_factory.mktemp("data")
+    cfg = compose_train([f"data.root={root}"])
+    prepare(cfg.data)
+    return str(root)
+
+
+def compose_train(overrides: list[str]):
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+        return compose(config_name="config", overrides=overrides)
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def wandb_file(run_dir: Path) -> Path:
+    files = sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
+    assert files, f"no offline W&B run under {run_dir}"
+    return files[-1]
+
+
+@pytest.mark.parametrize("attn", ["naive", "sdpa", "triton"])
+def test_each_attention_lowers_the_loss(attn, data_root, tmp_path):
+    cfg = compose_train(TINY + [f"attn={attn}", f"data.root={data_root}", "max_steps=12", "log_interval=1",
+                                "eval_interval=0", "wandb.mode=disabled"])
+    summary = train_module.train(cfg, tmp_path)
+    losses = [r["loss"] for r in metrics(tmp_path) if "loss" in r]
+    assert summary["status"] == "ok" and len(losses) == 12
+    assert sum(losses[-3:]) / 3 < losses[0] - 0.5, losses
+
+
+def test_wandb_offline_run_and_metrics_hold_throughput_and_memory(data_root, tmp_path):
+    cfg = compose_train(TINY + [f"data.root={data_root}", "max_steps=6", "log_interval=2", "eval_interval=3",
+                                "wandb.mode=offline"])
+    summary = train_module.train(cfg, tmp_path)
+    keys = {"loss", "lr", "grad_norm", "tokens_per_s", "mfu", "peak_mem_alloc_gib", "peak_mem_reserved_gib",
+            "attn", "seq_len"}
+    rows = [r for r in metrics(tmp_path) if "loss" in r]
+    assert [r["step"] for r in rows] == [2, 4, 6] and all(keys <= r.keys() for r in rows)
+    assert all(r["tokens_per_s"] > 0 for r in rows)
+    assert [r["step"] for r in metrics(tmp_path) if "val_loss" in r] == [3, 6]
+    logged = history(wandb_file(tmp_path))  # what W&B itself recorded
+    train_rows = [r for r in logged if "loss" in r]
+    assert [r["_step"] for r in train_rows] == [2, 4, 6]
+    assert all(r["tokens_per_s"] > 0 and "seq_len" in r for r in train_rows)
+    # memory is a GPU quantity: on the CPU the keys exist in metrics.jsonl as null (W&B skips nulls)
+    assert all(r["peak_mem_alloc_gib"] is None for r in rows) and summary["device"] == "cpu"
+    assert json.loads((tmp_path / "summary.json").read_text())["mean_tokens_per_s"] > 0
+
+
+def test_resume_reproduces_the_uninterrupted_run_exactly(data_root, tmp_path, monkeypatch):
+    common = TINY + [f"data.root={data_root}", "max_steps=10", "log_interval=1", "eval_interval=5",
+                     "ckpt_interval=5", "wandb.mode=offline", "model.dropout=0.1"]
+    straight = tmp_path / "straight"
+    train_module.train(compose_train(common), straight)
+
+    # interrupt a second run like Ctrl-C during step 8, after its checkpoint at step 5
+    interrupted = tmp_path / "interrupted"
+    real_next_batch = train_module.TokenWindows.next_batch
+    calls = {"n": 0}
+
+    def next_batch_then_interrupt(self):
+        if self.path.name == "train.bin":
+            calls["n"] += 1
+            if calls["n"] == 8:
+                raise KeyboardInterrupt
+        return real_next_batch(self)
+
+    monkeypatch.setattr(train_module.TokenWindows, "next_batch", next_batch_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        train_module.train(compose_train(common), interrupted)
+    monkeypatch.undo()
+    assert torch.load(interrupted / "ckpt.pt", weights_only=True)["step"] == 5
+    assert not list(interrupted.glob("*.tmp"))
+
+    train_module.train(compose_train(common + [f"resume={interrupted}"]), tmp_path / "ignored")
+    want, got = metrics(straight), metrics(interrupted)
+    assert [r["step"] for r in got] == [r["step"] for r in want]
+    for a, b in zip(want, got):
+        for key in ("loss", "val_loss", "grad_norm", "lr"):
+            assert a.get(key) == b.get(key), (a["step"], key)  # bit-identical on CPU fp32
+    # the resumed W&B run is the same run (same id) continuing after step 5
+    runs = sorted(interrupted.glob("wandb/offline-run-*/run-*.wandb"))
+    assert len({run_info(p)["id"] for p in runs}) == 1
+    assert [r["_step"] for r in history(runs[-1]) if "loss" in r] == [6, 7, 8, 9, 10]
+
+
+def test_cuda_oom_is_recorded_and_does_not_raise(data_root, tmp_path, monkeypatch):
+    # the CPU cannot run out of GPU memory: raise the real exception type where the model runs
+    def forward_out_of_memory(self, idx, targets=None):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 45.00 GiB")
+
+    monkeypatch.setattr(train_module.GPT, "forward", forward_out_of_memory)
+    cfg = compose_train(TINY + [f"data.root={data_root}", "max_steps=3", "wandb.mode=offline"])
+    summary = train_module.train(cfg, tmp_path)
+    assert summary["status"] == "oom"
+    assert metrics(tmp_path)[-1]["event"] == "oom"
+    assert any(r.get("oom") == 1 for r in history(wandb_file(tmp_path)))
+
+
+@pytest.mark.parametrize("override, message", [
+    (["seq_len=64", "model.max_seq_len=32"], "seq_len 64 exceeds the model's max_seq_len 32"),
+    (["batch_tokens=100"], "batch_tokens 100 is not a multiple of seq_len 32"),
+    (["attn.sdpa_backend=fast"], "unknown SDPA backend 'fast'"),
+])
+def test_bad_config_is_a_clear_error(override, message, data_root, tmp_path):
+    cfg = compose_train(TINY + [f"data.root={data_root}", "wandb.mode=disabled"] + override)
+    with pytest.raises(ValueError, match=message):
+        train_module.train(cfg, tmp_path)
+
+
+def test_resume_with_another_model_shape_is_refused(data_root, tmp_path):
+    base = TINY + [f"data.root={data_root}", "max_steps=2", "wandb.mode=disabled"]
+    train_module.train(compose_train(base), tmp_path)
+    cfg = compose_train(base + ["model.d_model=64", f"resume={tmp_path}"])
+    with pytest.raises(ValueError, match=r"another model shape .*d_model.*\(32, 64\)"):
+        train_module.train(cfg, tmp_path / "other")
+
+
+def test_multirun_makes_one_wandb_run_per_job(data_root, tmp_path):
+    sweep = tmp_path / "sweep"
+    cmd = [sys.executable, "train.py", "-m", "attn=naive,sdpa", *TINY, f"data.root={data_root}", "max_steps=2",
+           "eval_interval=0", f"hydra.sweep.dir={sweep}"]
+    subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, timeout=600)
+    jobs = sorted(p for p in sweep.iterdir() if p.is_dir() and (p / "metrics.jsonl").exists())
+    assert [p.name for p in jobs] == ["0_naive_T32", "1_sdpa_T32"]
+    infos = [run_info(wandb_file(p)) for p in jobs]
+    assert len({i["id"] for i in infos}) == 2
+    assert len({i["group"] for i in infos}) == 1 and infos[0]["group"].startswith("sweep-")
