@@ -1,0 +1,96 @@
+"""Times each Triton attention kernel under hand-picked block configs, one kernel at a time.
+
+The autotuner picks among these at run time; this script shows the whole table, so a config
+list can be chosen (and pruned) with numbers rather than guesses. Causal bf16, B*T = 16384,
+H*D = 1024 as in scripts/bench_attention.py. Needs a CUDA GPU:
+
+    python scripts/tune_attention.py --seq-lens 1024,8192 --head-dims 64,128
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import triton
+import triton.testing
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/ sits beside kernels/
+
+from kernels import flash_attn  # noqa: E402
+
+# (resident rows, streamed rows, num_warps, num_stages); resident is BLOCK_M for the forward and
+# dQ kernels, BLOCK_N for dK/dV
+CANDIDATES = {
+    "fwd": [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3),
+            (128, 32, 4, 4), (64, 128, 4, 3), (128, 64, 4, 4)],
+    "dkdv": [(128, 32, 4, 3), (128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3),
+             (128, 64, 4, 2), (128, 16, 4, 4), (64, 64, 4, 2)],
+    "dq": [(128, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3), (128, 32, 8, 3),
+           (128, 64, 4, 2), (128, 128, 8, 2), (64, 64, 4, 2)],
+}
+KERNELS = {"fwd": (flash_attn._fwd_kernel, "BLOCK_M", "BLOCK_N"),
+           "dkdv": (flash_attn._bwd_dkdv_kernel, "BLOCK_N", "BLOCK_M"),
+           "dq": (flash_attn._bwd_dq_kernel, "BLOCK_M", "BLOCK_N")}
+
+
+def pin(name: str, cand: tuple) -> None:
+    """Make the autotuner of kernel `name` hold exactly one config (nothing is benchmarked)."""
+    kernel, resident, streamed = KERNELS[name]
+    r, s, w, n = cand
+    kernel.configs = [triton.Config({resident: r, streamed: s}, num_warps=w, num_stages=n)]
+    kernel.cache.clear()
+
+
+def time_pass(name, q, k, v, do) -> float:
+    """Median ms of the pass that runs kernel `name`: the forward, or the whole backward."""
+    if name == "fwd":
+        return triton.testing.do_bench(lambda: flash_attn._flash_attn_forward(q, k, v, True, q.shape[-1] ** -0.5),
+                                       warmup=25, rep=100, return_mode="median")
+    o, lse = flash_attn._flash_attn_forward(q, k, v, True, q.shape[-1] ** -0.5)
+    return triton.testing.do_bench(
+        lambda: flash_attn._flash_attn_backward(do, q, k, v, o, lse, True, q.shape[-1] ** -0.5),
+        warmup=25, rep=100, return_mode="median")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seq-lens", default="1024,8192")
+    parser.add_argument("--head-dims", default="64,128")
+    parser.add_argument("--kernels", default="fwd,dkdv,dq")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("tune_attention needs a CUDA GPU")
+    best = {"fwd": CANDIDATES["fwd"][0], "dkdv": CANDIDATES["dkdv"][0], "dq": CANDIDATES["dq"][0]}
+    rows = []
+    for D in map(int, args.head_dims.split(",")):
+        for T in map(int, args.seq_lens.split(",")):
+            B, H = 16384 // T, 1024 // D
+            gen = torch.Generator(device="cuda").manual_seed(T + D)
+            q, k, v, do = (torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+                           for _ in range(4))
+            fwd_flops = 4 * B * H * T * T * D / 2
+            for name in args.kernels.split(","):
+                for other, cand in best.items():
+                    pin(other, cand)
+                results = []
+                for cand in CANDIDATES[name]:
+                    pin(name, cand)
+                    try:
+                        ms = time_pass(name, q, k, v, do)
+                    except Exception as e:  # out of shared memory / registers: not a candidate
+                        print(f"D={D} T={T} {name} {cand}: {type(e).__name__}")
+                        continue
+                    tflops = (fwd_flops if name == "fwd" else 2.5 * fwd_flops) / ms / 1e9
+                    results.append((ms, cand))
+                    print(f"D={D} T={T} {name:5s} {cand}: {ms:.3f} ms  {tflops:6.1f} TFLOP/s (pass)", flush=True)
+                ms, cand = min(results)
+                best[name] = cand
+                rows.append((D, T, name, cand, ms))
+    print("\n| D | T | kernel pass | best (resident, streamed, warps, stages) | ms |\n|---|---|---|---|---|")
+    for D, T, name, cand, ms in rows:
+        print(f"| {D} | {T} | {name} | {cand} | {ms:.3f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,441 @@
+"""The Triton FlashAttention-2 kernels (kernels/flash_attn.py) compute attention and its gradients.
+
+Proves, for every element of O, LSE, dQ, dK and dV, against dense float64 attention with an
+explicit mask (kernels/flash_ref.py), that the kernels' error is at most twice the error of
+PyTorch's own dense attention in the input dtype, plus a floor for rounding to that dtype and
+for fp32 accumulation (see _assert_within_reference_error); NaN or inf never passes. Shapes
+cover T and S in {1, 17, 64, 100, 129} (T < S, T == S, and T > S, whose first rows see no
+key), head dims 8 to 256 including non-powers of two, causal and not, H_kv = H, H / 2 and 1,
+contiguous inputs, transposed (B, T, H, D) views and slices of one packed qkv tensor. Also:
+the backward is bit-identical run to run; bad inputs raise ValueError saying what is
+supported; torch.compile(fullgraph=True) traces through the custom ops; autocast casts the
+inputs; incoming gradients that are expanded or transposed views are read correctly.
+
+On CPU the kernels run in Triton's interpreter on small shapes, in fp32 and fp16 (the
+interpreter cannot do bf16 matmuls, so bf16 is computed in fp32 there); the file takes one
+to two minutes on 2 cores:
+
+    .venv/bin/python -m pytest tests/test_flash_attn.py -q
+
+The test_gpu_* tests (skipped without CUDA) check bf16 and fp16 up to T = 8192 and D in
+{64, 80, 96, 128, 256}, GQA, autocast and inductor, and every block/warp/stage config that
+autotuning may pick for D = 64 and 256 (autotuning itself is off in these tests: see
+_no_autotuning); run them on a CUDA machine with the same command.
+"""
+
+import os
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+import triton
+
+import kernels.flash_attn
+from kernels import flash_attention
+from kernels.flash_attn import _flash_attn_forward
+from kernels.flash_ref import attention_probs, attention_reference
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: run on the device")
+
+
+@pytest.fixture(autouse=True)
+def _no_autotuning(monkeypatch):
+    # benchmarking ~70 configs per new shape would dominate the GPU tests; correctness cannot
+    # depend on it, and test_gpu_every_tuning_config_is_correct runs every config instead
+    monkeypatch.setenv("FLASH_ATTENTION_AUTOTUNE", "0")
+
+
+# --------------------------------------------------------------------------------------------
+# helpers
+
+
+def _make_inputs(case_id, B, H, H_kv, T, S, D, dtype, layout, device="cpu"):
+    """q (B, H, T, D), k, v (B, H_kv, S, D) and dO, seeded from the case id, as views of
+    gradient-carrying leaves:
+      contiguous: (B, H, T, D) tensors;
+      bthd:       (B, T, H, D) tensors viewed as (B, H, T, D), dO too;
+      packed:     slices of one (B, T, H + 2 H_kv, D) tensor, as a fused qkv projection gives.
+    """
+    gen = torch.Generator(device=device).manual_seed(zlib.crc32(case_id.encode()))
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
+
+    if layout == "contiguous":
+        q, k, v = (randn(*shape).requires_grad_() for shape in ((B, H, T, D), (B, H_kv, S, D), (B, H_kv, S, D)))
+        return q, k, v, randn(B, H, T, D)
+    if layout == "bthd":
+        leaves = [randn(B, T, H, D), randn(B, S, H_kv, D), randn(B, S, H_kv, D)]
+        q, k, v = (t.requires_grad_().transpose(1, 2) for t in leaves)
+        return q, k, v, randn(B, T, H, D).transpose(1, 2)
+    assert layout == "packed" and T == S, layout
+    qkv = randn(B, T, H + 2 * H_kv, D).requires_grad_()
+    q, k, v = qkv.split([H, H_kv, H_kv], dim=2)
+    return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), randn(B, T, H, D).transpose(1, 2)
+
+
+def _dense(q, k, v, do, causal, dtype):
+    """(o, lse, dq, dk, dv) of the dense reference with every op in `dtype`."""
+    q, k, v = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
+    o, lse = attention_reference(q, k, v, causal, dtype=dtype)
+    return (o.detach(), lse, *torch.autograd.grad(o, (q, k, v), do.to(dtype)))
+
+
+def _error_scales(q, k, v, do, causal):
+    """(o, lse, dq, dk, dv) maxima with every factor replaced by its absolute value (P |V| for
+    P V, ...), in float64: the size of the sums each output is made of, which sets the scale of
+    their rounding error even where they cancel (dQ is exactly 0 when S = 1)."""
+    q, k, v, do = (t.detach().double() for t in (q, k, v, do))
+    B, H, _, D = q.shape
+    H_kv, S = k.shape[1], k.shape[2]
+    p, lse = attention_probs(q, k, causal)  # (B, H, T, S)
+    k_h, v_h = (t.repeat_interleave(H // H_kv, dim=1).abs() for t in (k, v))
+    o = p @ v_h
+    ds = p * (do.abs() @ v_h.transpose(-1, -2) + (do.abs() * o).sum(-1, keepdim=True))  # |P| (|dP| + |delta|)
+    dq = D**-0.5 * ds @ k_h
+    dk = D**-0.5 * (ds.transpose(-1, -2) @ q.abs()).view(B, H_kv, H // H_kv, S, D).sum(2)
+    dv = (p.transpose(-1, -2) @ do.abs()).view(B, H_kv, H // H_kv, S, D).sum(2)
+    lse = lse[torch.isfinite(lse)].abs()
+    return tuple(t.max().item() if t.numel() else 0.0 for t in (o, lse, dq, dk, dv))
+
+
+def _assert_within_reference_error(name, got, ref64, ref_lowp, dtype, n_terms, error_scale):
+    """max |got - ref64| <= 2 max |ref_lowp - ref64| + (eps(dtype) + sqrt(n_terms) eps(fp32)) error_scale.
+
+    ref_lowp is PyTorch's own dense attention with every op in the input dtype: its error is
+    what that dtype costs. The floor covers what that measure can miss: rounding the result to
+    `dtype` costs up to half an ulp even where the reference is exact (a row that attends one
+    key returns v); and the kernels add n_terms products one tile after another in fp32, whose
+    rounding error grows like sqrt(n) eps(fp32) relative (Higham & Mary 2019), a little more
+    than BLAS's blocked sums in the fp32 reference. error_scale is from _error_scales.
+    """
+    assert got.shape == ref64.shape, name
+    finite = torch.isfinite(ref64)  # only the LSE of rows that see no key is -inf
+    assert torch.equal(got[~finite], ref64[~finite].to(got.dtype)), f"{name}: rows that see no key differ"
+    if not finite.any():
+        return
+    got, ref64, ref_lowp = got[finite].double(), ref64[finite], ref_lowp[finite].double()
+    assert torch.isfinite(got).all(), f"{name}: non-finite values"
+    err = (got - ref64).abs().max().item()
+    ref_err = (ref_lowp - ref64).abs().max().item()
+    floor = (torch.finfo(dtype).eps + n_terms**0.5 * torch.finfo(torch.float32).eps) * error_scale
+    assert err <= 2 * ref_err + floor, f"{name}: error {err:.3g} > 2 * reference error {ref_err:.3g} + {floor:.3g}"
+
+
+def _check_against_float64(case_id, B, H, H_kv, T, S, D, causal, dtype, layout, device="cpu"):
+    q, k, v, do = _make_inputs(case_id, B, H, H_kv, T, S, D, dtype, layout, device)
+    o = flash_attention(q, k, v, causal=causal)
+    grads = torch.autograd.grad(o, (q, k, v), do)
+    _, lse = _flash_attn_forward(q.detach(), k.detach(), v.detach(), causal, D**-0.5)
+
+    assert o.dtype == dtype and all(g.dtype == dtype for g in grads)
+    ref64 = _dense(q, k, v, do, causal, torch.float64)
+    ref_lowp = _dense(q, k, v, do, causal, dtype)
+    # fp32 sums in the kernels: over the keys for O, LSE and dQ; over the queries of the whole
+    # GQA group for dK and dV
+    n_terms = (S, S, S, T * H // H_kv, T * H // H_kv)
+    scales = _error_scales(q, k, v, do, causal)
+    outputs = zip(("o", "lse", "dq", "dk", "dv"), (o, lse, *grads), ref64, ref_lowp, n_terms, scales, strict=True)
+    for name, got, want, lowp, n, scale in outputs:
+        _assert_within_reference_error(name, got, want, lowp, dtype, n, scale)
+
+
+# --------------------------------------------------------------------------------------------
+# correctness on CPU (interpreter)
+
+F32, F16 = torch.float32, torch.float16
+# (dtype, B, H, H_kv, T, S, D, causal, layout): every T and S value as T and as S, below, equal
+# to and above the other, every head dim, each GQA mode, causal and not, both dtypes, all layouts
+CPU_CASES = [
+    (F32, 2, 4, 4, 17, 17, 16, True, "contiguous"),
+    (F32, 2, 4, 4, 64, 64, 32, True, "packed"),
+    (F32, 2, 4, 2, 100, 100, 48, True, "bthd"),
+    (F32, 1, 4, 1, 129, 129, 64, True, "bthd"),
+    (F32, 2, 4, 4, 129, 129, 80, False, "packed"),
+    (F32, 2, 4, 2, 1, 1, 16, True, "contiguous"),
+    (F32, 1, 4, 4, 1, 129, 32, True, "bthd"),
+    (F32, 1, 4, 2, 129, 1, 48, True, "contiguous"),
+    (F32, 2, 4, 1, 17, 100, 64, True, "bthd"),
+    (F32, 2, 4, 4, 100, 17, 80, True, "contiguous"),
+    (F32, 1, 4, 2, 64, 129, 16, False, "bthd"),
+    (F32, 2, 4, 4, 129, 64, 32, False, "contiguous"),
+    (F32, 1, 4, 1, 100, 64, 80, True, "bthd"),
+    (F32, 2, 4, 2, 17, 1, 64, False, "contiguous"),
+    (F32, 1, 4, 4, 64, 17, 48, True, "bthd"),
+    (F32, 1, 2, 2, 100, 129, 80, False, "bthd"),
+    (F32, 1, 2, 2, 33, 33, 256, True, "bthd"),
+    (F32, 1, 2, 2, 50, 40, 96, False, "contiguous"),
+    (F16, 2, 4, 4, 17, 17, 16, True, "bthd"),
+    (F16, 2, 4, 2, 64, 64, 32, False, "contiguous"),
+    (F16, 1, 4, 1, 100, 100, 48, True, "packed"),
+    (F16, 2, 4, 4, 129, 129, 64, True, "packed"),
+    (F16, 1, 4, 2, 129, 129, 80, True, "bthd"),
+    (F16, 2, 4, 4, 1, 1, 32, False, "bthd"),
+    (F16, 1, 4, 1, 1, 64, 80, True, "contiguous"),
+    (F16, 2, 4, 2, 129, 17, 16, True, "bthd"),
+    (F16, 1, 4, 4, 17, 129, 48, False, "contiguous"),
+    (F16, 2, 4, 2, 100, 64, 64, True, "contiguous"),
+    (F16, 1, 4, 1, 64, 100, 32, True, "bthd"),
+    (F16, 1, 2, 2, 129, 100, 80, False, "bthd"),
+    (F16, 2, 4, 4, 64, 1, 16, True, "contiguous"),
+    (F16, 1, 4, 2, 100, 129, 64, False, "contiguous"),
+    (F16, 1, 2, 1, 40, 50, 8, True, "bthd"),
+    (F16, 1, 2, 2, 65, 65, 128, True, "packed"),
+]
+
+
+def _case_id(dtype, B, H, H_kv, T, S, D, causal, layout):
+    mask = "causal" if causal else "full"
+    return f"{str(dtype)[6:]}-B{B}H{H}kv{H_kv}-T{T}S{S}-D{D}-{mask}-{layout}"
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=_case_id(*c)) for c in CPU_CASES])
+def test_matches_float64_reference(case):
+    dtype, B, H, H_kv, T, S, D, causal, layout = case
+    _check_against_float64(_case_id(*case), B, H, H_kv, T, S, D, causal, dtype, layout)
+
+
+TUNED_KERNELS = (kernels.flash_attn._fwd_kernel, kernels.flash_attn._bwd_dkdv_kernel, kernels.flash_attn._bwd_dq_kernel)
+
+
+def _check_config(monkeypatch, kernel, config, D, dtype, device):
+    """Run one kernel with `config` (the other two with their own) on causal GQA shapes with
+    T > S and T < S, neither a multiple of the blocks."""
+    with monkeypatch.context() as patch:
+        patch.setattr(kernel, "configs", [config])  # a single config: the autotuner just runs it
+        for T, S in ((117, 75), (75, 117)) if device == "cpu" else ((517, 333), (333, 517)):
+            case_id = f"config-{kernel.base_fn.__name__}-{config}-{T}-{S}"
+            _check_against_float64(case_id, 1, 4, 2, T, S, D, True, dtype, "bthd", device)
+
+
+@pytest.mark.parametrize("kernel", TUNED_KERNELS, ids=lambda k: k.base_fn.__name__)
+@pytest.mark.parametrize("blocks", [(64, 16), (16, 64)], ids=["BM64-BN16", "BM16-BN64"])
+def test_other_block_sizes(kernel, blocks, monkeypatch):
+    # the interpreter's fixed configs cover BLOCK_M < BLOCK_N in the forward and dK/dV kernels
+    # and BLOCK_M > BLOCK_N in dQ; here each kernel runs the other way round too
+    config = triton.Config({"BLOCK_M": blocks[0], "BLOCK_N": blocks[1]})
+    _check_config(monkeypatch, kernel, config, 32, F32, "cpu")
+
+
+def test_bf16_on_cpu_runs_in_fp32():
+    # the interpreter's bf16 tl.dot is wrong, so the launchers compute bf16 in fp32 there
+    B, H, T, D = 1, 2, 40, 32
+    q, k, v, do = _make_inputs("bf16-cpu", B, H, H, T, T, D, torch.bfloat16, "bthd")
+    o = flash_attention(q, k, v, causal=True)
+    grads = torch.autograd.grad(o, (q, k, v), do)
+    ref64, ref_lowp = _dense(q, k, v, do, True, torch.float64), _dense(q, k, v, do, True, torch.bfloat16)
+    scales = _error_scales(q, k, v, do, True)
+    for name, got, want, lowp, scale in zip(("o", "dq", "dk", "dv"), (o, *grads), ref64[:1] + ref64[2:],
+                                            ref_lowp[:1] + ref_lowp[2:], scales[:1] + scales[2:], strict=True):
+        assert got.dtype == torch.bfloat16, name
+        _assert_within_reference_error(name, got, want, lowp, torch.bfloat16, T, scale)
+
+
+# --------------------------------------------------------------------------------------------
+# behaviour
+
+
+def test_backward_is_deterministic():
+    # GQA and causal: the dK/dV kernel sums four query heads per kv head, dQ sums over key blocks
+    q, k, v, do = _make_inputs("determinism", 2, 4, 1, 100, 100, 32, F32, "bthd")
+
+    def grads():
+        o = flash_attention(q, k, v, causal=True)
+        return torch.autograd.grad(o, (q, k, v), do)
+
+    for first, second in zip(grads(), grads(), strict=True):
+        assert torch.equal(first, second)
+
+
+def test_gradient_views_are_read_in_place():
+    # o.sum() hands the backward an expanded dO (all strides 0); dO also arrives transposed
+    q, k, v, _ = _make_inputs("grad-views", 1, 2, 2, 33, 33, 16, F32, "bthd")
+    o = flash_attention(q, k, v, causal=True)
+    ones_bthd = torch.ones(1, 33, 2, 16).transpose(1, 2)
+    expanded = torch.autograd.grad(o.sum(), (q, k, v), retain_graph=True)
+    transposed = torch.autograd.grad(o, (q, k, v), ones_bthd, retain_graph=True)
+    contiguous = torch.autograd.grad(o, (q, k, v), ones_bthd.contiguous())
+    for a, b, c in zip(expanded, transposed, contiguous, strict=True):
+        assert torch.equal(a, c) and torch.equal(b, c)
+
+
+def test_output_layout_is_bthd():
+    # (B, H, T, D) values in (B, T, H, D) memory: the caller's transpose back is free
+    q, k, v, _ = _make_inputs("layout", 2, 3, 3, 20, 20, 16, F32, "contiguous")
+    o = flash_attention(q, k, v)
+    assert o.shape == (2, 3, 20, 16) and o.transpose(1, 2).is_contiguous()
+
+
+def test_softmax_scale_is_used():
+    q, k, v, _ = _make_inputs("scale", 1, 2, 2, 24, 24, 16, F32, "contiguous")
+    o = flash_attention(q, k, v, causal=False, softmax_scale=0.3)
+    ref, _ = attention_reference(q.detach(), k.detach(), v.detach(), causal=False, scale=0.3)
+    assert (o.double() - ref).abs().max() < 1e-5
+
+
+def _tensor(*shape, dtype=F32):
+    return torch.randn(*shape).to(dtype)
+
+
+BAD_INPUTS = [
+    ((_tensor(2, 8, 16), _tensor(2, 8, 16), _tensor(2, 8, 16)), "must be a 4-D tensor"),
+    ((_tensor(1, 2, 8, 16), _tensor(1, 2, 8, 16), _tensor(1, 2, 8, 16, dtype=torch.float16)), "share one dtype"),
+    ((_tensor(1, 2, 8, 16, dtype=torch.float64),) * 3, "use torch.float16, torch.bfloat16 or torch.float32"),
+    ((_tensor(1, 2, 8, 16), _tensor(1, 2, 8, 16), _tensor(1, 2, 9, 16)), "k and v must have one shape"),
+    ((_tensor(1, 2, 8, 16), _tensor(2, 2, 8, 16), _tensor(2, 2, 8, 16)), "same batch size and head_dim"),
+    ((_tensor(1, 2, 8, 16), _tensor(1, 2, 8, 32), _tensor(1, 2, 8, 32)), "same batch size and head_dim"),
+    ((_tensor(1, 4, 8, 16), _tensor(1, 3, 8, 16), _tensor(1, 3, 8, 16)), "multiple of k and v's 3 heads"),
+    ((_tensor(1, 2, 8, 264),) * 3, "head_dim must be at most 256"),
+    ((_tensor(1, 2, 0, 16),) * 3, "every dimension must be at least 1"),
+]
+
+
+@pytest.mark.parametrize(("inputs", "message"), BAD_INPUTS, ids=[m for _, m in BAD_INPUTS])
+def test_unsupported_input_raises(inputs, message):
+    with pytest.raises(ValueError, match=message):
+        flash_attention(*inputs)
+
+
+def test_cpu_without_interpreter_raises(monkeypatch):
+    monkeypatch.setattr(kernels.flash_attn, "_INTERPRET", False)
+    x = _tensor(1, 2, 8, 16)
+    with pytest.raises(ValueError, match="CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1"):
+        flash_attention(x, x, x)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter is only switched on without CUDA")
+def test_interpreter_works_when_triton_was_imported_first():
+    # torch.compile imports triton with the interpreter off; kernels must still run on CPU after it
+    script = (
+        "import torch\n"
+        "torch.compile(lambda x: x + 1, backend='aot_eager')(torch.ones(2))\n"
+        "from kernels import flash_attention\n"
+        "from kernels.flash_ref import attention_reference\n"
+        "q, k, v = torch.randn(3, 1, 2, 40, 16).unbind(0)\n"
+        "ref, _ = attention_reference(q, k, v)\n"
+        "print((flash_attention(q, k, v).double() - ref).abs().max().item())\n"
+    )
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, "-c", script], env=env, cwd=root, capture_output=True, text=True, check=False)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert float(run.stdout) < 1e-5
+
+
+@needs_gpu
+def test_different_devices_raise():
+    x = _tensor(1, 2, 8, 16)
+    with pytest.raises(ValueError, match="must be on one device"):
+        flash_attention(x.cuda(), x, x.cuda())
+
+
+def test_torch_compile_fullgraph():
+    # the model's call: q, k, v are transposed slices of one (B, T, 3, H, D) projection
+    B, T, H, D = 2, 40, 2, 16
+    gen = torch.Generator().manual_seed(0)
+    qkv = torch.randn(B, T, 3, H, D, generator=gen, requires_grad=True)
+
+    def attend(qkv):
+        q, k, v = qkv.unbind(2)
+        o = flash_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
+        return o.transpose(1, 2).reshape(B, T, H * D).square().sum()
+
+    eager = attend(qkv)
+    (grad_eager,) = torch.autograd.grad(eager, qkv)
+    torch._dynamo.reset()
+    compiled = torch.compile(attend, backend="aot_eager", fullgraph=True)  # fullgraph: a graph break raises
+    out = compiled(qkv)
+    (grad,) = torch.autograd.grad(out, qkv)
+    assert torch.equal(out, eager) and torch.equal(grad, grad_eager)
+
+    # one tensor as q, k and v (Dynamo cannot trace a hand-written autograd.Function with that)
+    x = qkv.detach()[:, :, 0].transpose(1, 2).requires_grad_()
+    self_attend = torch.compile(lambda x: flash_attention(x, x, x).sum(), backend="aot_eager", fullgraph=True)
+    (grad,) = torch.autograd.grad(self_attend(x), x)
+    (grad_eager,) = torch.autograd.grad(flash_attention(x, x, x).sum(), x)
+    assert torch.equal(grad, grad_eager)
+
+
+def test_autocast_casts_inputs():
+    q, k, v, do = _make_inputs("autocast", 1, 2, 2, 24, 24, 16, F32, "bthd")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        o = flash_attention(q, k, v, causal=True)
+    assert o.dtype == torch.bfloat16
+    grads = torch.autograd.grad(o, (q, k, v), do.to(torch.bfloat16))
+    assert all(g.dtype == F32 for g in grads)  # autograd casts back to the fp32 leaves
+    bf16 = [t.detach().to(torch.bfloat16) for t in (q, k, v)]
+    assert torch.equal(o, flash_attention(*bf16, causal=True))
+
+
+# --------------------------------------------------------------------------------------------
+# GPU: real shapes, bf16 and fp16
+
+BF16 = torch.bfloat16
+# (dtype, B, H, H_kv, T, S, D, causal, layout); the float64 reference materialises (B, H, T, S)
+# float64 scores and probabilities with their gradients: a few GB at T = S = 8192 with B * H = 2
+GPU_CASES = [
+    (BF16, 1, 2, 2, 8192, 8192, 64, True, "packed"),
+    (F16, 1, 2, 1, 8192, 8192, 128, True, "bthd"),
+    (BF16, 1, 2, 2, 4096, 4096, 256, True, "bthd"),
+    (F16, 1, 2, 2, 4096, 4096, 256, False, "contiguous"),
+    (BF16, 2, 4, 2, 2048, 2048, 96, True, "packed"),
+    (F16, 2, 4, 4, 1000, 1000, 80, False, "bthd"),
+    (BF16, 2, 8, 2, 1024, 1024, 128, False, "contiguous"),
+    (F16, 1, 4, 2, 777, 1500, 64, True, "bthd"),
+    (BF16, 1, 4, 4, 1500, 777, 128, True, "bthd"),
+    (BF16, 4, 8, 1, 1, 4096, 64, True, "contiguous"),
+    (F32, 1, 4, 2, 1024, 1024, 64, True, "bthd"),
+]
+
+
+@needs_gpu
+@pytest.mark.parametrize("case", [pytest.param(c, id=_case_id(*c)) for c in GPU_CASES])
+def test_gpu_matches_float64_reference(case):
+    dtype, B, H, H_kv, T, S, D, causal, layout = case
+    _check_against_float64(_case_id(*case), B, H, H_kv, T, S, D, causal, dtype, layout, device="cuda")
+
+
+@needs_gpu
+@pytest.mark.parametrize("D", [64, 256])
+def test_gpu_every_tuning_config_is_correct(D, monkeypatch):
+    # autotuning may pick any config that survives pruning: each one must be right
+    for kernel in TUNED_KERNELS:
+        with monkeypatch.context() as patch:
+            patch.setenv("FLASH_ATTENTION_AUTOTUNE", "1")
+            configs = kernel.early_config_prune(kernel.configs, {"Q": torch.empty(0, dtype=BF16)}, BLOCK_D=D)
+        for config in configs:
+            _check_config(monkeypatch, kernel, config, D, BF16, "cuda")
+
+
+@needs_gpu
+def test_gpu_backward_is_deterministic():
+    q, k, v, do = _make_inputs("gpu-determinism", 2, 8, 2, 2048, 2048, 128, BF16, "packed", device="cuda")
+
+    def grads():
+        o = flash_attention(q, k, v, causal=True)
+        return torch.autograd.grad(o, (q, k, v), do)
+
+    for first, second in zip(grads(), grads(), strict=True):
+        assert torch.equal(first, second)
+
+
+@needs_gpu
+def test_gpu_autocast_and_inductor():
+    # fp32 q, k, v under bf16 autocast, eager and compiled by inductor with fullgraph=True
+    q, k, v, do = _make_inputs("gpu-compile", 2, 4, 2, 512, 512, 64, F32, "bthd", device="cuda")
+
+    def attend(q, k, v):
+        return flash_attention(q, k, v, causal=True)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(attend, fullgraph=True)
+    with torch.autocast("cuda", dtype=BF16):
+        out_eager, out = attend(q, k, v), compiled(q, k, v)
+    assert out.dtype == BF16 and torch.equal(out, out_eager)
+    grads_eager = torch.autograd.grad(out_eager, (q, k, v), do.to(BF16))
+    grads = torch.autograd.grad(out, (q, k, v), do.to(BF16))
+    for g, g_eager in zip(grads, grads_eager, strict=True):
+        assert g.dtype == F32 and torch.equal(g, g_eager)
