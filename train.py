@@ -8,6 +8,7 @@
 `main` is the Hydra entry point; `train(cfg, run_dir)` does the work and is what tests call.
 """
 
+import importlib.metadata
 import json
 import math
 import os
@@ -193,6 +194,9 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
+        # a sweep runs its jobs in one process: start this job's memory peaks from its own baseline
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
 
     # ---- data: rank 0 prepares on first use, the others wait
     if master:
@@ -201,7 +205,8 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
         dist.barrier()
     dataset_dir = prepare(cfg.data) if not master else dataset_dir
     # each rank draws its own windows: seed offset by rank
-    train_loader = TokenWindows(dataset_dir, "train", cfg.seq_len, cfg.batch_size, device, seed=cfg.seed + 1000 * rank)
+    data_seed = cfg.seed if cfg.data_seed is None else cfg.data_seed
+    train_loader = TokenWindows(dataset_dir, "train", cfg.seq_len, cfg.batch_size, device, seed=data_seed + 1000 * rank)
     val_loader = TokenWindows(dataset_dir, "val", cfg.seq_len, cfg.batch_size, device, seed=cfg.seed)
     val_start = val_loader.state_dict()
 
@@ -233,7 +238,8 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
     flops_per_token = raw_model.flops_per_token(cfg.seq_len)
     peak_flops = gpu_peak_flops(device)
     info = {"params": raw_model.num_params(), "tokens_per_step": tokens_per_step, "world_size": world,
-            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__, "triton": importlib.metadata.version("triton")}
     if cfg.attn.name == "sdpa" and device.type == "cuda":
         H, D = cfg.model.n_head, cfg.model.d_model // cfg.model.n_head
         probe = torch.empty(cfg.batch_size, H, cfg.seq_len, D, device=device,
@@ -304,7 +310,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
                         log.log({"step": step, "val_loss": last_val})
                         bar.write(f"step {step}: val loss {last_val:.4f}")
                     t_last, tokens_since = time.perf_counter(), 0  # evaluation is not training throughput
-                if (cfg.ckpt_interval and step % cfg.ckpt_interval == 0) or last:
+                if cfg.ckpt_interval >= 0 and ((cfg.ckpt_interval and step % cfg.ckpt_interval == 0) or last):
                     loader_states = gather_loader_states(train_loader, world)  # collective: every rank
                     if master:
                         save_checkpoint(run_dir / "ckpt.pt", {

@@ -92,8 +92,9 @@ class TrainConfig:
     log_interval: int = 10
     eval_interval: int = 100  # 0: evaluate only at the end
     eval_steps: int = 20
-    ckpt_interval: int = 0  # 0: save only at the end
-    seed: int = 1337
+    ckpt_interval: int = 0  # 0: save only at the end; -1: never (sweeps: 1.5 GB per GPT-2 job)
+    seed: int = 1337  # initial weights, dropout and (unless data_seed is set) the data order
+    data_seed: Optional[int] = None  # vary the batch order alone, e.g. for run-to-run spread
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
     dtype: str = "auto"  # "auto" (bf16 autocast on CUDA, fp32 on CPU) | "float32" | "bfloat16"
     compile: bool = False

@@ -1,0 +1,275 @@
+"""Loss-curve equivalence: trains one model per attention from the same seed on the same batches, compares the curves.
+
+    python scripts/loss_equivalence.py experiment=equivalence_cpu     # CPU, fp32, triton through the interpreter
+    python scripts/loss_equivalence.py experiment=equivalence_gpu     # GPU, bf16: the README's check
+    python scripts/loss_equivalence.py attns=[sdpa,triton] max_steps=100 seq_len=512   # any train.py override works
+
+Each attention in `attns` trains through train.train() with one config that differs only in
+attn.name: the same seed gives the same initial weights and batch order; log_interval=1 records
+every step's loss; one evaluation at the end gives the final val loss. The first attention is the
+reference. The tolerance follows from the arithmetic, so it depends on the precision:
+
+- strict (fp32 on the CPU): the attentions sum the same terms in different orders, so the curves
+  differ by rounding alone, carried through the steps. Bound: |Δloss| <= 1e-4 at every step and
+  for the final val loss. Measured (experiment=equivalence_cpu, 50 steps): max |Δ| 9.5e-7 for naive
+  and 1.9e-6 for triton against sdpa, 1-2 fp32 ulps of a loss near 9; final val losses identical.
+  The bound assumes stable training: at a gradient-norm spike the same small weight differences
+  move the loss a lot (that preset at optim.lr=3e-3: grad norm 1.1 -> 19 at step 47, |Δ| 1e-6 ->
+  7e-4), so the check prints the reference's grad norm at the first step over the bound.
+- spread (bf16 autocast, or any CUDA run, where train.py enables TF32): rounding is ~1e-3 relative and
+  grows chaotically over hundreds of steps, so a fixed bound would be a guess. Instead the reference
+  trains once more with data_seed + 1 (only the batch order changes): the difference between two
+  equally valid runs. Backends must differ from the reference by <= SPREAD_FACTOR x that spread (mean
+  |Δloss| over the second half of training) and agree on the final val loss within 1% relative.
+
+Writes into the Hydra run dir one subdir per training run, equivalence.json and equivalence.png
+(curves overlaid; |Δ| per step underneath, log scale, with the tolerance), logs the same to W&B
+(group "equivalence"), prints a per-step table, a summary and AGREE or DISAGREE; exits 1 on DISAGREE.
+"""
+
+import copy
+import json
+import statistics
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import hydra
+import matplotlib
+import torch
+import triton
+from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+matplotlib.use("Agg")  # files only: no display needed
+import matplotlib.pyplot as plt  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/ sits beside the packages
+
+import train  # noqa: E402
+from configs.schema import TrainConfig, register_configs  # noqa: E402
+from model.attention import ATTENTIONS  # noqa: E402
+
+NAN = float("nan")
+STRICT_TOL = 1e-4  # fp32: |Δloss| at every step, and |Δ final val loss|
+# bf16: backends on the same batches differ by rounding only; runs on other batches differ by the
+# batch-to-batch loss noise as well. Requiring 4x below that spread leaves room for the rounding
+# divergence that grows late in training while still failing a backend that trains differently.
+SPREAD_FACTOR = 0.25
+VAL_REL_TOL = 0.01  # bf16: final val losses within 1% of the reference's
+
+
+@dataclass
+class EquivalenceConfig(TrainConfig):
+    attns: list[str] = field(default_factory=lambda: ["sdpa", "naive", "triton"])  # the first is the reference
+    print_every: int = 10  # steps between rows of the printed table
+
+
+def register_equivalence_config() -> None:
+    # config.yaml's defaults list starts with train_schema: this subclass stored under that name makes
+    # configs/equivalence.yaml compose train.py's whole config, typed, plus the keys above
+    register_configs()
+    ConfigStore.instance().store(name="train_schema", node=EquivalenceConfig)
+
+
+def resolve_device(cfg: DictConfig) -> str:
+    return cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def precision_mode(cfg: DictConfig) -> str:
+    """'strict' for fp32 on the CPU; 'spread' for bf16 autocast or CUDA (train.py turns TF32 on)."""
+    bf16 = cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and resolve_device(cfg).startswith("cuda"))
+    return "strict" if resolve_device(cfg) == "cpu" and not bf16 else "spread"
+
+
+def train_curve(cfg: DictConfig, attn: str, run_dir: Path, data_seed: int | None = None) -> dict:
+    """Trains with one attention; returns its per-step losses and grad norms, final val loss and status."""
+    run_cfg = copy.deepcopy(cfg)
+    run_cfg.attn.name = attn  # the attn group's files differ only in name
+    run_cfg.log_interval, run_cfg.eval_interval, run_cfg.sample_tokens = 1, 0, 0  # every step; eval at the end
+    run_cfg.wandb.group = cfg.wandb.group or "equivalence"
+    run_cfg.wandb.name = f"equivalence-{run_dir.name}"
+    if data_seed is not None:
+        run_cfg.data_seed = data_seed
+    summary = train.train(run_cfg, run_dir)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = [r for r in records if "loss" in r]
+    return {"loss": [r["loss"] for r in records], "grad_norm": [r["grad_norm"] for r in records],
+            "val_loss": summary["final_val_loss"], "status": summary["status"]}
+
+
+# -----------------------------------------------------------------------------
+# comparison
+
+
+def abs_diff(a: list[float], b: list[float]) -> list[float]:
+    return [abs(x - y) for x, y in zip(a, b)]
+
+
+def mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else NAN
+
+
+def compare(runs: dict, reference: str, mode: str, max_steps: int, twin: dict | None) -> dict:
+    """|Δ| of every attention against the reference, its statistics, and the verdict."""
+    ref, half = runs[reference], max_steps // 2
+    diffs = {n: abs_diff(r["loss"], ref["loss"]) for n, r in runs.items() if n != reference}
+    spread = abs_diff(twin["loss"], ref["loss"]) if twin else None
+    tol = STRICT_TOL if mode == "strict" else SPREAD_FACTOR * mean(spread[half:])
+    stats = {}
+    for name, d in diffs.items():
+        val, ref_val = runs[name]["val_loss"], ref["val_loss"]
+        val_diff = abs(val - ref_val) if val is not None and ref_val is not None else NAN
+        s = {"max_abs_diff": max(d, default=NAN), "mean_abs_diff": mean(d), "late_mean_abs_diff": mean(d[half:]),
+             "val_loss": val, "val_abs_diff": val_diff, "val_rel_diff": val_diff / ref_val if ref_val else NAN,
+             "first_step_over_tol": None}
+        # every comparison below is False for NaN: a NaN never passes
+        if mode == "strict":
+            s["first_step_over_tol"] = next((i + 1 for i, x in enumerate(d) if not x <= tol), None)
+            within = s["first_step_over_tol"] is None and val_diff <= tol
+        else:
+            within = s["late_mean_abs_diff"] <= tol and s["val_rel_diff"] <= VAL_REL_TOL
+        finished = all(r["status"] == "ok" and len(r["loss"]) == max_steps for r in (runs[name], ref, twin) if r)
+        stats[name] = {**s, "ok": bool(within and finished)}
+    verdict = "AGREE" if all(s["ok"] for s in stats.values()) else "DISAGREE"
+    return {"abs_diff": diffs, "spread_abs_diff": spread, "tolerance": tol, "stats": stats, "verdict": verdict}
+
+
+def report(runs: dict, reference: str, result: dict, every: int) -> str:
+    ref, spread = runs[reference], result["spread_abs_diff"]
+    head = f"{'step':>6} {reference + ' loss':>12}" + "".join(f" {n + ' loss':>12} {'|Δ|':>9}"
+                                                              for n in result["abs_diff"])
+    lines = [head + (f" {'spread |Δ|':>11}" if spread else "")]
+    for i in range(len(ref["loss"])):
+        if (i + 1) % every and i not in (0, len(ref["loss"]) - 1):
+            continue
+        row = f"{i + 1:>6} {ref['loss'][i]:>12.6f}"
+        for n, d in result["abs_diff"].items():
+            row += f" {runs[n]['loss'][i]:>12.6f} {d[i]:>9.2e}" if i < len(d) else f" {'-':>12} {'-':>9}"
+        lines.append(row + (f" {spread[i]:>11.2e}" if spread and i < len(spread) else ""))
+    lines.append("")
+    for n, s in result["stats"].items():
+        lines.append(f"{n} vs {reference}: max |Δ| {s['max_abs_diff']:.2e}, mean {s['mean_abs_diff']:.2e}, "
+                     f"2nd-half mean {s['late_mean_abs_diff']:.2e}; final val loss {s['val_loss']} "
+                     f"(|Δ| {s['val_abs_diff']:.2e}, {s['val_rel_diff']:.3%}) -> {'ok' if s['ok'] else 'FAIL'}")
+        step = s["first_step_over_tol"]
+        if step:  # rounding differences jump at a gradient-norm spike: say whether this step had one
+            lines.append(f"  first step over the bound: {step}, where the reference's grad norm was "
+                         f"{ref['grad_norm'][step - 1]:.3g} (median {statistics.median(ref['grad_norm']):.3g})")
+    if result["mode"] == "strict":
+        lines.append(f"tolerance (strict: fp32 on the CPU): |Δ| <= {STRICT_TOL:g} at every step and for the val loss")
+    else:
+        lines.append(f"tolerance (spread: low precision): 2nd-half mean |Δ| <= {SPREAD_FACTOR} x spread "
+                     f"{result['tolerance'] / SPREAD_FACTOR:.2e} = {result['tolerance']:.2e}; "
+                     f"final val loss within {VAL_REL_TOL:.0%}")
+    lines.append(f"verdict: {result['verdict']}")
+    return "\n".join(lines)
+
+
+# -----------------------------------------------------------------------------
+# outputs
+
+
+def plot(runs: dict, reference: str, result: dict, title: str, path: Path) -> None:
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 8), sharex=True, height_ratios=[3, 2])
+    for i, (name, run) in enumerate(runs.items()):
+        top.plot(range(1, len(run["loss"]) + 1), run["loss"], color=f"C{i}", lw=2.5 if name == reference else 1,
+                 label=name + (" (reference)" if name == reference else ""))
+        if name != reference:
+            d = result["abs_diff"][name]
+            bottom.plot(range(1, len(d) + 1), d, ".", color=f"C{i}", ms=4, label=f"|{name} - {reference}|")
+    steps, spread = len(runs[reference]["loss"]), result["spread_abs_diff"]
+    if spread:
+        twin = result["spread_curve"]
+        top.plot(range(1, len(twin) + 1), twin, color="gray", ls="--", lw=1, label=f"{reference}, another data order")
+        bottom.plot(range(1, len(spread) + 1), spread, ".", color="gray", ms=3, alpha=0.6,
+                    label="spread: other data order")
+        bottom.hlines(result["tolerance"], steps // 2 + 1, steps, colors="k", linestyles="--",
+                      label=f"tolerance: {SPREAD_FACTOR} x spread (2nd-half means)")
+    else:
+        bottom.axhline(STRICT_TOL, color="k", ls="--", label=f"tolerance {STRICT_TOL:g} (every step)")
+    top.set(ylabel="training loss", title=title)
+    top.legend()
+    bottom.set_yscale("log")  # points, not lines: an exact zero (a bit-identical step) has no place on it
+    bottom.set(xlabel="step", ylabel="|Δ loss| vs reference\n(exact zeros not drawn)")
+    bottom.legend(fontsize="small")
+    for ax in (top, bottom):
+        ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def log_wandb(cfg: DictConfig, out_dir: Path, runs: dict, result: dict, png: Path) -> None:
+    import wandb  # slow to import; only needed here
+
+    run = wandb.init(project=cfg.wandb.project, entity=cfg.wandb.entity, group=cfg.wandb.group or "equivalence",
+                     name=f"equivalence-{cfg.model.name}-T{cfg.seq_len}", tags=list(cfg.wandb.tags),
+                     mode=cfg.wandb.mode, dir=str(out_dir), job_type="equivalence",
+                     config={**OmegaConf.to_container(cfg, resolve=True), **result["environment"],
+                             "mode": result["mode"]})
+    series = {f"loss/{n}": r["loss"] for n, r in runs.items()}
+    series |= {f"abs_diff/{n}": d for n, d in result["abs_diff"].items()}
+    if result["spread_abs_diff"]:
+        series["abs_diff/spread"] = result["spread_abs_diff"]
+    steps = len(runs[result["reference"]]["loss"])
+    for i in range(steps):
+        rec = {k: v[i] for k, v in series.items() if i < len(v)}
+        if i == steps - 1:
+            rec["equivalence"] = wandb.Image(str(png))
+        run.log(rec, step=i + 1)
+    run.summary.update({"verdict": result["verdict"], "tolerance": result["tolerance"],
+                        **{f"{n}/{k}": v for n, s in result["stats"].items() for k, v in s.items()}})
+    run.finish(exit_code=0 if result["verdict"] == "AGREE" else 1)
+
+
+# -----------------------------------------------------------------------------
+# the check
+
+
+def check(cfg: DictConfig, out_dir: Path) -> dict:
+    """Trains every attention in cfg.attns (and, in spread mode, the reference's data-order twin), compares, reports."""
+    attns = list(cfg.attns)
+    if len(attns) < 2 or len(set(attns)) < len(attns) or not set(attns) <= ATTENTIONS.keys():
+        raise train.ConfigError(f"attns={attns}: list two or more distinct attentions of {sorted(ATTENTIONS)}, "
+                                "the reference first")
+    mode, reference, device = precision_mode(cfg), attns[0], resolve_device(cfg)
+    environment = {"device": torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu",
+                   "torch": torch.__version__, "triton": triton.__version__}
+    print(f"loss equivalence: {attns} (reference {reference}), {cfg.max_steps} steps, mode {mode} | {environment}")
+
+    runs = {name: train_curve(cfg, name, out_dir / name) for name in attns}
+    twin = None
+    if mode == "spread":
+        twin_seed = (cfg.seed if cfg.data_seed is None else cfg.data_seed) + 1
+        twin = train_curve(cfg, reference, out_dir / f"{reference}_data_seed{twin_seed}", data_seed=twin_seed)
+
+    result = {"mode": mode, "reference": reference, "max_steps": cfg.max_steps, "environment": environment,
+              **compare(runs, reference, mode, cfg.max_steps, twin), "curves": {n: r["loss"] for n, r in runs.items()},
+              "val_loss": {n: r["val_loss"] for n, r in runs.items()}, "spread_curve": twin["loss"] if twin else None}
+    print(report(runs, reference, result, cfg.print_every))
+    (out_dir / "equivalence.json").write_text(json.dumps(result, indent=2))
+    png = out_dir / "equivalence.png"
+    title = (f"{' / '.join(attns)}: {result['verdict']} ({mode}) | {cfg.model.name}, seq_len {cfg.seq_len}, "
+             f"{cfg.max_steps} steps\n{environment['device']}, torch {environment['torch']}, "
+             f"triton {environment['triton']}")
+    plot(runs, reference, result, title, png)
+    log_wandb(cfg, out_dir, runs, result, png)
+    print(f"wrote {out_dir / 'equivalence.json'} and {png}")
+    return result
+
+
+@hydra.main(version_base="1.3", config_path="../configs", config_name="equivalence")
+def main(cfg: DictConfig) -> None:
+    try:
+        result = check(cfg, Path(HydraConfig.get().runtime.output_dir))
+    except (train.ConfigError, train.DatasetError) as e:
+        sys.exit(f"error: {e}")
+    if result["verdict"] != "AGREE":
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    register_equivalence_config()  # here, not at import: importing this module changes no global state
+    main()

@@ -1,0 +1,185 @@
+"""Turns an ablation sweep's runs into a table (Markdown, CSV) and a plot, from the local files alone.
+
+    python train.py -m experiment=sweep                              # writes multirun/<date>/<time>/
+    python scripts/sweep_summary.py multirun/<date>/<time> [--out DIR]
+
+Reads every Hydra job under the sweep directory (`<job>/.hydra/config.yaml` for attn and seq_len,
+`metrics.jsonl` for the curves, `summary.json` for the outcome) and writes, into --out (default:
+the sweep directory):
+- summary.csv: one row per job, raw numbers;
+- summary.md:  the same rows sorted by seq_len then attn, and tokens/s pivoted seq_len x attn;
+- sweep.png:   tokens/s and peak allocated GPU memory against seq_len, one line per attention,
+               out-of-memory jobs marked with an x on the axis.
+No network and no W&B: the same numbers are in W&B, grouped by sweep, but this works offline.
+
+tokens/s and MFU are means over the logged intervals after the first, which holds warmup,
+Triton autotuning and compilation (train.py's summary.json uses the same rule); peak memory is the
+maximum over those intervals too (see job_row for why). Reserved memory in a multirun also keeps
+the blocks that earlier jobs in the same process left in PyTorch's cache: the plot shows allocated.
+status: ok (finished), oom (ran out of GPU memory; the sweep went on), failed (crashed, was
+killed or is still running: no summary.json and no OOM record).
+"""
+
+import argparse
+import csv
+import json
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only: no display needed
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib import ticker  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+
+COLUMNS = ["attn", "seq_len", "status", "steps", "tokens_per_s", "mfu",
+           "peak_mem_alloc_gib", "peak_mem_reserved_gib", "final_loss", "final_val_loss", "device"]
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def mean(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def job_row(job: Path) -> dict:
+    """One sweep job's row: what it ran (its Hydra config) and how it went (its metrics)."""
+    cfg = OmegaConf.load(job / ".hydra" / "config.yaml")
+    records = read_jsonl(job / "metrics.jsonl")
+    summary = json.loads((job / "summary.json").read_text()) if (job / "summary.json").exists() else {}
+    train = [r for r in records if "loss" in r]
+    # the first interval holds warmup and compilation; and train.py resets the GPU's peak-memory
+    # counters at each log, not at the start of a run, so in a multirun (one process) the first
+    # interval's peak still holds the previous job's last steps, or its whole out-of-memory attempt
+    steady = train[1:] or train
+    val = [r["val_loss"] for r in records if "val_loss" in r]
+    if summary:
+        status = summary["status"]
+    else:
+        status = "oom" if any(r.get("event") == "oom" for r in records) else "failed"
+    peaks = {k: max((r[k] for r in steady if r.get(k) is not None), default=None)
+             for k in ("peak_mem_alloc_gib", "peak_mem_reserved_gib")}
+    return {"attn": cfg.attn.name, "seq_len": cfg.seq_len, "status": status,
+            "steps": summary.get("steps", train[-1]["step"] if train else 0),
+            "tokens_per_s": mean([r["tokens_per_s"] for r in steady]), "mfu": mean([r.get("mfu") for r in steady]),
+            **peaks, "final_loss": train[-1]["loss"] if train else None, "final_val_loss": val[-1] if val else None,
+            "device": summary.get("device")}
+
+
+def read_sweep(sweep_dir: Path) -> list[dict]:
+    jobs = sorted(p.parent.parent for p in sweep_dir.glob("*/.hydra/config.yaml"))
+    if not jobs:
+        sys.exit(f"error: no Hydra jobs (<job>/.hydra/config.yaml) under {sweep_dir}: "
+                 "pass the multirun/<date>/<time> directory written by `train.py -m experiment=sweep`")
+    return sorted((job_row(job) for job in jobs), key=lambda r: (r["seq_len"], r["attn"]))
+
+
+# -----------------------------------------------------------------------------
+# outputs
+
+
+def write_csv(rows: list[dict], path: Path) -> None:
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows({k: "" if r[k] is None else r[k] for k in COLUMNS} for r in rows)
+
+
+def fmt(value, spec: str) -> str:
+    return "—" if value is None else format(value, spec)
+
+
+def markdown(rows: list[dict], sweep_dir: Path) -> str:
+    attns = sorted({r["attn"] for r in rows})
+    devices = sorted({r["device"] for r in rows if r["device"]}) or ["unknown"]
+    lines = [f"## Sweep `{sweep_dir}`", "",
+             f"Device: {', '.join(devices)}. tokens/s, MFU (means) and peak memory (max) over the logged "
+             "intervals after the first.", "",
+             "| attn | seq_len | status | steps | tokens/s | MFU | peak alloc GiB | peak reserved GiB "
+             "| final loss | final val loss |",
+             "|---|--:|---|--:|--:|--:|--:|--:|--:|--:|"]
+    for r in rows:
+        mfu = None if r["mfu"] is None else 100 * r["mfu"]
+        lines.append(f"| {r['attn']} | {r['seq_len']} | {r['status']} | {r['steps']} "
+                     f"| {fmt(r['tokens_per_s'], ',.0f')} "
+                     f"| {fmt(mfu, '.1f')}{'%' if mfu is not None else ''} | {fmt(r['peak_mem_alloc_gib'], '.2f')} "
+                     f"| {fmt(r['peak_mem_reserved_gib'], '.2f')} | {fmt(r['final_loss'], '.4f')} "
+                     f"| {fmt(r['final_val_loss'], '.4f')} |")
+    cells = {(r["seq_len"], r["attn"]): r for r in rows}
+    lines += ["", "tokens/s by seq_len (rows) and attention (columns):", "",
+              "| seq_len | " + " | ".join(attns) + " |", "|--:|" + "--:|" * len(attns)]
+    for seq_len in sorted({r["seq_len"] for r in rows}):
+        row = []
+        for attn in attns:
+            r = cells.get((seq_len, attn))
+            row.append("—" if r is None else "OOM" if r["status"] == "oom"
+                       else fmt(r["tokens_per_s"], ",.0f") if r["status"] == "ok" else r["status"])
+        lines.append(f"| {seq_len} | " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    # memory on a log2 axis: naive's T x T scores make it grow 4x per doubling of seq_len
+    panels = [("tokens_per_s", "tokens/s", {"value": "linear"}, "no job finished"),
+              ("peak_mem_alloc_gib", "peak allocated GPU memory (GiB)", {"value": "log", "base": 2},
+               "no GPU memory recorded\n(train.py logs it on CUDA only)")]
+    seq_lens = sorted({r["seq_len"] for r in rows})
+    attns = sorted({r["attn"] for r in rows})
+    for ax, (key, label, yscale, empty_note) in zip(axes, panels):
+        done = {a: [r for r in rows if r["attn"] == a and r["status"] == "ok" and r[key] is not None] for a in attns}
+        for i, attn in enumerate(attns):
+            if done[attn]:
+                ax.plot([r["seq_len"] for r in done[attn]], [r[key] for r in done[attn]], "o-", color=f"C{i}",
+                        label=attn)
+        if any(done.values()):
+            ax.set_yscale(**yscale)
+        else:
+            ax.text(0.5, 0.5, empty_note, ha="center", va="center", transform=ax.transAxes, color="gray")
+        # a job that ran out of memory has no value: an x on the bottom edge of the panel instead
+        bottom = ax.get_ylim()[0]
+        for i, attn in enumerate(attns):
+            oom = [r["seq_len"] for r in rows if r["attn"] == attn and r["status"] == "oom"]
+            if oom:
+                ax.plot(oom, [bottom] * len(oom), "x", color=f"C{i}", markersize=10, mew=2, clip_on=False,
+                        label=f"{attn}: OOM")
+        ax.set_ylim(bottom=bottom)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(seq_lens, [str(s) for s in seq_lens])
+        ax.set_xlim(seq_lens[0] / 1.3, seq_lens[-1] * 1.3)
+        ax.set_xlabel("seq_len")
+        ax.set_ylabel(label)
+        ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:,.0f}" if v >= 100 else f"{v:g}"))
+        ax.yaxis.set_minor_formatter(ticker.NullFormatter())
+        ax.grid(True, which="both", alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("sweep_dir", type=Path, help="the multirun/<date>/<time> directory of `train.py -m`")
+    parser.add_argument("--out", type=Path, help="where to write summary.csv/.md and sweep.png (default: sweep_dir)")
+    args = parser.parse_args()
+    out = args.out or args.sweep_dir
+    out.mkdir(parents=True, exist_ok=True)
+    rows = read_sweep(args.sweep_dir)
+    write_csv(rows, out / "summary.csv")
+    table = markdown(rows, args.sweep_dir)
+    (out / "summary.md").write_text(table)
+    plot(rows, out / "sweep.png")
+    print(f"wrote {out / 'summary.csv'}, {out / 'summary.md'}, {out / 'sweep.png'}\n")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

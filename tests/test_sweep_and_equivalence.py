@@ -1,0 +1,170 @@
+"""The ablation sweep and the loss-curve equivalence check run end to end on the CPU.
+
+- scripts/loss_equivalence.py: naive, sdpa and triton (through Triton's interpreter) train a tiny GPT
+  on the same batches in fp32 and their loss curves agree within 1e-4 at every step; an attention
+  with a wrong softmax scale is caught; the command line exits 0 on AGREE; the check's own W&B run
+  holds every attention's curve.
+- train.py -m experiment=sweep_cpu runs the attn x seq_len matrix, and scripts/sweep_summary.py turns
+  it into summary.csv, summary.md and sweep.png with one row per job.
+- sweep_summary.py marks an out-of-memory job and a crashed one, and leaves the warmup interval out.
+    .venv/bin/python -m pytest tests/test_sweep_and_equivalence.py -q
+"""
+
+import csv
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch.nn.functional as F
+from hydra import compose, initialize_config_dir
+
+from configs.schema import register_configs
+from data.prepare import prepare
+from model import attention
+from tests.test_train import TINY
+from tests.wandb_records import history, run_info
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+equivalence = load_script("loss_equivalence")
+sweep_summary = load_script("sweep_summary")
+
+
+@pytest.fixture(scope="module")
+def data_root(tmp_path_factory) -> str:
+    root = tmp_path_factory.mktemp("data")
+    register_configs()
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+        prepare(compose(config_name="config", overrides=[f"data.root={root}"]).data)
+    return str(root)
+
+
+@pytest.fixture
+def compose_equivalence():
+    equivalence.register_equivalence_config()
+
+    def compose_(overrides: list[str]):
+        with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+            return compose(config_name="equivalence", overrides=overrides)
+
+    yield compose_
+    register_configs()  # the plain train schema again, for the tests that run after these
+
+
+# -----------------------------------------------------------------------------
+# loss-curve equivalence
+
+
+def test_fp32_loss_curves_of_all_attentions_agree(compose_equivalence, data_root, tmp_path):
+    cfg = compose_equivalence(TINY + [f"data.root={data_root}", "max_steps=20", "attns=[sdpa,naive,triton]",
+                                      "wandb.mode=offline"])
+    result = equivalence.check(cfg, tmp_path)
+    assert result["mode"] == "strict" and result["verdict"] == "AGREE"
+    for name in ("naive", "triton"):
+        d = result["abs_diff"][name]
+        assert len(d) == 20 and max(d) <= 1e-4, (name, d)  # NaN fails max(d) <= 1e-4
+        assert result["stats"][name]["val_abs_diff"] <= 1e-4
+    assert (tmp_path / "equivalence.png").stat().st_size > 0
+    assert json.loads((tmp_path / "equivalence.json").read_text())["verdict"] == "AGREE"
+    # the check's own W&B run: every attention's loss and difference at every step, in group "equivalence"
+    run = sorted(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))[-1]
+    rows = [r for r in history(run) if "loss/sdpa" in r]
+    assert [r["_step"] for r in rows] == list(range(1, 21))
+    assert all({"loss/naive", "loss/triton", "abs_diff/naive", "abs_diff/triton"} <= r.keys() for r in rows)
+    assert run_info(run)["group"] == "equivalence"
+
+
+def test_a_wrong_softmax_scale_is_caught(compose_equivalence, data_root, tmp_path, monkeypatch):
+    def unscaled_attention(q, k, v):  # the classic bug: scores not divided by sqrt(head_dim)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1.0)
+
+    monkeypatch.setitem(attention.ATTENTIONS, "naive", unscaled_attention)
+    cfg = compose_equivalence(TINY + [f"data.root={data_root}", "max_steps=10", "attns=[sdpa,naive]",
+                                      "wandb.mode=disabled"])
+    result = equivalence.check(cfg, tmp_path)
+    assert result["verdict"] == "DISAGREE" and result["stats"]["naive"]["max_abs_diff"] > 1e-4
+
+
+def test_command_line_exits_0_on_agreement(data_root, tmp_path):
+    cmd = [sys.executable, "scripts/loss_equivalence.py", *TINY, f"data.root={data_root}", "max_steps=5",
+           "attns=[sdpa,naive]", "wandb.mode=disabled", f"hydra.run.dir={tmp_path}"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "verdict: AGREE" in proc.stdout
+    assert (tmp_path / "naive" / "metrics.jsonl").exists() and (tmp_path / "equivalence.png").exists()
+
+
+# -----------------------------------------------------------------------------
+# sweep and its summary
+
+
+def read_csv(path: Path) -> list[dict]:
+    with path.open() as f:
+        return list(csv.DictReader(f))
+
+
+def test_cpu_sweep_runs_the_matrix_and_is_summarised(data_root, tmp_path):
+    sweep, out = tmp_path / "sweep", tmp_path / "summary"
+    subprocess.run([sys.executable, "train.py", "-m", "experiment=sweep_cpu", f"data.root={data_root}",
+                    "wandb.mode=offline", f"hydra.sweep.dir={sweep}"],
+                   cwd=REPO, check=True, capture_output=True, timeout=600)
+    proc = subprocess.run([sys.executable, "scripts/sweep_summary.py", str(sweep), "--out", str(out)],
+                          cwd=REPO, check=True, capture_output=True, text=True, timeout=120)
+    rows = read_csv(out / "summary.csv")
+    assert list(rows[0]) == sweep_summary.COLUMNS
+    assert [(r["seq_len"], r["attn"]) for r in rows] == [(str(t), a) for t in (32, 64)
+                                                          for a in ("naive", "sdpa", "triton")]
+    assert all(r["status"] == "ok" and r["steps"] == "4" and float(r["tokens_per_s"]) > 0 for r in rows)
+    assert all(math.isfinite(float(r["final_loss"])) and r["device"] == "cpu" for r in rows)
+    assert all(r["peak_mem_alloc_gib"] == "" for r in rows)  # GPU memory: not logged on the CPU
+    md = (out / "summary.md").read_text()
+    assert "| seq_len | naive | sdpa | triton |" in md and proc.stdout.rstrip().endswith(md.rstrip())
+    assert (out / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def write_job(sweep: Path, name: str, attn: str, seq_len: int, records: list[dict], status: str | None) -> None:
+    job = sweep / name
+    (job / ".hydra").mkdir(parents=True)
+    (job / ".hydra" / "config.yaml").write_text(f"attn:\n  name: {attn}\nseq_len: {seq_len}\n")
+    (job / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    if status is not None:  # a crashed job writes no summary.json
+        (job / "summary.json").write_text(json.dumps({"status": status, "steps": records[-1]["step"],
+                                                      "device": "NVIDIA H100 80GB HBM3"}))
+
+
+def step(n: int, tok_s: float, alloc: float) -> dict:
+    return {"step": n, "loss": 10.0 - n / 10, "tokens_per_s": tok_s, "mfu": tok_s / 1e6,
+            "peak_mem_alloc_gib": alloc, "peak_mem_reserved_gib": alloc + 1}
+
+
+def test_summary_marks_oom_and_failed_jobs(tmp_path):
+    sweep = tmp_path / "sweep"
+    # the first interval: warmup, and a peak left over from the previous job in the same process
+    write_job(sweep, "0_sdpa_T8192", "sdpa", 8192, [step(10, 100.0, 70.0), step(20, 300.0, 6.0), step(30, 500.0, 4.0),
+                                                     {"step": 30, "val_loss": 7.5}], "ok")
+    write_job(sweep, "1_naive_T8192", "naive", 8192, [step(10, 50.0, 70.0),
+                                                       {"step": 10, "event": "oom", "oom": 1, "message": "OOM"}], "oom")
+    write_job(sweep, "2_triton_T8192", "triton", 8192, [step(10, 80.0, 3.0)], None)
+    rows = {r["attn"]: r for r in sweep_summary.read_sweep(sweep)}
+    assert {a: r["status"] for a, r in rows.items()} == {"sdpa": "ok", "naive": "oom", "triton": "failed"}
+    ok = rows["sdpa"]
+    assert ok["tokens_per_s"] == 400.0 and ok["mfu"] == pytest.approx(4e-4)  # steps 20 and 30: first left out
+    assert (ok["peak_mem_alloc_gib"], ok["peak_mem_reserved_gib"]) == (6.0, 7.0)
+    assert (ok["final_loss"], ok["final_val_loss"], ok["steps"]) == (7.0, 7.5, 30)
+    table = sweep_summary.markdown(list(rows.values()), sweep)
+    assert "| 8192 | OOM | 400 | failed |" in table
+    sweep_summary.plot(list(rows.values()), tmp_path / "sweep.png")
+    assert (tmp_path / "sweep.png").stat().st_size > 0
+
