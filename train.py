@@ -94,11 +94,12 @@ def load_checkpoint(resume: str, cfg: DictConfig) -> tuple[Path, dict]:
     return path.parent, ckpt
 
 
-def check_config(cfg: DictConfig) -> None:
-    if cfg.batch_tokens is not None:
-        if cfg.batch_tokens % cfg.seq_len:
-            raise ConfigError(f"batch_tokens {cfg.batch_tokens} is not a multiple of seq_len {cfg.seq_len}")
-        cfg.batch_size = cfg.batch_tokens // cfg.seq_len
+def check_config(cfg: DictConfig, world: int) -> None:
+    if cfg.batch_tokens is not None:  # tokens per micro-step over all processes
+        if cfg.batch_tokens % (cfg.seq_len * world):
+            raise ConfigError(f"batch_tokens {cfg.batch_tokens} does not split into sequences of {cfg.seq_len} "
+                              f"over {world} processes: make it a multiple of seq_len x world size")
+        cfg.batch_size = cfg.batch_tokens // (cfg.seq_len * world)
     if cfg.seq_len > cfg.model.max_seq_len:
         raise ConfigError(f"seq_len {cfg.seq_len} exceeds the model's max_seq_len {cfg.model.max_seq_len}: "
                           "set model.max_seq_len or a smaller seq_len")
@@ -177,16 +178,17 @@ def evaluate(model: torch.nn.Module, loader: TokenWindows, start: dict, steps: i
 
 def train(cfg: DictConfig, run_dir: Path) -> dict:
     """Runs the whole training described by cfg, writing into run_dir; returns the summary."""
-    check_config(cfg)
     rank, world, device = setup_distributed(cfg)
-    master = rank == 0
+    check_config(cfg, world)
+    master = rank == 0  # rank 0 alone writes: run dir, metrics, W&B, checkpoints, progress bar
     run_dir = Path(run_dir)
 
     resume_step, ckpt = None, None
     if cfg.resume:
         run_dir, ckpt = load_checkpoint(cfg.resume, cfg)  # continue in the original run's directory
         resume_step = ckpt["step"]
-    run_dir.mkdir(parents=True, exist_ok=True)
+    if master:
+        run_dir.mkdir(parents=True, exist_ok=True)
 
     torch.manual_seed(cfg.seed)  # same initial weights on every rank
     use_bf16 = cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and device.type == "cuda")
@@ -204,10 +206,10 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
     if world > 1:
         dist.barrier()
     dataset_dir = prepare(cfg.data) if not master else dataset_dir
-    # each rank draws its own windows: seed offset by rank
+    # each rank takes its own slice of one global batch (data/loader.py)
     data_seed = cfg.seed if cfg.data_seed is None else cfg.data_seed
-    train_loader = TokenWindows(dataset_dir, "train", cfg.seq_len, cfg.batch_size, device, seed=data_seed + 1000 * rank)
-    val_loader = TokenWindows(dataset_dir, "val", cfg.seq_len, cfg.batch_size, device, seed=cfg.seed)
+    train_loader = TokenWindows(dataset_dir, "train", cfg.seq_len, cfg.batch_size, device, data_seed, rank, world)
+    val_loader = TokenWindows(dataset_dir, "val", cfg.seq_len, cfg.batch_size, device, cfg.seed, rank, world)
     val_start = val_loader.state_dict()
 
     # ---- model and optimizer
@@ -217,7 +219,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
     if ckpt is not None:
         model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
-        train_loader.load_state_dict(ckpt["loader"][rank] if world > 1 else ckpt["loader"][0])
+        train_loader.load_state_dict(ckpt["loader"])
         step, best_val = ckpt["step"], ckpt["best_val_loss"]
         torch.set_rng_state(ckpt["rng"]["cpu"])
         if device.type == "cuda" and ckpt["rng"]["cuda"] is not None:
@@ -255,7 +257,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
 
     # ---- the loop
     status, last_val, history = "ok", None, []
-    mem_peaks = {"peak_mem_alloc_gib": 0.0, "peak_mem_reserved_gib": 0.0}
+    mem_peaks = {"peak_mem_alloc_gib": None, "peak_mem_reserved_gib": None}  # GPU only
     bar = tqdm(total=cfg.max_steps, initial=step, disable=not master, dynamic_ncols=True, desc=cfg.attn.name)
     t_last, tokens_since = time.perf_counter(), 0
     try:
@@ -296,7 +298,8 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
                            "mfu": flops_per_token * tok_s / (peak_flops * world) if peak_flops else None,
                            "attn": cfg.attn.name, "seq_len": cfg.seq_len, **memory_since_last_log(device, world)}
                     for k in mem_peaks:
-                        mem_peaks[k] = max(mem_peaks[k], rec[k] or 0.0)
+                        if rec[k] is not None:
+                            mem_peaks[k] = max(mem_peaks[k] or 0.0, rec[k])
                     history.append(rec)
                     if master:
                         log.log(rec)
@@ -310,15 +313,14 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
                         log.log({"step": step, "val_loss": last_val})
                         bar.write(f"step {step}: val loss {last_val:.4f}")
                     t_last, tokens_since = time.perf_counter(), 0  # evaluation is not training throughput
-                if cfg.ckpt_interval >= 0 and ((cfg.ckpt_interval and step % cfg.ckpt_interval == 0) or last):
-                    loader_states = gather_loader_states(train_loader, world)  # collective: every rank
-                    if master:
-                        save_checkpoint(run_dir / "ckpt.pt", {
-                            "model": raw_model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
-                            "config": OmegaConf.to_container(cfg, resolve=True), "best_val_loss": best_val,
-                            "loader": loader_states, "wandb_id": log.run.id,
-                            "rng": {"cpu": torch.get_rng_state(),
-                                    "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}})
+                due = cfg.ckpt_interval >= 0 and ((cfg.ckpt_interval and step % cfg.ckpt_interval == 0) or last)
+                if master and due:  # every rank's loader holds the same state: rank 0's serves all
+                    save_checkpoint(run_dir / "ckpt.pt", {
+                        "model": raw_model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
+                        "config": OmegaConf.to_container(cfg, resolve=True), "best_val_loss": best_val,
+                        "loader": train_loader.state_dict(), "wandb_id": log.run.id,
+                        "rng": {"cpu": torch.get_rng_state(),
+                                "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}})
     except torch.cuda.OutOfMemoryError:
         status = "oom"
         msg = (f"CUDA out of memory at step {step + 1} with attn={cfg.attn.name} seq_len={cfg.seq_len} "
@@ -362,16 +364,6 @@ def memory_since_last_log(device: torch.device, world: int) -> dict:
     return {"peak_mem_alloc_gib": peaks[0].item(), "peak_mem_reserved_gib": peaks[1].item()}
 
 
-def gather_loader_states(loader: TokenWindows, world: int) -> list:
-    """Every rank's data-order state, so a resumed run draws the same windows on every rank."""
-    state = loader.state_dict()
-    if world == 1:
-        return [state]
-    states = [None] * world
-    dist.all_gather_object(states, state)
-    return states
-
-
 def sample(model: GPT, cfg: DictConfig, device: torch.device, autocast) -> str:
     enc = get_encoding()
     idx = torch.tensor([enc.encode_ordinary(cfg.sample_prompt)], device=device)
@@ -395,4 +387,8 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
+    if int(os.environ.get("RANK", "0")) > 0:
+        # under torchrun rank 0 alone owns the Hydra run dir; the other ranks get none and write nothing
+        sys.argv += ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=disabled",
+                     "hydra/hydra_logging=disabled"]
     main()

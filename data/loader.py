@@ -46,6 +46,10 @@ class TokenWindows:
     Windows start at uniformly random offsets and may span document boundaries, as in nanoGPT.
     The offsets come from a CPU torch.Generator; save state_dict() in a checkpoint and a resumed
     run draws exactly the batches the interrupted one would have drawn next.
+
+    Under data parallelism every rank draws the same global batch of batch_size * world_size
+    offsets and keeps its own slice: the ranks see different windows, and the global batch is
+    the one a single process with batch_size * world_size would draw, whatever the world size.
     """
 
     def __init__(
@@ -56,6 +60,8 @@ class TokenWindows:
         batch_size: int,
         device: str | torch.device = "cpu",
         seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
     ):
         if split not in SPLITS:
             raise DatasetError(f"unknown split {split!r}: expected one of {SPLITS}")
@@ -72,6 +78,7 @@ class TokenWindows:
         self.batch_size = batch_size
         self.device = torch.device(device)
         self.generator = torch.Generator().manual_seed(seed)
+        self.rank, self.world_size = rank, world_size
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, y), both int64 of shape (batch_size, seq_len), on self.device."""
@@ -79,7 +86,9 @@ class TokenWindows:
         # https://stackoverflow.com/questions/45132940/numpy-memmap-memory-usage-want-to-iterate-once/61472122#61472122)
         data = np.memmap(self.path, dtype=self.dtype, mode="r")
         T = self.seq_len
-        starts = torch.randint(self.n_tokens - T, (self.batch_size,), generator=self.generator)
+        B = self.batch_size
+        starts = torch.randint(self.n_tokens - T, (B * self.world_size,), generator=self.generator)
+        starts = starts[self.rank * B:(self.rank + 1) * B]  # this rank's slice of the global batch
         windows = data[starts.numpy()[:, None] + np.arange(T + 1)].astype(np.int64)  # (B, T+1)
         x = torch.from_numpy(np.ascontiguousarray(windows[:, :-1]))  # (B, T)
         y = torch.from_numpy(np.ascontiguousarray(windows[:, 1:]))  # (B, T)

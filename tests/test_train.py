@@ -129,7 +129,7 @@ def test_cuda_oom_is_recorded_and_does_not_raise(data_root, tmp_path, monkeypatc
 
 @pytest.mark.parametrize("override, message", [
     (["seq_len=64", "model.max_seq_len=32"], "seq_len 64 exceeds the model's max_seq_len 32"),
-    (["batch_tokens=100"], "batch_tokens 100 is not a multiple of seq_len 32"),
+    (["batch_tokens=100"], "batch_tokens 100 does not split into sequences of 32 over 1 processes"),
     (["attn.sdpa_backend=fast"], "unknown SDPA backend 'fast'"),
 ])
 def test_bad_config_is_a_clear_error(override, message, data_root, tmp_path):
