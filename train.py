@@ -228,7 +228,8 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
     if cfg.compile:
         model = torch.compile(model)
     if world > 1:
-        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+        # gradients live in the all-reduce buckets: no copy in and out of them after backward
+        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True)
 
     sdpa_ctx = nullcontext()
     if cfg.attn.sdpa_backend is not None:
