@@ -225,6 +225,16 @@ def _q_block_range(start_n, T, S, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, B
 
 
 @triton.jit
+def _visible(rows, cols, T, S, CAUSAL: tl.constexpr):
+    """(len(rows), len(cols)) mask of the scores a query row may attend: real keys, and under
+    the bottom-right causal mask only keys j <= i + S - T."""
+    visible = cols[None, :] < S
+    if CAUSAL:
+        visible = visible & (cols[None, :] <= rows[:, None] + (S - T))
+    return visible
+
+
+@triton.jit
 def _fwd_inner(
     acc, l_i, m_i, q,  # running (BLOCK_M, BLOCK_D) output, row sum, row max (log2 units); Q tile
     k_ptrs, v_ptrs,  # (BLOCK_N, BLOCK_D) pointers at key 0 of this kv head
@@ -243,10 +253,7 @@ def _fwd_inner(
         k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
         qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)  # (BLOCK_M, BLOCK_N)
         if MASKED:
-            valid = cols[None, :] < S
-            if CAUSAL:
-                valid = valid & (cols[None, :] <= rows[:, None] + (S - T))
-            qk = tl.where(valid, qk, float("-inf"))
+            qk = tl.where(_visible(rows, cols, T, S, CAUSAL), qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
         m_sub = m_new
         if MASKED:  # a row that has seen no key yet keeps m = -inf: subtract 0 so exp2 gives 0, not NaN
@@ -453,10 +460,7 @@ def _bwd_dq_inner(
         qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)  # (BLOCK_M, BLOCK_N)
         p = tl.math.exp2(tl.fma(qk, qk_scale, -lse[:, None]))
         if MASKED:  # selected after exp2, as in the dK/dV kernel
-            valid = cols[None, :] < S
-            if CAUSAL:
-                valid = valid & (cols[None, :] <= rows[:, None] + (S - T))
-            p = tl.where(valid, p, 0.0)
+            p = tl.where(_visible(rows, cols, T, S, CAUSAL), p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)  # (BLOCK_M, BLOCK_N)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=INPUT_PRECISION)
