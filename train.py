@@ -30,13 +30,13 @@ from configs.schema import register_configs
 from data import DatasetError, TokenWindows, get_encoding
 from data.prepare import prepare
 from model import GPT
-from model.attention import get_sdpa_backend, sdpa_backend_in_use
+from model.attention import get_attention, get_sdpa_backend, sdpa_backend_in_use
 
 register_configs()
 
 # dense bf16 tensor-core peak by datasheet, for MFU; substrings of torch.cuda.get_device_name()
-GPU_PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "GH200": 989e12,
-                       "A100": 312e12, "A800": 312e12, "L40S": 362e12, "L4": 121e12, "A10G": 70e12,
+GPU_PEAK_BF16_FLOPS = {"H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "H800": 989e12, "GH200": 989e12,
+                       "A100": 312e12, "A800": 312e12, "L40S": 362e12, "L40": 181e12, "L4": 121e12, "A10G": 70e12,
                        "RTX 4090": 165e12, "RTX 3090": 71e12}
 
 
@@ -46,6 +46,13 @@ class ConfigError(ValueError):
 
 # -----------------------------------------------------------------------------
 # helpers
+
+
+def triton_version() -> str:
+    try:
+        return importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:  # attn=naive/sdpa run without it
+        return "not installed"
 
 
 def gpu_peak_flops(device: torch.device) -> float | None:
@@ -103,8 +110,19 @@ def check_config(cfg: DictConfig, world: int) -> None:
     if cfg.seq_len > cfg.model.max_seq_len:
         raise ConfigError(f"seq_len {cfg.seq_len} exceeds the model's max_seq_len {cfg.model.max_seq_len}: "
                           "set model.max_seq_len or a smaller seq_len")
-    if cfg.attn.sdpa_backend is not None:
-        get_sdpa_backend(cfg.attn.sdpa_backend)
+    try:
+        get_attention(cfg.attn.name)
+        if cfg.attn.sdpa_backend is not None:
+            get_sdpa_backend(cfg.attn.sdpa_backend)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    if cfg.model.d_model % cfg.model.n_head:
+        raise ConfigError(f"model.d_model {cfg.model.d_model} is not divisible by model.n_head {cfg.model.n_head}")
+    if cfg.model.pos_emb not in ("learned", "rope"):
+        raise ConfigError(f"model.pos_emb {cfg.model.pos_emb!r}: choose learned or rope")
+    if cfg.attn.name == "triton" and cfg.model.d_model // cfg.model.n_head > 256:
+        raise ConfigError(f"attn=triton supports head dims up to 256, this model has "
+                          f"{cfg.model.d_model // cfg.model.n_head}: use more heads or attn=sdpa")
     if cfg.dtype not in ("auto", "float32", "bfloat16"):
         raise ConfigError(f"dtype {cfg.dtype!r}: choose auto, float32 or bfloat16")
 
@@ -160,7 +178,7 @@ class RunLog:
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, loader: TokenWindows, start: dict, steps: int, autocast) -> float:
+def evaluate(model: torch.nn.Module, loader: TokenWindows, start: dict, steps: int, autocast, world: int) -> float:
     loader.load_state_dict(start)  # the same validation windows every time: comparable across steps
     model.eval()
     losses = []
@@ -169,7 +187,10 @@ def evaluate(model: torch.nn.Module, loader: TokenWindows, start: dict, steps: i
         with autocast:
             losses.append(model(x, y)[1].float())
     model.train()
-    return torch.stack(losses).mean().item()
+    loss = torch.stack(losses).mean()
+    if world > 1:  # each rank saw its slice of the global validation batch
+        dist.all_reduce(loss, op=dist.ReduceOp.AVG)
+    return loss.item()
 
 
 # -----------------------------------------------------------------------------
@@ -187,6 +208,11 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
     if cfg.resume:
         run_dir, ckpt = load_checkpoint(cfg.resume, cfg)  # continue in the original run's directory
         resume_step = ckpt["step"]
+        if resume_step >= cfg.max_steps:
+            raise ConfigError(f"resume={cfg.resume}: that run already finished at step {resume_step}; "
+                              f"raise max_steps above {resume_step} to train it further")
+        if master:
+            print(f"resuming {run_dir} at step {resume_step}: metrics, W&B and checkpoints continue there")
     if master:
         run_dir.mkdir(parents=True, exist_ok=True)
 
@@ -200,12 +226,14 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
 
-    # ---- data: rank 0 prepares on first use, the others wait
-    if master:
+    # ---- data: one process per node prepares on first use; the others wait, then find it ready
+    local_master = int(os.environ.get("LOCAL_RANK", "0")) == 0
+    if local_master:
         dataset_dir = prepare(cfg.data)
     if world > 1:
         dist.barrier()
-    dataset_dir = prepare(cfg.data) if not master else dataset_dir
+    if not local_master:
+        dataset_dir = prepare(cfg.data)
     # each rank takes its own slice of one global batch (data/loader.py)
     data_seed = cfg.seed if cfg.data_seed is None else cfg.data_seed
     train_loader = TokenWindows(dataset_dir, "train", cfg.seq_len, cfg.batch_size, device, data_seed, rank, world)
@@ -224,6 +252,8 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
         torch.set_rng_state(ckpt["rng"]["cpu"])
         if device.type == "cuda" and ckpt["rng"]["cuda"] is not None:
             torch.cuda.set_rng_state(ckpt["rng"]["cuda"], device)
+    if world > 1:
+        torch.manual_seed(cfg.seed + rank)  # same initial weights everywhere, but each rank its own dropout
     raw_model = model
     if cfg.compile:
         model = torch.compile(model)
@@ -242,13 +272,14 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
     peak_flops = gpu_peak_flops(device)
     info = {"params": raw_model.num_params(), "tokens_per_step": tokens_per_step, "world_size": world,
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-            "torch": torch.__version__, "triton": importlib.metadata.version("triton")}
+            "torch": torch.__version__, "triton": triton_version()}
     if cfg.attn.name == "sdpa" and device.type == "cuda":
         H, D = cfg.model.n_head, cfg.model.d_model // cfg.model.n_head
-        probe = torch.empty(cfg.batch_size, H, cfg.seq_len, D, device=device,
-                            dtype=torch.bfloat16 if use_bf16 else torch.float32)
+        # laid out as the model passes them: strided views of one (B, T, 3, H, D) projection
+        qkv = torch.empty(cfg.batch_size, cfg.seq_len, 3, H, D, device=device,
+                          dtype=torch.bfloat16 if use_bf16 else torch.float32)
         with sdpa_ctx:
-            info["sdpa_backend"] = sdpa_backend_in_use(probe, probe, probe)
+            info["sdpa_backend"] = sdpa_backend_in_use(*qkv.permute(2, 0, 3, 1, 4))
 
     log = None
     if master:
@@ -308,7 +339,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
                     t_last, tokens_since = time.perf_counter(), 0
 
                 if (cfg.eval_interval and step % cfg.eval_interval == 0) or last:
-                    last_val = evaluate(model, val_loader, val_start, cfg.eval_steps, autocast)
+                    last_val = evaluate(model, val_loader, val_start, cfg.eval_steps, autocast, world)
                     best_val = min(best_val, last_val)
                     if master:
                         log.log({"step": step, "val_loss": last_val})
@@ -322,6 +353,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
                         "loader": train_loader.state_dict(), "wandb_id": log.run.id,
                         "rng": {"cpu": torch.get_rng_state(),
                                 "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}})
+                    t_last, tokens_since = time.perf_counter(), 0  # saving is not training throughput
     except torch.cuda.OutOfMemoryError:
         status = "oom"
         msg = (f"CUDA out of memory at step {step + 1} with attn={cfg.attn.name} seq_len={cfg.seq_len} "
@@ -329,6 +361,8 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
         if master:
             bar.write(msg)
             log.log({"step": step, "event": "oom", "oom": 1, "message": msg})
+        if world > 1:  # the other ranks wait in an all-reduce: fail this process, torchrun stops them all
+            raise
     except BaseException:  # Ctrl-C or a crash: close the W&B run as failed; ckpt.pt stays the last good one
         if master:
             log.run.finish(exit_code=1)
@@ -381,7 +415,10 @@ def main(cfg: DictConfig) -> float | None:
     try:
         summary = train(cfg, Path(hc.runtime.output_dir))
     except (ConfigError, DatasetError) as e:
-        sys.exit(f"error: {e}")
+        if hc.mode == RunMode.RUN:
+            sys.exit(f"error: {e}")
+        print(f"error: {e} (this job is skipped; the sweep goes on)", file=sys.stderr)
+        return None
     if summary["status"] != "ok" and hc.mode == RunMode.RUN:
         sys.exit(1)  # in a sweep the failure is recorded and the next job runs
     return summary["final_val_loss"]

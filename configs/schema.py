@@ -85,14 +85,15 @@ class TrainConfig:
 
     seq_len: int = 256
     batch_size: int = 8  # sequences per micro-step per process
-    # if set, batch_size = batch_tokens // seq_len: the same tokens per step across a seq_len sweep
+    # tokens per micro-step over all processes; if set, batch_size = batch_tokens // (seq_len x world size):
+    # the same tokens per step across a seq_len sweep and across GPU counts
     batch_tokens: Optional[int] = None
     grad_accum: int = 1  # micro-steps per optimizer step
     max_steps: int = 200
     log_interval: int = 10
     eval_interval: int = 100  # 0: evaluate only at the end
     eval_steps: int = 20
-    ckpt_interval: int = 0  # 0: save only at the end; -1: never (sweeps: 1.5 GB per GPT-2 job)
+    ckpt_interval: int = 250  # also at the end; 0: only at the end; -1: never (sweeps: 1.5 GB per GPT-2 job)
     seed: int = 1337  # initial weights, dropout and (unless data_seed is set) the data order
     data_seed: Optional[int] = None  # vary the batch order alone, e.g. for run-to-run spread
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"

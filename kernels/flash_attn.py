@@ -691,13 +691,12 @@ _flash_attn_fwd_op.register_autograd(_backward, setup_context=_save_for_backward
 
 
 class FlashAttentionFunction(torch.autograd.Function):
-    """Eager autograd wrapper: the kernels without the custom-op dispatch (see below)."""
+    """Eager autograd wrapper: the launchers without the custom-op dispatch (see the comment above)."""
 
     @staticmethod
     def forward(ctx, q, k, v, causal, scale):
         o, lse = _flash_attn_forward(q, k, v, causal, scale)
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.causal, ctx.scale = causal, scale
+        _save_for_backward(ctx, (q, k, v, causal, scale), (o, lse))
         return o
 
     @staticmethod

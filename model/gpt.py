@@ -31,9 +31,10 @@ class Rotary(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         T = x.size(-2)
-        cos, sin = self.cos[:T].to(x.dtype), self.sin[:T].to(x.dtype)
-        x1, x2 = x[..., 0::2], x[..., 1::2]  # (B, H, T, D/2) each: rotate consecutive pairs
-        return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+        cos, sin = self.cos[:T], self.sin[:T]
+        # rotate in fp32: bf16 angles at long positions lose the low-frequency pairs' precision
+        x1, x2 = x[..., 0::2].float(), x[..., 1::2].float()  # (B, H, T, D/2) each: consecutive pairs
+        return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2).to(x.dtype)
 
 
 class CausalSelfAttention(nn.Module):

@@ -320,7 +320,8 @@ def main():
             del leaves, get_qkv, dout
             free_memory()
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"attention_{args.layout}"
+    dims = "-".join(str(d) for d in args.head_dims)
+    stem = args.out / f"attention_d{dims}" if args.layout == "bhtd" else args.out / f"attention_d{dims}_{args.layout}"
     write_csv(rows, stem.with_suffix(".csv"))
     plot(rows, args.impls, stem.with_suffix(".png"), env)
     tables = markdown_tables(rows, args.impls)

@@ -54,9 +54,7 @@ def job_row(job: Path) -> dict:
     records = read_jsonl(job / "metrics.jsonl")
     summary = json.loads((job / "summary.json").read_text()) if (job / "summary.json").exists() else {}
     train = [r for r in records if "loss" in r]
-    # the first interval holds warmup and compilation; and train.py resets the GPU's peak-memory
-    # counters at each log, not at the start of a run, so in a multirun (one process) the first
-    # interval's peak still holds the previous job's last steps, or its whole out-of-memory attempt
+    # the first interval holds warmup, autotuning and compilation
     steady = train[1:] or train
     val = [r["val_loss"] for r in records if "val_loss" in r]
     if summary:

@@ -131,6 +131,9 @@ def test_cuda_oom_is_recorded_and_does_not_raise(data_root, tmp_path, monkeypatc
     (["seq_len=64", "model.max_seq_len=32"], "seq_len 64 exceeds the model's max_seq_len 32"),
     (["batch_tokens=100"], "batch_tokens 100 does not split into sequences of 32 over 1 processes"),
     (["attn.sdpa_backend=fast"], "unknown SDPA backend 'fast'"),
+    (["attn.name=flash"], "unknown attention 'flash'"),
+    (["model.pos_emb=alibi"], "model.pos_emb 'alibi'"),
+    (["model.n_head=3"], "not divisible by model.n_head 3"),
 ])
 def test_bad_config_is_a_clear_error(override, message, data_root, tmp_path):
     cfg = compose_train(TINY + [f"data.root={data_root}", "wandb.mode=disabled"] + override)
@@ -138,12 +141,14 @@ def test_bad_config_is_a_clear_error(override, message, data_root, tmp_path):
         train_module.train(cfg, tmp_path)
 
 
-def test_resume_with_another_model_shape_is_refused(data_root, tmp_path):
+def test_resume_with_another_model_shape_or_of_a_finished_run_is_refused(data_root, tmp_path):
     base = TINY + [f"data.root={data_root}", "max_steps=2", "wandb.mode=disabled"]
     train_module.train(compose_train(base), tmp_path)
     cfg = compose_train(base + ["model.d_model=64", f"resume={tmp_path}"])
     with pytest.raises(ValueError, match=r"another model shape .*d_model.*\(32, 64\)"):
         train_module.train(cfg, tmp_path / "other")
+    with pytest.raises(ValueError, match="already finished at step 2; raise max_steps above 2"):
+        train_module.train(compose_train(base + [f"resume={tmp_path}"]), tmp_path / "other")
 
 
 def test_multirun_makes_one_wandb_run_per_job(data_root, tmp_path):
@@ -156,3 +161,15 @@ def test_multirun_makes_one_wandb_run_per_job(data_root, tmp_path):
     infos = [run_info(wandb_file(p)) for p in jobs]
     assert len({i["id"] for i in infos}) == 2
     assert len({i["group"] for i in infos}) == 1 and infos[0]["group"].startswith("sweep-")
+
+
+def test_sample_script_generates_from_a_checkpoint(data_root, tmp_path):
+    train_module.train(compose_train(TINY + [f"data.root={data_root}", "max_steps=2", "wandb.mode=disabled"]),
+                       tmp_path / "run")
+    workdir = tmp_path / "cwd"
+    workdir.mkdir()
+    out = subprocess.run([sys.executable, str(REPO / "scripts" / "sample.py"), f"ckpt={tmp_path / 'run'}",
+                          "prompt=ROMEO:", "max_new_tokens=8", "device=cpu"],
+                         cwd=workdir, check=True, capture_output=True, text=True, timeout=300).stdout
+    assert out.startswith("ROMEO:") and len(out) > len("ROMEO:")
+    assert list(workdir.iterdir()) == []  # sampling writes nothing
