@@ -1,179 +1,43 @@
-"""FlashAttention-2 forward and backward in Triton.
+"""FlashAttention-2 forward and backward in Triton (Dao, "FlashAttention-2", 2023).
 
-Algorithm (Dao, "FlashAttention-2", 2023). Forward: one program per (query block, head, batch)
-keeps its Q tile and fp32 accumulators on chip and streams K/V tiles; an online softmax keeps a
-running row max m and row sum l in fp32 and rescales the accumulator by exp(m_old - m_new) per
-tile; the division by l happens once, at the end. Probabilities come from exp2, with
-softmax_scale * log2(e) folded into one multiply-add per score. Per query row the kernel
-stores LSE = log(sum_j exp(scale * q.k_j)) in NATURAL log (fp32, (B, H, T)); the backward
-kernels convert it to base 2 with one multiply per row. The backward recomputes
-P = exp(scale * QK^T - LSE) tile by tile, never storing a T x S matrix: a preprocess kernel
-computes delta = rowsum(dO * O); a dK/dV kernel keeps a K/V tile resident and streams Q/dO
-tiles; a dQ kernel keeps a Q/dO tile resident and streams K/V tiles. Every output element is
-written by exactly one program and nothing uses atomics, so the backward is deterministic
-(bit-identical run to run), at the price of computing QK^T and dO V^T in both kernels
-(7 matmuls per pair of tiles instead of 5).
+Forward: one program per (query block, head, batch) keeps its Q tile and fp32 accumulators on
+chip and streams K/V tiles through an online softmax (running row max m and sum l, one rescale
+per tile, one division at the end; exp2 with softmax_scale * log2(e) folded into one fma). It
+stores LSE = log sum_j exp(scale q.k_j) per row, natural log, fp32 (B, H, T). Backward: delta =
+rowsum(dO * O); a dK/dV kernel keeps a K/V tile resident and streams Q/dO tiles; a dQ kernel
+keeps a Q/dO tile resident and streams K/V tiles; both recompute P from LSE. Every output
+element is written by one program, without atomics: the backward is bit-identical run to run,
+at the price of computing QK^T and dO V^T in both kernels (7 matmuls per tile pair, not 5).
 
-Conventions:
-- q is (B, H, T, D); k and v are (B, H_kv, S, D) with H % H_kv == 0 (grouped-query attention:
-  query head h reads kv head h // (H // H_kv)); the dK/dV program of a kv head sums over its
-  query heads itself, in a fixed order.
-- causal=True is bottom-right aligned, as in FlashAttention-2 >= 2.1: query i attends key j iff
-  j <= i + S - T. For T == S this is SDPA's is_causal mask. For T > S the first T - S rows
-  attend no key: their output is 0, their LSE is -inf and their gradients are 0.
-- Any strides (transposed views are read in place), any T, S >= 1, D <= 256 (tiles pad the head
-  dim to a power of two >= 16 and mask the rest), fp16 / bf16 / fp32 inputs with fp32
-  accumulation; fp32 inputs use input_precision="ieee", i.e. true fp32 matmuls, not tf32.
-- O, dQ, dK and dV are allocated in (B, T, H, D) memory order and returned as (B, H, T, D)
-  views, as SDPA's flash backend does, so the usual transpose back to (B, T, H * D) is free.
+Conventions: q is (B, H, T, D), k and v (B, H_kv, S, D), H % H_kv == 0 (GQA: query head h reads
+kv head h // (H / H_kv)). causal is bottom-right aligned: query i sees key j iff j <= i + S - T
+(SDPA's is_causal for T == S); rows that see no key get O = 0, LSE = -inf, zero gradients. Any
+strides, any T and S, D <= 256 (tiles pad D to a power of two >= 16 and mask the rest), fp16,
+bf16 and fp32 (fp32 as true IEEE matmuls). O, dQ, dK, dV are (B, T, H, D) in memory, returned
+as (B, H, T, D) views, so the caller's transpose back to (B, T, H * D) is free. Causal query
+blocks visit only the key blocks left of the diagonal, start longest-first, and mask only the
+blocks that straddle the diagonal or the end of the keys.
 
-Causal block skipping: a query block visits only the key blocks left of the diagonal. The
-blocks that every row of the query block sees in full run an unmasked loop; only blocks that
-straddle the diagonal or the end of the keys run the masked loop (tutorial 06's two "stages").
-The dK/dV kernel mirrors this: its Q loop starts at the first query block that sees its keys.
-
-Tuning: on a GPU each attention kernel is autotuned over its two block sizes, 4 or 8 warps and
-2-4 pipeline stages, keyed on the padded head dim, causal, dtype and the power-of-two buckets
-of T and S; configs whose tiles overflow shared memory or registers are pruned unbenchmarked.
-Every kernel writes each of its outputs exactly once, so benchmarking cannot corrupt results.
-FLASH_ATTENTION_AUTOTUNE=0 skips the benchmark and takes the largest tiles that fit (quick
-start-up, e.g. for tests). Under the interpreter one small fixed config runs.
-
-Compared with Triton's tutorial 06 (fused attention): pointer arithmetic with masks instead of
-TMA descriptors (any strides, non-power-of-two D, T and S not multiples of the block), GQA, a
-separate dQ kernel instead of one kernel doing both passes, K is not pre-scaled on the host
-(the scale sits in the exp2 multiply-add instead), causal query blocks are launched
-longest-first. Not supported: dropout, attention bias, sliding windows, variable lengths.
-
-PyTorch integration: the forward and backward launchers are torch.library custom ops with
-fake (shape-only) implementations, and the backward is registered on the forward op with
-register_autograd, so torch.compile keeps them as single nodes in one graph (fullgraph=True
-works). Under torch.autocast, flash_attention first casts q, k and v to the autocast dtype, as
-autocast does for scaled_dot_product_attention.
-
-Without CUDA this module turns on Triton's CPU interpreter (below), also when triton was
-imported before it. The interpreter's tl.dot is wrong for bf16, so there bf16 inputs are
-computed in fp32 and the results rounded to bf16. kernels/flash_ref.py is the same algorithm
-in plain PyTorch.
+Differs from Triton's tutorial 06: masked pointer loads instead of TMA (any strides and sizes),
+GQA, a separate dQ kernel, K not pre-scaled. Not supported: dropout, bias, windows, varlen.
+CPU tensors run in Triton's interpreter (kernels/interpreter.py), whose bf16 tl.dot is wrong:
+there bf16 is computed in fp32 and rounded. kernels/flash_ref.py is the same algorithm in
+PyTorch; kernels/launch.py picks block sizes per shape (kernels/tuning.py lists them).
 """
 
-import contextlib
 import math
-import os
-import sys
 
 import torch
-
-# Triton picks the interpreter when a @triton.jit decorator runs, reading TRITON_INTERPRET
-# through triton.knobs, which reads the process environment on every access; so setting it
-# here, before the kernels below are defined, switches them to the interpreter. setdefault
-# keeps a TRITON_INTERPRET the user chose.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
-from triton.runtime.jit import JITFunction
 
-_INTERPRET = triton.knobs.runtime.interpret
+from kernels import tuning
+from kernels.launch import Launcher, on_device
 
-
-def _rebuild_triton_language_for_interpreter():
-    """Triton's own @jit functions (tl.max, tl.sum, tl.zeros, ...) are built when triton is first
-    imported. If that happened before TRITON_INTERPRET was set (torch.compile imports triton),
-    they are GPU functions that the interpreter refuses to call: rebuild them as importing
-    triton with TRITON_INTERPRET=1 would have. Each function is wrapped once, so that the
-    interpreter's identity checks on reduction combine functions keep holding."""
-    wrapped = {}  # id(JITFunction) -> InterpretedFunction (hashing a JITFunction compiles its cache key)
-    for name, module in list(sys.modules.items()):
-        if name == "triton.language" or name.startswith("triton.language."):
-            for attr, value in list(vars(module).items()):
-                if isinstance(value, JITFunction):
-                    if id(value) not in wrapped:
-                        wrapped[id(value)] = InterpretedFunction(value.fn)
-                    setattr(module, attr, wrapped[id(value)])
-
-
-if _INTERPRET and isinstance(tl.zeros, JITFunction):
-    _rebuild_triton_language_for_interpreter()
-
+MAX_HEAD_DIM = 256
 _LOG2E = tl.constexpr(math.log2(math.e))
-_MAX_HEAD_DIM = 256
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-# --------------------------------------------------------------------------------------------
-# autotuning
-
-# Per-program budgets for pruning configs before benchmarking, calibrated against Triton 3.9's
-# sm_90 compiles (shared memory as allocated, ptxas register and spill reports) for D in
-# {64, 80, 128, 256}. Shared memory: H100 allows 227 KB per block; the estimate in _pruner is
-# within 0.5 KB of what Triton allocates. Registers: every config above 192 live fp32 values
-# per thread spilled 1 KB or more; at or below it, spills ranged from none to ~2 KB, so
-# the benchmark decides.
-_SMEM_BYTES = 226 * 1024
-_FP32_PER_THREAD = 192
-
-
-def _configs(resident, streamed, *candidates):
-    """triton.Configs from (resident rows, streamed rows, num_warps, num_stages) tuples."""
-    return [triton.Config({resident: r, streamed: s}, num_warps=w, num_stages=n) for r, s, w, n in candidates]
-
-
-def _pruner(resident, streamed, resident_tiles, acc_tiles, score_tiles):
-    """early_config_prune: drop configs whose tiles overflow shared memory or registers.
-
-    Per program: resident_tiles (rows, D) input tiles stay in shared memory (Q; Q and dO; K
-    and V), two streamed (rows, D) tiles are buffered per pipeline stage; acc_tiles (rows, D)
-    fp32 accumulators and score_tiles (resident rows, streamed rows) fp32 tiles (S or P, dP)
-    live in registers.
-    """
-
-    def prune(configs, named_args, **kwargs):
-        d, itemsize = kwargs["BLOCK_D"], named_args["Q"].element_size()
-
-        def area(c):
-            return c.kwargs[resident] * c.kwargs[streamed]
-
-        def smem(c):
-            return (resident_tiles * c.kwargs[resident] + 2 * c.num_stages * c.kwargs[streamed]) * d * itemsize
-
-        def fp32_per_thread(c):
-            return (acc_tiles * c.kwargs[resident] * d + score_tiles * area(c)) / (32 * c.num_warps)
-
-        kept = [c for c in configs if smem(c) <= _SMEM_BYTES and fp32_per_thread(c) <= _FP32_PER_THREAD]
-        if not kept:
-            return [min(configs, key=lambda c: (area(c), -c.num_warps))]
-        if os.environ.get("FLASH_ATTENTION_AUTOTUNE", "1") == "0":
-            return kept[:1]  # the lists below are in order of preference: nothing is benchmarked
-        return kept
-
-    return prune
-
-
-if _INTERPRET:
-    # CPU: one fixed config, so nothing is benchmarked; small blocks, so that test shapes span
-    # several blocks, and BLOCK_M != BLOCK_N both ways round to exercise the block arithmetic
-    _FWD_CONFIGS = [triton.Config({"BLOCK_M": 16, "BLOCK_N": 32})]
-    _DQ_CONFIGS = [triton.Config({"BLOCK_M": 32, "BLOCK_N": 16})]
-    _DKDV_CONFIGS = [triton.Config({"BLOCK_M": 16, "BLOCK_N": 32})]
-else:
-    # Candidates in order of preference, from scripts/tune_attention.py on an H100 (causal bf16,
-    # D 64 and 128, T 1024 and 8192; docs/perf-notes.md has the table): each of the first ones
-    # won or came within 3% somewhere. The small tiles at the end are what fits at D = 256.
-    _FWD_CONFIGS = _configs("BLOCK_M", "BLOCK_N",
-                            (128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 3), (128, 64, 4, 3),
-                            (64, 32, 4, 3), (64, 32, 4, 2), (32, 32, 4, 2))
-    _DQ_CONFIGS = _configs("BLOCK_M", "BLOCK_N",
-                           (128, 64, 8, 3), (64, 32, 4, 3), (128, 32, 8, 3), (64, 64, 4, 3),
-                           (64, 32, 4, 2), (32, 32, 4, 2), (32, 16, 4, 2))
-    _DKDV_CONFIGS = _configs("BLOCK_N", "BLOCK_M",
-                             (128, 32, 4, 3), (64, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3),
-                             (64, 16, 4, 2), (32, 32, 4, 2), (32, 16, 4, 2))
-
-# tensor dtypes join the key automatically; T and S enter as power-of-two buckets so that a
-# new sequence length does not retune
-_TUNE_KEY = ["BLOCK_D", "CAUSAL", "T_BUCKET", "S_BUCKET"]
 
 # --------------------------------------------------------------------------------------------
 # kernels
@@ -201,7 +65,7 @@ def _head_dim_mask(HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
 def _kv_block_range(start_m, T, S, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Query rows [start_m, start_m + BLOCK_M) attend keys [0, end); keys below full_end (a
     multiple of BLOCK_N) are seen by every one of those rows, so need no mask."""
-    if CAUSAL:  # row i sees keys j <= i + S - T
+    if CAUSAL:
         full_end = tl.maximum(tl.minimum(start_m + S - T + 1, S), 0) // BLOCK_N * BLOCK_N
         end = tl.maximum(tl.minimum(start_m + BLOCK_M + S - T, S), 0)
     else:
@@ -269,8 +133,6 @@ def _fwd_inner(
     return acc, l_i, m_i
 
 
-@triton.autotune(configs=_FWD_CONFIGS, key=_TUNE_KEY,
-                 prune_configs_by={"early_config_prune": _pruner("BLOCK_M", "BLOCK_N", 1, 1, 1)})
 @triton.jit
 def _fwd_kernel(
     # pointers
@@ -283,7 +145,6 @@ def _fwd_kernel(
     # sizes and scale
     H, GROUP, T, S,
     qk_scale,  # softmax_scale * log2(e)
-    T_BUCKET, S_BUCKET,  # autotuning key only
     # meta-parameters
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -381,8 +242,6 @@ def _bwd_dkdv_inner(
     return dk, dv
 
 
-@triton.autotune(configs=_DKDV_CONFIGS, key=_TUNE_KEY,
-                 prune_configs_by={"early_config_prune": _pruner("BLOCK_N", "BLOCK_M", 2, 2, 2)})
 @triton.jit
 def _bwd_dkdv_kernel(
     # pointers
@@ -397,7 +256,6 @@ def _bwd_dkdv_kernel(
     # sizes and scales
     H, GROUP, T, S,
     sm_scale, qk_scale,  # softmax_scale, and softmax_scale * log2(e)
-    T_BUCKET, S_BUCKET,  # autotuning key only
     # meta-parameters
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -469,8 +327,6 @@ def _bwd_dq_inner(
     return dq
 
 
-@triton.autotune(configs=_DQ_CONFIGS, key=_TUNE_KEY,
-                 prune_configs_by={"early_config_prune": _pruner("BLOCK_M", "BLOCK_N", 2, 1, 2)})
 @triton.jit
 def _bwd_dq_kernel(
     # pointers
@@ -484,7 +340,6 @@ def _bwd_dq_kernel(
     # sizes and scales
     H, GROUP, T, S,
     sm_scale, qk_scale,  # softmax_scale, and softmax_scale * log2(e)
-    T_BUCKET, S_BUCKET,  # autotuning key only
     # meta-parameters
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -522,8 +377,17 @@ def _bwd_dq_kernel(
              dq.to(DQ.dtype.element_ty), mask=row_mask)
 
 
+
 # --------------------------------------------------------------------------------------------
 # launchers
+
+_FWD = Launcher(_fwd_kernel, tuning.FWD, tuning.CPU_FWD, tuning.FWD_PRUNE)
+_DQ = Launcher(_bwd_dq_kernel, tuning.DQ, tuning.CPU_DQ, tuning.DQ_PRUNE)
+_DKDV = Launcher(_bwd_dkdv_kernel, tuning.DKDV, tuning.CPU_DKDV, tuning.DKDV_PRUNE)
+_PREPROCESS = Launcher(_bwd_preprocess_kernel, [triton.Config({"BLOCK_M": 64})], triton.Config({"BLOCK_M": 64}),
+                       lambda configs, block_d, itemsize: configs)
+# the tuned kernels by name, for the tests and scripts/tune_attention.py to pin configs
+LAUNCHERS = {"fwd": _FWD, "dq": _DQ, "dkdv": _DKDV}
 
 
 def _check_inputs(q, k, v):
@@ -540,9 +404,6 @@ def _check_inputs(q, k, v):
                          "or torch.float32")
     if not q.device == k.device == v.device:
         raise ValueError(f"flash_attention: q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
-    if q.device.type == "cpu" and not _INTERPRET:
-        raise ValueError("flash_attention: CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1 before "
-                         "importing kernels, or move q, k and v to a CUDA device")
     if q.device.type not in ("cpu", "cuda"):
         raise ValueError(f"flash_attention: device {q.device} is not supported: use a CUDA device "
                          "(or the CPU, through Triton's interpreter)")
@@ -555,8 +416,8 @@ def _check_inputs(q, k, v):
     if H_kv == 0 or H % H_kv != 0:
         raise ValueError(f"flash_attention: q's {H} heads must be a multiple of k and v's {H_kv} heads "
                          "(grouped-query attention)")
-    if D > _MAX_HEAD_DIM:
-        raise ValueError(f"flash_attention: head_dim {D} is not supported: head_dim must be at most {_MAX_HEAD_DIM}")
+    if D > MAX_HEAD_DIM:
+        raise ValueError(f"flash_attention: head_dim {D} is not supported: head_dim must be at most {MAX_HEAD_DIM}")
     if 0 in (B, H, T, S, D):
         raise ValueError(f"flash_attention: empty input q {tuple(q.shape)}, k {tuple(k.shape)}: "
                          "every dimension must be at least 1")
@@ -572,77 +433,72 @@ def _empty_bhtd(B, H, T, D, like):
     return torch.empty((B, T, H, D), dtype=like.dtype, device=like.device).transpose(1, 2)
 
 
-def _on_device(t):
-    """Triton launches on the current CUDA device: make it t's."""
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+def _interpreted_bf16(q):
+    """bf16 inputs that Triton's interpreter would run: its bf16 tl.dot is wrong."""
+    return q.dtype == torch.bfloat16 and (q.device.type == "cpu" or isinstance(_fwd_kernel, InterpretedFunction))
 
 
-def _launch_meta(q, k, causal):
-    """Keyword arguments that every attention kernel takes: tuning buckets and constexprs."""
+def _meta(q, k, causal):
+    """(tuning key, constexprs) of a call: a new sequence length retunes only past a power of two."""
     D, T, S = q.shape[3], q.shape[2], k.shape[2]
-    return {
-        "T_BUCKET": triton.next_power_of_2(T),
-        "S_BUCKET": triton.next_power_of_2(S),
-        "HEAD_DIM": D,
-        "BLOCK_D": max(16, triton.next_power_of_2(D)),
-        "CAUSAL": causal,
-        "INPUT_PRECISION": "ieee" if q.dtype == torch.float32 else "tf32",  # tf32 only matters for fp32
-    }
+    block_d = max(16, triton.next_power_of_2(D))
+    key = (q.device.index, q.dtype, block_d, causal, triton.next_power_of_2(T), triton.next_power_of_2(S))
+    constexprs = {"HEAD_DIM": D, "BLOCK_D": block_d, "CAUSAL": causal,
+                  "INPUT_PRECISION": "ieee" if q.dtype == torch.float32 else "tf32"}  # tf32 only matters for fp32
+    return key, constexprs
 
 
-def _flash_attn_forward(q, k, v, causal, scale):
-    """(o (B, H, T, D) in q's dtype, lse (B, H, T) fp32 in natural log)."""
+def _softmax_scale(q, softmax_scale):
+    return q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+
+
+def flash_attn_forward(q, k, v, causal=True, softmax_scale=None):
+    """(o (B, H, T, D) in q's dtype, lse (B, H, T) fp32 in natural log), without autograd."""
     _check_inputs(q, k, v)
-    if _INTERPRET and q.dtype == torch.bfloat16:  # the interpreter's tl.dot is wrong for bf16
-        o, lse = _flash_attn_forward(q.float(), k.float(), v.float(), causal, scale)
+    scale = _softmax_scale(q, softmax_scale)
+    if _interpreted_bf16(q):
+        o, lse = flash_attn_forward(q.float(), k.float(), v.float(), causal, scale)
         return o.to(torch.bfloat16), lse
     (B, H, T, D), (H_kv, S) = q.shape, k.shape[1:3]
     o = _empty_bhtd(B, H, T, D, q)
     lse = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
-    with _on_device(q):
-        _fwd_kernel[lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), H, B)](
-            q, k, v, o, lse,
-            *q.stride(), *k.stride(), *v.stride(), *o.stride(),
-            H, H // H_kv, T, S, scale * _LOG2E.value,
-            **_launch_meta(q, k, causal),
-        )
+    key, constexprs = _meta(q, k, causal)
+    with on_device(q):
+        _FWD(lambda c: (triton.cdiv(T, c["BLOCK_M"]), H, B),
+             (q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
+              H, H // H_kv, T, S, scale * _LOG2E.value), key, **constexprs)
     return o, lse
 
 
-def _flash_attn_backward(do, q, k, v, o, lse, causal, scale):
-    """(dq, dk, dv), shaped and typed like q, k, v; deterministic."""
-    if _INTERPRET and q.dtype == torch.bfloat16:  # the interpreter's tl.dot is wrong for bf16
-        grads = _flash_attn_backward(do.float(), q.float(), k.float(), v.float(), o.float(), lse, causal, scale)
+def flash_attn_backward(do, q, k, v, o, lse, causal=True, softmax_scale=None):
+    """(dq, dk, dv), shaped and typed like q, k, v, from the forward's o and lse; deterministic."""
+    scale = _softmax_scale(q, softmax_scale)
+    if _interpreted_bf16(q):
+        grads = flash_attn_backward(do.float(), q.float(), k.float(), v.float(), o.float(), lse, causal, scale)
         return tuple(g.to(torch.bfloat16) for g in grads)
     (B, H, T, D), (H_kv, S) = q.shape, k.shape[1:3]
-    launch_meta = _launch_meta(q, k, causal)
+    key, constexprs = _meta(q, k, causal)
     delta = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
     dq, dk, dv = _empty_bhtd(B, H, T, D, q), _empty_bhtd(B, H_kv, S, D, k), _empty_bhtd(B, H_kv, S, D, v)
     strides = (*q.stride(), *k.stride(), *v.stride(), *do.stride())
     sizes = (H, H // H_kv, T, S, scale, scale * _LOG2E.value)
-    with _on_device(q):
-        _bwd_preprocess_kernel[(triton.cdiv(T, 64), H, B)](
-            o, do, delta, *o.stride(), *do.stride(), H, T,
-            HEAD_DIM=D, BLOCK_D=launch_meta["BLOCK_D"], BLOCK_M=64,
-        )
-        _bwd_dkdv_kernel[lambda meta: (triton.cdiv(S, meta["BLOCK_N"]), H_kv, B)](
-            q, k, v, do, lse, delta, dk, dv, *strides, *dk.stride(), *dv.stride(), *sizes, **launch_meta,
-        )
-        _bwd_dq_kernel[lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), H, B)](
-            q, k, v, do, lse, delta, dq, *strides, *dq.stride(), *sizes, **launch_meta,
-        )
+    with on_device(q):
+        _PREPROCESS(lambda c: (triton.cdiv(T, c["BLOCK_M"]), H, B), (o, do, delta, *o.stride(), *do.stride(), H, T),
+                    key, HEAD_DIM=D, BLOCK_D=constexprs["BLOCK_D"])
+        _DKDV(lambda c: (triton.cdiv(S, c["BLOCK_N"]), H_kv, B),
+              (q, k, v, do, lse, delta, dk, dv, *strides, *dk.stride(), *dv.stride(), *sizes), key, **constexprs)
+        _DQ(lambda c: (triton.cdiv(T, c["BLOCK_M"]), H, B),
+            (q, k, v, do, lse, delta, dq, *strides, *dq.stride(), *sizes), key, **constexprs)
     return dq, dk, dv
 
 
 # --------------------------------------------------------------------------------------------
 # torch.library ops, autograd, public entry point
 
-# Two doors to the same launchers. Under torch.compile they run inside custom ops, which the
-# compiler treats as opaque nodes with the fake (shape-only) implementations below, so a
-# compiled model keeps one graph instead of breaking at the Triton launch; their backward is
-# registered with register_autograd (Dynamo cannot trace a hand-written autograd.Function whose
-# q, k and v are one tensor: "duplicate tensor input"). In eager mode a plain
-# torch.autograd.Function calls the launchers directly: the custom-op dispatch costs host time
+# Under torch.compile the launchers run inside custom ops, opaque nodes with shape-only fake
+# implementations, so a compiled model keeps one graph; their backward is registered with
+# register_autograd (Dynamo cannot trace a hand-written autograd.Function whose q, k and v are
+# one tensor). Eager calls take a plain autograd.Function: the custom-op dispatch costs host time
 # that short sequences cannot hide (docs/perf-notes.md, v3).
 
 
@@ -650,7 +506,7 @@ def _flash_attn_backward(do, q, k, v, o, lse, causal, scale):
 def _flash_attn_fwd_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _flash_attn_forward(q, k, v, causal, scale)
+    return flash_attn_forward(q, k, v, causal, scale)
 
 
 @_flash_attn_fwd_op.register_fake
@@ -665,7 +521,7 @@ def _flash_attn_bwd_op(
     do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
     causal: bool, scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _flash_attn_backward(do, q, k, v, o, lse, causal, scale)
+    return flash_attn_backward(do, q, k, v, o, lse, causal, scale)
 
 
 @_flash_attn_bwd_op.register_fake
@@ -691,33 +547,32 @@ _flash_attn_fwd_op.register_autograd(_backward, setup_context=_save_for_backward
 
 
 class FlashAttentionFunction(torch.autograd.Function):
-    """Eager autograd wrapper: the launchers without the custom-op dispatch (see the comment above)."""
+    """Eager autograd wrapper: the launchers without the custom-op dispatch (see above)."""
 
     @staticmethod
     def forward(ctx, q, k, v, causal, scale):
-        o, lse = _flash_attn_forward(q, k, v, causal, scale)
+        o, lse = flash_attn_forward(q, k, v, causal, scale)
         _save_for_backward(ctx, (q, k, v, causal, scale), (o, lse))
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
-        return *_flash_attn_backward(do, q, k, v, o, lse, ctx.causal, ctx.scale), None, None
+        return *flash_attn_backward(do, q, k, v, o, lse, ctx.causal, ctx.scale), None, None
 
 
 def flash_attention(q, k, v, causal=True, softmax_scale=None):
     """softmax(softmax_scale * q k^T, causal mask) v for q (B, H, T, D) and k, v (B, H_kv, S, D).
 
-    The causal mask is bottom-right aligned: query i sees key j iff j <= i + S - T (SDPA's
-    is_causal when T == S). softmax_scale defaults to 1 / sqrt(D). Returns (B, H, T, D) in q's
-    dtype. Under torch.autocast, q, k and v are first cast to the autocast dtype, as autocast
-    does for scaled_dot_product_attention.
+    Returns (B, H, T, D) in q's dtype; softmax_scale defaults to 1 / sqrt(D). Under
+    torch.autocast, q, k and v are first cast to the autocast dtype, as autocast does for
+    scaled_dot_product_attention.
     """
     if isinstance(q, torch.Tensor) and torch.is_autocast_enabled(q.device.type):
         dtype = torch.get_autocast_dtype(q.device.type)
         q, k, v = (t.to(dtype) if isinstance(t, torch.Tensor) else t for t in (q, k, v))
     _check_inputs(q, k, v)
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    scale = _softmax_scale(q, softmax_scale)
     if torch.compiler.is_compiling():
         return _flash_attn_fwd_op(q, k, v, bool(causal), scale)[0]
     return FlashAttentionFunction.apply(q, k, v, bool(causal), scale)

@@ -15,21 +15,20 @@ from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/ sits beside kernels/
 
-from kernels import flash_attention  # noqa: E402
-from kernels import flash_attn  # noqa: E402
+from kernels import flash_attention, flash_attn_backward, flash_attn_forward  # noqa: E402
 
 
 def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("host_overhead needs a CUDA GPU")
     for D, T in ((64, 1024), (64, 8192)):
-        B, H, scale = 16384 // T, 1024 // D, D ** -0.5
+        B, H = 16384 // T, 1024 // D
         q, k, v, do = (torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
         for t in (q, k, v):
             t.requires_grad_()
-        o, lse = flash_attn._flash_attn_forward(q, k, v, True, scale)
-        fwd = do_bench(lambda: flash_attn._flash_attn_forward(q, k, v, True, scale), return_mode="median")
-        bwd = do_bench(lambda: flash_attn._flash_attn_backward(do, q, k, v, o, lse, True, scale), return_mode="median")
+        o, lse = flash_attn_forward(q, k, v)
+        fwd = do_bench(lambda: flash_attn_forward(q, k, v), return_mode="median")
+        bwd = do_bench(lambda: flash_attn_backward(do, q, k, v, o, lse), return_mode="median")
 
         def step():
             flash_attention(q, k, v).backward(do)

@@ -8,6 +8,7 @@ H*D = 1024 as in scripts/bench_attention.py. Needs a CUDA GPU:
 """
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 
@@ -17,7 +18,8 @@ import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/ sits beside kernels/
 
-from kernels import flash_attn  # noqa: E402
+from kernels import attention_flops, flash_attn_backward, flash_attn_forward  # noqa: E402
+from kernels.flash_attn import LAUNCHERS  # noqa: E402
 
 # (resident rows, streamed rows, num_warps, num_stages); resident is BLOCK_M for the forward and
 # dQ kernels, BLOCK_N for dK/dV
@@ -29,28 +31,21 @@ CANDIDATES = {
     "dq": [(128, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3), (128, 32, 8, 3),
            (128, 64, 4, 2), (128, 128, 8, 2), (64, 64, 4, 2)],
 }
-KERNELS = {"fwd": (flash_attn._fwd_kernel, "BLOCK_M", "BLOCK_N"),
-           "dkdv": (flash_attn._bwd_dkdv_kernel, "BLOCK_N", "BLOCK_M"),
-           "dq": (flash_attn._bwd_dq_kernel, "BLOCK_M", "BLOCK_N")}
+RESIDENT = {"fwd": ("BLOCK_M", "BLOCK_N"), "dkdv": ("BLOCK_N", "BLOCK_M"), "dq": ("BLOCK_M", "BLOCK_N")}
 
 
-def pin(name: str, cand: tuple) -> None:
-    """Make the autotuner of kernel `name` hold exactly one config (nothing is benchmarked)."""
-    kernel, resident, streamed = KERNELS[name]
-    r, s, w, n = cand
-    kernel.configs = [triton.Config({resident: r, streamed: s}, num_warps=w, num_stages=n)]
-    kernel.cache.clear()
+def config(name: str, cand: tuple) -> triton.Config:
+    (resident, streamed), (r, s, w, n) = RESIDENT[name], cand
+    return triton.Config({resident: r, streamed: s}, num_warps=w, num_stages=n)
 
 
 def time_pass(name, q, k, v, do) -> float:
     """Median ms of the pass that runs kernel `name`: the forward, or the whole backward."""
     if name == "fwd":
-        return triton.testing.do_bench(lambda: flash_attn._flash_attn_forward(q, k, v, True, q.shape[-1] ** -0.5),
-                                       warmup=25, rep=100, return_mode="median")
-    o, lse = flash_attn._flash_attn_forward(q, k, v, True, q.shape[-1] ** -0.5)
-    return triton.testing.do_bench(
-        lambda: flash_attn._flash_attn_backward(do, q, k, v, o, lse, True, q.shape[-1] ** -0.5),
-        warmup=25, rep=100, return_mode="median")
+        return triton.testing.do_bench(lambda: flash_attn_forward(q, k, v), warmup=25, rep=100, return_mode="median")
+    o, lse = flash_attn_forward(q, k, v)
+    return triton.testing.do_bench(lambda: flash_attn_backward(do, q, k, v, o, lse), warmup=25, rep=100,
+                                   return_mode="median")
 
 
 def main() -> None:
@@ -69,21 +64,23 @@ def main() -> None:
             gen = torch.Generator(device="cuda").manual_seed(T + D)
             q, k, v, do = (torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16, generator=gen)
                            for _ in range(4))
-            fwd_flops = 4 * B * H * T * T * D / 2
+            fwd_flops = attention_flops(B, H, T, T, D)
             for name in args.kernels.split(","):
-                for other, cand in best.items():
-                    pin(other, cand)
                 results = []
-                for cand in CANDIDATES[name]:
-                    pin(name, cand)
-                    try:
-                        ms = time_pass(name, q, k, v, do)
-                    except Exception as e:  # out of shared memory / registers: not a candidate
-                        print(f"D={D} T={T} {name} {cand}: {type(e).__name__}")
-                        continue
-                    tflops = (fwd_flops if name == "fwd" else 2.5 * fwd_flops) / ms / 1e9
-                    results.append((ms, cand))
-                    print(f"D={D} T={T} {name:5s} {cand}: {ms:.3f} ms  {tflops:6.1f} TFLOP/s (pass)", flush=True)
+                with contextlib.ExitStack() as pins:  # the other kernels at the best found so far
+                    for other, cand in best.items():
+                        if other != name:
+                            pins.enter_context(LAUNCHERS[other].pinned(config(other, cand)))
+                    for cand in CANDIDATES[name]:
+                        try:
+                            with LAUNCHERS[name].pinned(config(name, cand)):
+                                ms = time_pass(name, q, k, v, do)
+                        except Exception as e:  # out of shared memory / registers: not a candidate
+                            print(f"D={D} T={T} {name} {cand}: {type(e).__name__}")
+                            continue
+                        tflops = (fwd_flops if name == "fwd" else 2.5 * fwd_flops) / ms / 1e9
+                        results.append((ms, cand))
+                        print(f"D={D} T={T} {name:5s} {cand}: {ms:.3f} ms  {tflops:6.1f} TFLOP/s (pass)", flush=True)
                 ms, cand = min(results)
                 best[name] = cand
                 rows.append((D, T, name, cand, ms))

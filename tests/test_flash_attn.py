@@ -27,25 +27,15 @@ import os
 import subprocess
 import sys
 import zlib
-from pathlib import Path
 
 import pytest
 import torch
 import triton
 
-import kernels.flash_attn
-from kernels import flash_attention
-from kernels.flash_attn import _flash_attn_forward
+from kernels import flash_attention, flash_attn_forward
+from kernels.flash_attn import LAUNCHERS
 from kernels.flash_ref import attention_probs, attention_reference
-
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: run on the device")
-
-
-@pytest.fixture(autouse=True)
-def _no_autotuning(monkeypatch):
-    # benchmarking ~70 configs per new shape would dominate the GPU tests; correctness cannot
-    # depend on it, and test_gpu_every_tuning_config_is_correct runs every config instead
-    monkeypatch.setenv("FLASH_ATTENTION_AUTOTUNE", "0")
+from tests.helpers import REPO
 
 
 # --------------------------------------------------------------------------------------------
@@ -129,7 +119,7 @@ def _check_against_float64(case_id, B, H, H_kv, T, S, D, causal, dtype, layout, 
     q, k, v, do = _make_inputs(case_id, B, H, H_kv, T, S, D, dtype, layout, device)
     o = flash_attention(q, k, v, causal=causal)
     grads = torch.autograd.grad(o, (q, k, v), do)
-    _, lse = _flash_attn_forward(q.detach(), k.detach(), v.detach(), causal, D**-0.5)
+    _, lse = flash_attn_forward(q.detach(), k.detach(), v.detach(), causal)
 
     assert o.dtype == dtype and all(g.dtype == dtype for g in grads)
     ref64 = _dense(q, k, v, do, causal, torch.float64)
@@ -198,26 +188,22 @@ def test_matches_float64_reference(case):
     _check_against_float64(_case_id(*case), B, H, H_kv, T, S, D, causal, dtype, layout)
 
 
-TUNED_KERNELS = (kernels.flash_attn._fwd_kernel, kernels.flash_attn._bwd_dkdv_kernel, kernels.flash_attn._bwd_dq_kernel)
-
-
-def _check_config(monkeypatch, kernel, config, D, dtype, device):
+def _check_config(launcher, config, D, dtype, device):
     """Run one kernel with `config` (the other two with their own) on causal GQA shapes with
     T > S and T < S, neither a multiple of the blocks."""
-    with monkeypatch.context() as patch:
-        patch.setattr(kernel, "configs", [config])  # a single config: the autotuner just runs it
+    with launcher.pinned(config):
         for T, S in ((117, 75), (75, 117)) if device == "cpu" else ((517, 333), (333, 517)):
-            case_id = f"config-{kernel.base_fn.__name__}-{config}-{T}-{S}"
+            case_id = f"config-{launcher.name}-{config}-{T}-{S}"
             _check_against_float64(case_id, 1, 4, 2, T, S, D, True, dtype, "bthd", device)
 
 
-@pytest.mark.parametrize("kernel", TUNED_KERNELS, ids=lambda k: k.base_fn.__name__)
+@pytest.mark.parametrize("kernel", sorted(LAUNCHERS))
 @pytest.mark.parametrize("blocks", [(64, 16), (16, 64)], ids=["BM64-BN16", "BM16-BN64"])
-def test_other_block_sizes(kernel, blocks, monkeypatch):
+def test_other_block_sizes(kernel, blocks):
     # the interpreter's fixed configs cover BLOCK_M < BLOCK_N in the forward and dK/dV kernels
     # and BLOCK_M > BLOCK_N in dQ; here each kernel runs the other way round too
     config = triton.Config({"BLOCK_M": blocks[0], "BLOCK_N": blocks[1]})
-    _check_config(monkeypatch, kernel, config, 32, F32, "cpu")
+    _check_config(LAUNCHERS[kernel], config, 32, F32, "cpu")
 
 
 def test_bf16_on_cpu_runs_in_fp32():
@@ -299,33 +285,51 @@ def test_unsupported_input_raises(inputs, message):
         flash_attention(*inputs)
 
 
-def test_cpu_without_interpreter_raises(monkeypatch):
-    monkeypatch.setattr(kernels.flash_attn, "_INTERPRET", False)
-    x = _tensor(1, 2, 8, 16)
-    with pytest.raises(ValueError, match="CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1"):
-        flash_attention(x, x, x)
+def test_a_cpu_call_leaves_triton_language_as_it_found_it():
+    # what compiled kernels later in the process see: every function and method of triton.language
+    # (the interpreter patches them while it runs)
+    def state():
+        owners = [m for n, m in sys.modules.items() if n.startswith("triton.language")]
+        owners += [c for m in list(owners) for c in vars(m).values() if isinstance(c, type)]
+        return {(id(o), name): value for o in owners for name, value in vars(o).items() if callable(value)}
+
+    before = state()
+    q, k, v, do = _make_inputs("state", 1, 2, 2, 40, 40, 16, F32, "bthd")
+    torch.autograd.grad(flash_attention(q, k, v), (q, k, v), do)
+    after = state()
+    assert [key for key, value in before.items() if after.get(key) is not value] == []
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter is only switched on without CUDA")
-def test_interpreter_works_when_triton_was_imported_first():
-    # torch.compile imports triton with the interpreter off; kernels must still run on CPU after it
+@pytest.mark.slow
+@pytest.mark.parametrize("interpret", ["unset", "1"])
+def test_cpu_tensors_run_interpreted_and_cuda_tensors_compiled_in_one_process(interpret):
+    # a fresh process; torch.compile imports triton first, as in a compiled training run. With
+    # TRITON_INTERPRET unset the CPU call runs the interpreted twins and leaves triton.language's
+    # compiled functions in place, so that a CUDA call after it (where there is a GPU) compiles.
     script = (
-        "import torch\n"
+        "import torch, triton.language as tl\n"
+        "from triton.runtime.jit import JITFunction\n"
         "torch.compile(lambda x: x + 1, backend='aot_eager')(torch.ones(2))\n"
         "from kernels import flash_attention\n"
         "from kernels.flash_ref import attention_reference\n"
         "q, k, v = torch.randn(3, 1, 2, 40, 16).unbind(0)\n"
         "ref, _ = attention_reference(q, k, v)\n"
-        "print((flash_attention(q, k, v).double() - ref).abs().max().item())\n"
+        "errors = [(flash_attention(q, k, v).double() - ref).abs().max().item()]\n"
+        "assert isinstance(tl.max, JITFunction) == ('TRITON_INTERPRET' not in __import__('os').environ)\n"
+        "if torch.cuda.is_available():\n"
+        "    out = flash_attention(q.cuda(), k.cuda(), v.cuda())\n"
+        "    errors.append((out.double().cpu() - ref).abs().max().item())\n"
+        "print(max(errors))\n"
     )
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    root = Path(__file__).resolve().parents[1]
-    run = subprocess.run([sys.executable, "-c", script], env=env, cwd=root, capture_output=True, text=True, check=False)
+    if interpret == "1":
+        env["TRITON_INTERPRET"] = "1"
+    run = subprocess.run([sys.executable, "-c", script], env=env, cwd=REPO, capture_output=True, text=True, check=False)
     assert run.returncode == 0, run.stderr[-2000:]
     assert float(run.stdout) < 1e-5
 
 
-@needs_gpu
+@pytest.mark.gpu
 def test_different_devices_raise():
     x = _tensor(1, 2, 8, 16)
     with pytest.raises(ValueError, match="must be on one device"):
@@ -391,26 +395,23 @@ GPU_CASES = [
 ]
 
 
-@needs_gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("case", [pytest.param(c, id=_case_id(*c)) for c in GPU_CASES])
 def test_gpu_matches_float64_reference(case):
     dtype, B, H, H_kv, T, S, D, causal, layout = case
     _check_against_float64(_case_id(*case), B, H, H_kv, T, S, D, causal, dtype, layout, device="cuda")
 
 
-@needs_gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("D", [64, 256])
-def test_gpu_every_tuning_config_is_correct(D, monkeypatch):
-    # autotuning may pick any config that survives pruning: each one must be right
-    for kernel in TUNED_KERNELS:
-        with monkeypatch.context() as patch:
-            patch.setenv("FLASH_ATTENTION_AUTOTUNE", "1")
-            configs = kernel.early_config_prune(kernel.configs, {"Q": torch.empty(0, dtype=BF16)}, BLOCK_D=D)
-        for config in configs:
-            _check_config(monkeypatch, kernel, config, D, BF16, "cuda")
+def test_gpu_every_tuning_config_is_correct(D):
+    # autotuning may pick any config that fits: each one must be right
+    for launcher in LAUNCHERS.values():
+        for config in launcher.candidates(max(16, triton.next_power_of_2(D)), BF16.itemsize):
+            _check_config(launcher, config, D, BF16, "cuda")
 
 
-@needs_gpu
+@pytest.mark.gpu
 def test_gpu_backward_is_deterministic():
     q, k, v, do = _make_inputs("gpu-determinism", 2, 8, 2, 2048, 2048, 128, BF16, "packed", device="cuda")
 
@@ -422,7 +423,7 @@ def test_gpu_backward_is_deterministic():
         assert torch.equal(first, second)
 
 
-@needs_gpu
+@pytest.mark.gpu
 def test_gpu_autocast_and_inductor():
     # fp32 q, k, v under bf16 autocast, eager and compiled by inductor with fullgraph=True
     q, k, v, do = _make_inputs("gpu-compile", 2, 4, 2, 512, 512, 64, F32, "bthd", device="cuda")

@@ -1,0 +1,93 @@
+"""Launches a @triton.jit kernel on the device its tensors live on, with a config chosen per shape.
+
+CUDA tensors run the compiled kernel under the config that autotuning picked for the shape's
+tuning key (benchmarked once per key among the candidates that fit; the first that fits when
+FLASH_ATTENTION_AUTOTUNE=0). CPU tensors, and any tensors when TRITON_INTERPRET=1 was set before
+import, run the kernel's interpreted twin (kernels/interpreter.py) under one small fixed config, so
+that nothing is benchmarked there.
+"""
+
+import contextlib
+import os
+from collections.abc import Callable
+
+import torch
+import triton
+from triton.compiler.errors import CompilationError
+from triton.runtime.errors import OutOfResources
+from triton.runtime.interpreter import InterpretedFunction
+from triton.testing import do_bench
+
+from kernels.interpreter import interpreted, interpreting
+
+Grid = Callable[[dict], tuple[int, ...]]  # config kwargs -> launch grid
+
+
+def autotuning() -> bool:
+    return os.environ.get("FLASH_ATTENTION_AUTOTUNE", "1") != "0"
+
+
+class Launcher:
+    """One kernel, its candidate configs in order of preference, and the choices made so far.
+
+    prune(configs, block_d, itemsize) keeps the configs whose tiles fit the chip at that head
+    dim and input width; it never returns an empty list.
+    """
+
+    def __init__(self, kernel, configs: list[triton.Config], cpu_config: triton.Config,
+                 prune: Callable[[list[triton.Config], int, int], list[triton.Config]]):
+        self.kernel, self.configs, self.cpu_config, self.prune = kernel, configs, cpu_config, prune
+        self.chosen: dict[tuple, triton.Config] = {}  # tuning key -> config
+        self._pinned: triton.Config | None = None
+
+    @property
+    def name(self) -> str:
+        return self.kernel.__name__
+
+    def candidates(self, block_d: int, itemsize: int) -> list[triton.Config]:
+        """The configs autotuning chooses among for this head-dim tile and input width."""
+        return self.prune(self.configs, block_d, itemsize)
+
+    @contextlib.contextmanager
+    def pinned(self, config: triton.Config):
+        """Runs every launch inside under `config`, on the GPU and the CPU alike (tests, tuning)."""
+        self._pinned = config
+        try:
+            yield
+        finally:
+            self._pinned = None
+
+    def __call__(self, grid: Grid, args: tuple, key: tuple, **constexprs) -> None:
+        """Launches kernel(*args, **constexprs) on args[0]'s device; key names the shape class."""
+        if args[0].device.type == "cpu" or isinstance(self.kernel, InterpretedFunction):  # TRITON_INTERPRET=1
+            config = self._pinned or self.cpu_config
+            with interpreting():
+                interpreted(self.kernel)[grid(config.kwargs)](*args, **constexprs, **config.kwargs)
+            return
+        config = self._pinned or self.chosen.get(key)
+        if config is None:
+            config = self._tune(grid, args, constexprs, args[0].element_size())
+            self.chosen[key] = config
+        self._launch(config, grid, args, constexprs)
+
+    def _launch(self, config: triton.Config, grid: Grid, args: tuple, constexprs: dict) -> None:
+        self.kernel[grid(config.kwargs)](*args, **constexprs, **config.all_kwargs())
+
+    def _tune(self, grid: Grid, args: tuple, constexprs: dict, itemsize: int) -> triton.Config:
+        configs = self.candidates(constexprs["BLOCK_D"], itemsize)
+        if len(configs) == 1 or not autotuning():
+            return configs[0]
+        # every kernel here writes each output element exactly once: benchmarking cannot corrupt them
+        timings = {}
+        for config in configs:
+            try:
+                timings[config] = do_bench(lambda: self._launch(config, grid, args, constexprs),
+                                           warmup=10, rep=40, return_mode="median")
+            except (OutOfResources, CompilationError):  # does not fit after all: not a candidate
+                continue
+        return min(timings, key=timings.get) if timings else configs[-1]
+
+
+def on_device(t: torch.Tensor):
+    """Triton launches on the current CUDA device: make it t's."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
