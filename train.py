@@ -5,16 +5,19 @@
     python train.py -m attn=naive,sdpa,triton seq_len=512,1024
     torchrun --standalone --nproc_per_node=2 train.py attn=triton
 
-`main` is the Hydra entry point; `train(cfg, run_dir)` does the work and is what tests call.
+Shaped like torchtitan's trainer: setup() builds one Run, train_step() makes one optimizer step,
+a Meter owns tokens/s, MFU, memory and the history, state_dict()/load_state_dict() are everything
+a checkpoint holds, finish() writes the summary. train(cfg, run_dir) runs them (tests call it);
+main() is the Hydra entry point, after configs/preflight.py has checked the command line.
 """
 
+import contextlib
 import importlib.metadata
-import json
 import math
 import os
 import sys
 import time
-from contextlib import nullcontext
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import hydra
@@ -26,11 +29,17 @@ from omegaconf import DictConfig, OmegaConf
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
-from configs.schema import register_configs
+from configs.preflight import abandon_run_dir, claim_run_dir, preflight
+from configs.runtime import autocast, resolve_device, uses_bf16
+from configs.store import register_configs
+from configs.validate import ConfigError, batch_size_per_process, check_resume, validate
 from data import DatasetError, TokenWindows, get_encoding
-from data.prepare import prepare
+from data.checkpoint import CHECKPOINT_NAME, CheckpointError, checkpoint_path, load_checkpoint, save_checkpoint
+from data.files import DiskFullError, atomic_write
+from data.metrics import json_line, read_metrics, steady
+from data.prepare import prepare_on_node
 from model import GPT
-from model.attention import get_attention, get_sdpa_backend, sdpa_backend_in_use
+from model.attention import probe_sdpa_backend, sdpa_backend
 
 register_configs()
 
@@ -40,8 +49,8 @@ GPU_PEAK_BF16_FLOPS = {"H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "H80
                        "RTX 4090": 165e12, "RTX 3090": 71e12}
 
 
-class ConfigError(ValueError):
-    """A config that cannot run; the message says what to change."""
+class Diverged(RuntimeError):
+    """The loss or the gradient norm became NaN or inf."""
 
 
 # -----------------------------------------------------------------------------
@@ -71,78 +80,91 @@ def lr_at(step: int, cfg: DictConfig) -> float:
     return o.lr * (o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def make_optimizer(model: torch.nn.Module, cfg: DictConfig, device: torch.device) -> torch.optim.AdamW:
-    # decay matmul weights and embeddings (>= 2-D); never biases or LayerNorm gains
+def make_optimizer(model: torch.nn.Module, cfg: DictConfig) -> torch.optim.AdamW:
+    # decay matmul weights and embeddings (>= 2-D); never biases or LayerNorm gains. Fused (CPU and
+    # CUDA): one kernel, and it honours found_inf, which train_step uses to skip a non-finite update
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.optim.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
-                             eps=cfg.optim.eps, fused=device.type == "cuda")
+                             eps=cfg.optim.eps, fused=True)
 
 
-def save_checkpoint(path: Path, state: dict) -> None:
-    # write then rename: a crash or Ctrl-C mid-save leaves the previous checkpoint intact
-    tmp = path.with_suffix(".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
-
-
-def load_checkpoint(resume: str, cfg: DictConfig) -> tuple[Path, dict]:
-    path = Path(hydra.utils.to_absolute_path(resume))
-    path = path / "ckpt.pt" if path.is_dir() else path
-    if not path.is_file():
-        raise ConfigError(f"resume={resume}: no checkpoint at {path}; pass a run dir holding ckpt.pt or a .pt file")
-    ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    want, have = OmegaConf.to_container(cfg.model, resolve=True), ckpt["config"]["model"]
-    if want != have:
-        diff = {k: (have.get(k), v) for k, v in want.items() if have.get(k) != v}
-        raise ConfigError(f"checkpoint {path} has another model shape {{key: (checkpoint, this run)}} {diff}: "
-                          "resume with the overrides the run was started with (see its .hydra/overrides.yaml)")
-    return path.parent, ckpt
-
-
-def check_config(cfg: DictConfig, world: int) -> None:
-    if cfg.batch_tokens is not None:  # tokens per micro-step over all processes
-        if cfg.batch_tokens % (cfg.seq_len * world):
-            raise ConfigError(f"batch_tokens {cfg.batch_tokens} does not split into sequences of {cfg.seq_len} "
-                              f"over {world} processes: make it a multiple of seq_len x world size")
-        cfg.batch_size = cfg.batch_tokens // (cfg.seq_len * world)
-    if cfg.seq_len > cfg.model.max_seq_len:
-        raise ConfigError(f"seq_len {cfg.seq_len} exceeds the model's max_seq_len {cfg.model.max_seq_len}: "
-                          "set model.max_seq_len or a smaller seq_len")
-    try:
-        get_attention(cfg.attn.name)
-        if cfg.attn.sdpa_backend is not None:
-            get_sdpa_backend(cfg.attn.sdpa_backend)
-    except ValueError as e:
-        raise ConfigError(str(e)) from e
-    if cfg.model.d_model % cfg.model.n_head:
-        raise ConfigError(f"model.d_model {cfg.model.d_model} is not divisible by model.n_head {cfg.model.n_head}")
-    if cfg.model.pos_emb not in ("learned", "rope"):
-        raise ConfigError(f"model.pos_emb {cfg.model.pos_emb!r}: choose learned or rope")
-    if cfg.attn.name == "triton" and cfg.model.d_model // cfg.model.n_head > 256:
-        raise ConfigError(f"attn=triton supports head dims up to 256, this model has "
-                          f"{cfg.model.d_model // cfg.model.n_head}: use more heads or attn=sdpa")
-    if cfg.dtype not in ("auto", "float32", "bfloat16"):
-        raise ConfigError(f"dtype {cfg.dtype!r}: choose auto, float32 or bfloat16")
-
-
-def setup_distributed(cfg: DictConfig) -> tuple[int, int, torch.device]:
-    """(rank, world_size, device); one process per GPU under torchrun, else a single process."""
+def setup_distributed(cfg: DictConfig) -> tuple[int, int, int, torch.device]:
+    """(rank, world size, local rank, device): one process per GPU under torchrun, else one process."""
+    device = resolve_device(cfg.device)
     if "RANK" not in os.environ:
-        if cfg.device == "auto":
-            return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return 0, 1, torch.device(cfg.device)
+        return 0, 1, 0, device
     rank, world, local_rank = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
-    use_cuda = cfg.device != "cpu" and torch.cuda.is_available()
-    if use_cuda and local_rank >= torch.cuda.device_count():
-        raise ConfigError(f"local rank {local_rank} needs GPU {local_rank}, but only "
-                          f"{torch.cuda.device_count()} are visible: lower --nproc_per_node")
-    device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
-    if use_cuda:
+    if device.type == "cuda":
+        if local_rank >= torch.cuda.device_count():
+            raise ConfigError(f"local rank {local_rank} needs GPU {local_rank}, but only "
+                              f"{torch.cuda.device_count()} are visible: lower --nproc_per_node")
+        device = torch.device(f"cuda:{local_rank}")
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if use_cuda else "gloo", device_id=device if use_cuda else None)
-    return rank, world, device
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None)
+    return rank, world, local_rank, device
+
+
+# -----------------------------------------------------------------------------
+# metrics
+
+
+class Meter:
+    """Tokens/s, MFU and peak memory between log points, and the history of logged records."""
+
+    def __init__(self, tokens_per_step: int, flops_per_token: float, device: torch.device, world: int):
+        self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
+        self.device, self.world = device, world
+        self.peak_flops = gpu_peak_flops(device)
+        self.history: list[dict] = []
+        self.peaks = {"peak_mem_alloc_gib": None, "peak_mem_reserved_gib": None}  # GPU only
+        self.restart()
+
+    def restart(self) -> None:
+        """Starts a throughput interval: after setup and after each record."""
+        self.t0, self.tokens = time.perf_counter(), 0
+
+    def count_step(self) -> None:
+        self.tokens += self.tokens_per_step
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Evaluation and checkpointing inside are not training time."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the queued training work is training time
+        start = time.perf_counter()
+        yield
+        self.t0 += time.perf_counter() - start
+
+    def record(self, **values) -> dict:
+        """The record of the interval since the last one; the caller has synced the device."""
+        tok_s = self.tokens / (time.perf_counter() - self.t0)
+        rec = {**values, "tokens_per_s": tok_s, "tokens_per_s_per_gpu": tok_s / self.world,
+               "mfu": self.flops_per_token * tok_s / (self.peak_flops * self.world) if self.peak_flops else None,
+               **self._memory()}
+        for k in self.peaks:
+            if rec[k] is not None:
+                self.peaks[k] = max(self.peaks[k] or 0.0, rec[k])
+        self.history.append(rec)
+        self.restart()
+        return rec
+
+    def _memory(self) -> dict:
+        """Peak allocated/reserved GiB since the previous record (max over ranks); None on CPU."""
+        if self.device.type != "cuda":
+            return dict.fromkeys(self.peaks)
+        peaks = torch.tensor([torch.cuda.max_memory_allocated(self.device), torch.cuda.max_memory_reserved(self.device)],
+                             dtype=torch.float64, device=self.device) / 2**30
+        torch.cuda.reset_peak_memory_stats(self.device)
+        if self.world > 1:
+            dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
+        return {"peak_mem_alloc_gib": peaks[0].item(), "peak_mem_reserved_gib": peaks[1].item()}
+
+    def summary(self) -> dict:
+        records = steady(self.history)
+        return {"mean_tokens_per_s": sum(r["tokens_per_s"] for r in records) / len(records) if records else None,
+                **self.peaks}
 
 
 class RunLog:
@@ -154,71 +176,99 @@ class RunLog:
         self.path = run_dir / "metrics.jsonl"
         if resume_step is not None and self.path.exists():
             # keep the curve single-valued: drop what the interrupted run logged past its checkpoint
-            kept = [ln for ln in self.path.read_text().splitlines() if json.loads(ln).get("step", 0) <= resume_step]
-            tmp = self.path.with_suffix(".tmp")
-            tmp.write_text("".join(ln + "\n" for ln in kept))
-            os.replace(tmp, self.path)
+            kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step]
+            atomic_write(self.path, "".join(json_line(r) for r in kept).encode())
         group = cfg.wandb.group
         if group is None and HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
             group = "sweep-" + Path(HydraConfig.get().sweep.dir).as_posix().replace("/", "_")
         self.run = wandb.init(project=cfg.wandb.project, entity=cfg.wandb.entity, group=group,
                               name=cfg.wandb.name or f"{cfg.attn.name}-T{cfg.seq_len}-{cfg.model.name}",
-                              tags=list(cfg.wandb.tags), mode=cfg.wandb.mode, dir=str(run_dir),
-                              config=OmegaConf.to_container(cfg, resolve=True),
-                              id=wandb_id, resume="allow" if wandb_id else None)
+                              tags=list(cfg.wandb.tags), mode=str(cfg.wandb.mode), dir=str(run_dir),
+                              config=plain(cfg), id=wandb_id, resume="allow" if wandb_id else None)
 
     def log(self, record: dict) -> None:
         with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
-        self.run.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=record["step"])
+            f.write(json_line(record))
+        numbers = {k: v for k, v in record.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+        self.run.log(numbers, step=record["step"])
 
     def finish(self, summary: dict) -> None:
-        self.run.summary.update(summary)
+        self.run.summary.update({k: v for k, v in summary.items() if k != "sample"})
         self.run.finish(exit_code=0 if summary["status"] == "ok" else 1)
 
 
-@torch.no_grad()
-def evaluate(model: torch.nn.Module, loader: TokenWindows, start: dict, steps: int, autocast, world: int) -> float:
-    loader.load_state_dict(start)  # the same validation windows every time: comparable across steps
-    model.eval()
-    losses = []
-    for _ in range(steps):
-        x, y = loader.next_batch()
-        with autocast:
-            losses.append(model(x, y)[1].float())
-    model.train()
-    loss = torch.stack(losses).mean()
-    if world > 1:  # each rank saw its slice of the global validation batch
-        dist.all_reduce(loss, op=dist.ReduceOp.AVG)
-    return loss.item()
+def plain(cfg: DictConfig) -> dict:
+    """cfg as plain Python values (choices as strings): for checkpoints, W&B and JSON."""
+    return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
 
 
 # -----------------------------------------------------------------------------
-# training
+# the run
 
 
-def train(cfg: DictConfig, run_dir: Path) -> dict:
-    """Runs the whole training described by cfg, writing into run_dir; returns the summary."""
-    rank, world, device = setup_distributed(cfg)
-    check_config(cfg, world)
-    master = rank == 0  # rank 0 alone writes: run dir, metrics, W&B, checkpoints, progress bar
-    run_dir = Path(run_dir)
+@dataclass
+class Run:
+    cfg: DictConfig
+    run_dir: Path
+    rank: int
+    world: int
+    device: torch.device
+    model: torch.nn.Module  # what the loop calls: compiled and/or wrapped in DDP
+    raw_model: GPT  # what a checkpoint holds
+    optimizer: torch.optim.Optimizer
+    train_loader: TokenWindows
+    val_loader: TokenWindows
+    meter: Meter
+    info: dict
+    log: RunLog | None = None  # rank 0 only
+    step: int = 0
+    best_val: float = math.inf
+    last_val: float | None = None
+    first_bad_step: torch.Tensor | None = None  # on the device: the first step whose gradient was not finite
+    saved_step: int | None = None  # of the last checkpoint written (or resumed from)
+    val_start: dict = field(default_factory=dict)
 
-    resume_step, ckpt = None, None
+    @property
+    def master(self) -> bool:  # rank 0 alone writes: run dir, metrics, W&B, checkpoints, progress bar
+        return self.rank == 0
+
+
+def state_dict(run: Run) -> dict:
+    """Everything a checkpoint holds; load_state_dict below restores exactly this."""
+    return {"step": run.step, "model": run.raw_model.state_dict(), "optimizer": run.optimizer.state_dict(),
+            "loader": run.train_loader.state_dict(), "best_val_loss": run.best_val,
+            "rng": {"cpu": torch.get_rng_state(),
+                    "cuda": torch.cuda.get_rng_state(run.device) if run.device.type == "cuda" else None},
+            "config": plain(run.cfg), "world_size": run.world, "wandb_id": run.log.run.id if run.log else None}
+
+
+def load_state_dict(run: Run, state: dict) -> None:
+    run.step, run.best_val = state["step"], state["best_val_loss"]
+    run.raw_model.load_state_dict(state["model"])
+    run.optimizer.load_state_dict(state["optimizer"])
+    run.train_loader.load_state_dict(state["loader"])
+    torch.set_rng_state(state["rng"]["cpu"])
+    if run.device.type == "cuda" and state["rng"]["cuda"] is not None:
+        torch.cuda.set_rng_state(state["rng"]["cuda"], run.device)
+
+
+def setup(cfg: DictConfig, run_dir: Path) -> Run:
+    """Checks cfg, then builds everything the loop needs, resumed from cfg.resume if set."""
+    rank, world, local_rank, device = setup_distributed(cfg)
+    validate(cfg, world)
+    cfg.batch_size = batch_size_per_process(cfg, world)
+    ckpt = None
     if cfg.resume:
-        run_dir, ckpt = load_checkpoint(cfg.resume, cfg)  # continue in the original run's directory
-        resume_step = ckpt["step"]
-        if resume_step >= cfg.max_steps:
-            raise ConfigError(f"resume={cfg.resume}: that run already finished at step {resume_step}; "
-                              f"raise max_steps above {resume_step} to train it further")
-        if master:
-            print(f"resuming {run_dir} at step {resume_step}: metrics, W&B and checkpoints continue there")
-    if master:
-        run_dir.mkdir(parents=True, exist_ok=True)
+        path = checkpoint_path(hydra.utils.to_absolute_path(cfg.resume))
+        ckpt = load_checkpoint(path)
+        run_dir = path.parent  # metrics, W&B and checkpoints continue in the original run's dir
+        changes = check_resume(ckpt, plain(cfg), world, path)
+        if rank == 0:
+            print(f"resuming {run_dir} at step {ckpt['step']}" + (f"; changed: {changes}" if changes else ""))
+    if rank == 0:
+        claim_run_dir(run_dir, fresh=ckpt is None)
 
     torch.manual_seed(cfg.seed)  # same initial weights on every rank
-    use_bf16 = cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and device.type == "cuda")
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if use_bf16 else nullcontext()
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
@@ -226,185 +276,208 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
 
-    # ---- data: one process per node prepares on first use; the others wait, then find it ready
-    local_master = int(os.environ.get("LOCAL_RANK", "0")) == 0
-    if local_master:
-        dataset_dir = prepare(cfg.data)
-    if world > 1:
-        dist.barrier()
-    if not local_master:
-        dataset_dir = prepare(cfg.data)
+    dataset_dir = prepare_on_node(cfg.data, local_rank, dist.barrier if world > 1 else lambda: None)
     # each rank takes its own slice of one global batch (data/loader.py)
     data_seed = cfg.seed if cfg.data_seed is None else cfg.data_seed
     train_loader = TokenWindows(dataset_dir, "train", cfg.seq_len, cfg.batch_size, device, data_seed, rank, world)
     val_loader = TokenWindows(dataset_dir, "val", cfg.seq_len, cfg.batch_size, device, cfg.seed, rank, world)
-    val_start = val_loader.state_dict()
 
-    # ---- model and optimizer
-    model = GPT(cfg.model, cfg.attn.name).to(device)
-    optimizer = make_optimizer(model, cfg, device)
-    step, best_val = 0, float("inf")
+    raw_model = GPT(cfg.model, cfg.attn.name).to(device)
+    info = {"params": raw_model.num_params(), "tokens_per_step": cfg.batch_size * cfg.seq_len * cfg.grad_accum * world,
+            "world_size": world, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__, "triton": triton_version()}
+    if cfg.attn.name == "sdpa":
+        dtype = torch.bfloat16 if uses_bf16(cfg.dtype, device) else torch.float32
+        try:
+            info["sdpa_backend"] = probe_sdpa_backend(cfg.batch_size, cfg.seq_len, cfg.model.n_head,
+                                                      cfg.model.d_model // cfg.model.n_head, dtype, device,
+                                                      cfg.attn.sdpa_backend)
+        except RuntimeError as e:
+            raise ConfigError(f"attn.sdpa_backend={cfg.attn.sdpa_backend}: torch has no such kernel for these "
+                              f"inputs on {device.type} ({str(e).splitlines()[0][:120]}): choose another or null")
+    model = raw_model
+    run = Run(cfg=cfg, run_dir=Path(run_dir), rank=rank, world=world, device=device, model=model,
+              raw_model=raw_model, optimizer=make_optimizer(raw_model, cfg), train_loader=train_loader,
+              val_loader=val_loader, val_start=val_loader.state_dict(), info=info,
+              meter=Meter(info["tokens_per_step"], raw_model.flops_per_token(cfg.seq_len), device, world),
+              first_bad_step=torch.zeros((), dtype=torch.long, device=device))
     if ckpt is not None:
-        model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        train_loader.load_state_dict(ckpt["loader"])
-        step, best_val = ckpt["step"], ckpt["best_val_loss"]
-        torch.set_rng_state(ckpt["rng"]["cpu"])
-        if device.type == "cuda" and ckpt["rng"]["cuda"] is not None:
-            torch.cuda.set_rng_state(ckpt["rng"]["cuda"], device)
+        load_state_dict(run, ckpt)
+        run.saved_step = run.step
+        if run.step >= cfg.max_steps:
+            raise ConfigError(f"resume={cfg.resume}: that run already finished at step {run.step}; "
+                              f"raise max_steps above {run.step} to train it further")
     if world > 1:
         torch.manual_seed(cfg.seed + rank)  # same initial weights everywhere, but each rank its own dropout
-    raw_model = model
     if cfg.compile:
-        model = torch.compile(model)
+        run.model = torch.compile(run.model)
     if world > 1:
         # gradients live in the all-reduce buckets: no copy in and out of them after backward
-        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True)
+        run.model = DDP(run.model, device_ids=[device.index] if device.type == "cuda" else None,
+                        gradient_as_bucket_view=True)
+    if run.master:
+        run.log = RunLog(run.run_dir, cfg, ckpt["wandb_id"] if ckpt else None, ckpt["step"] if ckpt else None)
+        run.log.run.config.update(info, allow_val_change=True)
+        print(f"run dir {run.run_dir} | {info}", flush=True)
+    run.meter.restart()
+    return run
 
-    sdpa_ctx = nullcontext()
-    if cfg.attn.sdpa_backend is not None:
-        from torch.nn.attention import sdpa_kernel
 
-        sdpa_ctx = sdpa_kernel(get_sdpa_backend(cfg.attn.sdpa_backend))
+# -----------------------------------------------------------------------------
+# steps
 
-    tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum * world
-    flops_per_token = raw_model.flops_per_token(cfg.seq_len)
-    peak_flops = gpu_peak_flops(device)
-    info = {"params": raw_model.num_params(), "tokens_per_step": tokens_per_step, "world_size": world,
-            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-            "torch": torch.__version__, "triton": triton_version()}
-    if cfg.attn.name == "sdpa" and device.type == "cuda":
-        H, D = cfg.model.n_head, cfg.model.d_model // cfg.model.n_head
-        # laid out as the model passes them: strided views of one (B, T, 3, H, D) projection
-        qkv = torch.empty(cfg.batch_size, cfg.seq_len, 3, H, D, device=device,
-                          dtype=torch.bfloat16 if use_bf16 else torch.float32)
-        with sdpa_ctx:
-            info["sdpa_backend"] = sdpa_backend_in_use(*qkv.permute(2, 0, 3, 1, 4))
 
-    log = None
-    if master:
-        log = RunLog(run_dir, cfg, ckpt["wandb_id"] if ckpt else None, resume_step)
-        log.run.config.update(info, allow_val_change=True)
-        print(f"run dir {run_dir} | {info}", flush=True)
+def train_step(run: Run) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """One optimizer step over grad_accum micro-batches: (mean loss, grad norm) on the device, unsynced, and the lr."""
+    cfg = run.cfg
+    lr = lr_at(run.step, cfg)
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
+    loss_sum = torch.zeros((), device=run.device)
+    for micro in range(cfg.grad_accum):
+        if run.world > 1:  # all-reduce gradients only on the last micro-step
+            run.model.require_backward_grad_sync = micro == cfg.grad_accum - 1
+        x, y = run.train_loader.next_batch()
+        with autocast(cfg.dtype, run.device), sdpa_backend(cfg.attn.sdpa_backend):
+            _, loss = run.model(x, y)
+        (loss / cfg.grad_accum).backward()
+        loss_sum += loss.detach()
+    clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
+    grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), clip)
+    # a non-finite gradient never reaches the weights: the fused AdamW skips the whole update on
+    # the device (no host sync); the loop stops at its next sync point (check_finite)
+    bad = ~torch.isfinite(grad_norm)
+    run.optimizer.found_inf = bad.float()
+    run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    run.step += 1
+    run.first_bad_step = torch.where(bad & (run.first_bad_step == 0), run.step, run.first_bad_step)
+    return loss_sum / cfg.grad_accum, grad_norm, lr
 
-    # ---- the loop
-    status, last_val, history = "ok", None, []
-    mem_peaks = {"peak_mem_alloc_gib": None, "peak_mem_reserved_gib": None}  # GPU only
-    bar = tqdm(total=cfg.max_steps, initial=step, disable=not master, dynamic_ncols=True, desc=cfg.attn.name)
-    t_last, tokens_since = time.perf_counter(), 0
+
+def check_finite(run: Run, loss: float | None = None) -> None:
+    """Raises Diverged if a step since the start had a non-finite gradient, or `loss` is not finite."""
+    bad_step = int(run.first_bad_step.item())
+    if bad_step or (loss is not None and not math.isfinite(loss)):
+        what = f"the gradient norm at step {bad_step}" if bad_step else f"the loss at step {run.step}"
+        raise Diverged(f"training diverged: {what} is not finite; that update was skipped and the run stopped "
+                       f"(optim.lr={run.cfg.optim.lr})")
+
+
+@torch.no_grad()
+def evaluate(run: Run) -> float:
+    run.val_loader.load_state_dict(run.val_start)  # the same validation windows every time: comparable across steps
+    run.model.eval()
+    losses = []
+    for _ in range(run.cfg.eval_steps):
+        x, y = run.val_loader.next_batch()
+        with autocast(run.cfg.dtype, run.device), sdpa_backend(run.cfg.attn.sdpa_backend):
+            losses.append(run.model(x, y)[1].float())
+    run.model.train()
+    loss = torch.stack(losses).mean()
+    if run.world > 1:  # each rank saw its slice of the global validation batch
+        dist.all_reduce(loss, op=dist.ReduceOp.AVG)
+    return loss.item()
+
+
+def save(run: Run) -> None:
+    """Checkpoints the run (rank 0; every rank's loader holds the same state, so rank 0's serves all)."""
+    check_finite(run)
+    if run.master:
+        save_checkpoint(run.run_dir / CHECKPOINT_NAME, state_dict(run))
+    run.saved_step = run.step
+
+
+def last_checkpoint(run: Run) -> str:
+    if run.saved_step is None:
+        return "no checkpoint was written"
+    return f"the last checkpoint (step {run.saved_step}) is {run.run_dir / CHECKPOINT_NAME}"
+
+
+# -----------------------------------------------------------------------------
+# the loop
+
+
+def train(cfg: DictConfig, run_dir: Path) -> dict:
+    """Runs the whole training described by cfg, writing into run_dir; returns the summary."""
+    run = setup(cfg, Path(run_dir))
+    bar = tqdm(total=cfg.max_steps, initial=run.step, disable=not run.master, dynamic_ncols=True, desc=str(cfg.attn.name))
+    status, message = "ok", None
     try:
-        with sdpa_ctx:
-            while step < cfg.max_steps:
-                lr = lr_at(step, cfg)
-                for group in optimizer.param_groups:
-                    group["lr"] = lr
-                loss_sum = torch.zeros((), device=device)
-                for micro in range(cfg.grad_accum):
-                    if world > 1:  # all-reduce gradients only on the last micro-step
-                        model.require_backward_grad_sync = micro == cfg.grad_accum - 1
-                    x, y = train_loader.next_batch()
-                    with autocast:
-                        _, loss = model(x, y)
-                    (loss / cfg.grad_accum).backward()
-                    loss_sum += loss.detach()
-                clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                step += 1
-                tokens_since += tokens_per_step
-                bar.update(1)
-
-                last = step == cfg.max_steps
-                if step % cfg.log_interval == 0 or last:
-                    loss_avg = loss_sum / cfg.grad_accum
-                    if world > 1:
-                        dist.all_reduce(loss_avg, op=dist.ReduceOp.AVG)
-                    loss_val = loss_avg.item()  # syncs the device: the timing below is honest
-                    if not math.isfinite(loss_val):
-                        raise FloatingPointError(f"loss is {loss_val} at step {step}: lower optim.lr or check data")
-                    dt = time.perf_counter() - t_last
-                    tok_s = tokens_since / dt
-                    rec = {"step": step, "loss": loss_val, "lr": lr, "grad_norm": grad_norm.item(),
-                           "tokens_per_s": tok_s, "tokens_per_s_per_gpu": tok_s / world,
-                           "mfu": flops_per_token * tok_s / (peak_flops * world) if peak_flops else None,
-                           "attn": cfg.attn.name, "seq_len": cfg.seq_len, **memory_since_last_log(device, world)}
-                    for k in mem_peaks:
-                        if rec[k] is not None:
-                            mem_peaks[k] = max(mem_peaks[k] or 0.0, rec[k])
-                    history.append(rec)
-                    if master:
-                        log.log(rec)
-                        bar.set_postfix(loss=f"{loss_val:.3f}", tok_s=f"{tok_s:,.0f}")
-                    t_last, tokens_since = time.perf_counter(), 0
-
-                if (cfg.eval_interval and step % cfg.eval_interval == 0) or last:
-                    last_val = evaluate(model, val_loader, val_start, cfg.eval_steps, autocast, world)
-                    best_val = min(best_val, last_val)
-                    if master:
-                        log.log({"step": step, "val_loss": last_val})
-                        bar.write(f"step {step}: val loss {last_val:.4f}")
-                    t_last, tokens_since = time.perf_counter(), 0  # evaluation is not training throughput
-                due = cfg.ckpt_interval >= 0 and ((cfg.ckpt_interval and step % cfg.ckpt_interval == 0) or last)
-                if master and due:  # every rank's loader holds the same state: rank 0's serves all
-                    save_checkpoint(run_dir / "ckpt.pt", {
-                        "model": raw_model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
-                        "config": OmegaConf.to_container(cfg, resolve=True), "best_val_loss": best_val,
-                        "loader": train_loader.state_dict(), "wandb_id": log.run.id,
-                        "rng": {"cpu": torch.get_rng_state(),
-                                "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}})
-                    t_last, tokens_since = time.perf_counter(), 0  # saving is not training throughput
+        while run.step < cfg.max_steps:
+            loss, grad_norm, lr = train_step(run)
+            run.meter.count_step()
+            bar.update(1)
+            last = run.step == cfg.max_steps
+            if run.step % cfg.log_interval == 0 or last:
+                if run.world > 1:
+                    dist.all_reduce(loss, op=dist.ReduceOp.AVG)
+                loss_val = loss.item()  # syncs the device: the timing below is honest
+                check_finite(run, loss_val)
+                rec = run.meter.record(step=run.step, loss=loss_val, lr=lr, grad_norm=grad_norm.item(),
+                                       attn=str(cfg.attn.name), seq_len=cfg.seq_len)
+                if run.master:
+                    run.log.log(rec)
+                    bar.set_postfix(loss=f"{loss_val:.3f}", tok_s=f"{rec['tokens_per_s']:,.0f}")
+            if (cfg.eval_interval and run.step % cfg.eval_interval == 0) or last:
+                with run.meter.paused():
+                    run.last_val = evaluate(run)
+                run.best_val = min(run.best_val, run.last_val)
+                if run.master:
+                    run.log.log({"step": run.step, "val_loss": run.last_val})
+                    bar.write(f"step {run.step}: val loss {run.last_val:.4f}")
+            if cfg.ckpt_interval >= 0 and ((cfg.ckpt_interval and run.step % cfg.ckpt_interval == 0) or last):
+                with run.meter.paused():
+                    save(run)
     except torch.cuda.OutOfMemoryError:
-        status = "oom"
-        msg = (f"CUDA out of memory at step {step + 1} with attn={cfg.attn.name} seq_len={cfg.seq_len} "
-               f"batch_size={cfg.batch_size}: lower batch_size or seq_len, or use attn=sdpa/triton")
-        if master:
-            bar.write(msg)
-            log.log({"step": step, "event": "oom", "oom": 1, "message": msg})
-        if world > 1:  # the other ranks wait in an all-reduce: fail this process, torchrun stops them all
+        if run.world > 1:  # the other ranks wait in an all-reduce: fail this process, torchrun stops them all
             raise
-    except BaseException:  # Ctrl-C or a crash: close the W&B run as failed; ckpt.pt stays the last good one
-        if master:
-            log.run.finish(exit_code=1)
+        status = "oom"
+        message = (f"CUDA out of memory at step {run.step + 1} with attn={cfg.attn.name} seq_len={cfg.seq_len} "
+                   f"batch_size={cfg.batch_size}: lower batch_size or seq_len, or use attn=sdpa/triton")
+    except (Diverged, DiskFullError, CheckpointError) as e:
+        status, message = ("diverged" if isinstance(e, Diverged) else "failed"), f"{e}; {last_checkpoint(run)}"
+    except BaseException as e:  # Ctrl-C or a crash: close the W&B run as failed; ckpt.pt stays the last good one
+        if run.master:
+            if isinstance(e, KeyboardInterrupt):
+                resume = f": add resume={run.run_dir} to the same command to continue" if run.saved_step else ""
+                print(f"\ninterrupted at step {run.step}; {last_checkpoint(run)}{resume}", file=sys.stderr)
+            run.log.run.finish(exit_code=1)
         raise
     finally:
         bar.close()
+    return finish(run, status, message)
 
-    steady = history[1:] or history  # the first interval includes warmup and compilation
-    summary = {"status": status, "steps": step, "best_val_loss": best_val if last_val is not None else None,
-               "final_val_loss": last_val, "final_loss": history[-1]["loss"] if history else None,
-               "mean_tokens_per_s": sum(r["tokens_per_s"] for r in steady) / len(steady) if steady else None,
-               "attn": cfg.attn.name, "seq_len": cfg.seq_len, **mem_peaks, **info}
-    if master:
+
+def finish(run: Run, status: str, message: str | None) -> dict:
+    """Writes summary.json and closes the W&B run (rank 0); returns the summary."""
+    cfg = run.cfg
+    if message and run.master:
+        print(message, file=sys.stderr)
+        run.log.log({"step": run.step, "event": status, status: 1, "message": message})
+    history = run.meter.history
+    summary = {"status": status, "message": message, "steps": run.step,
+               "best_val_loss": run.best_val if run.last_val is not None else None, "final_val_loss": run.last_val,
+               "final_loss": history[-1]["loss"] if history else None, **run.meter.summary(),
+               "attn": str(cfg.attn.name), "seq_len": cfg.seq_len, **run.info}
+    if run.master:
         if status == "ok" and cfg.sample_tokens > 0:
-            summary["sample"] = sample(raw_model, cfg, device, autocast)
+            summary["sample"] = sample(run.raw_model, cfg, run.device)
             print(f"--- sample ---\n{summary['sample']}\n--------------")
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        log.finish(summary)
-        print("summary: " + ", ".join(f"{k}={v}" for k, v in summary.items() if k != "sample"))
-    if world > 1:
+        atomic_write(run.run_dir / "summary.json", json_line(summary).encode())
+        run.log.finish(summary)
+        print("summary: " + ", ".join(f"{k}={v}" for k, v in summary.items() if k not in ("sample", "message")))
+    if run.world > 1:
         dist.destroy_process_group()
     return summary
 
 
-def memory_since_last_log(device: torch.device, world: int) -> dict:
-    """Peak allocated/reserved GiB since the previous call (max over ranks); None on CPU."""
-    if device.type != "cuda":
-        return {"peak_mem_alloc_gib": None, "peak_mem_reserved_gib": None}
-    peaks = torch.tensor([torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)],
-                         dtype=torch.float64, device=device) / 2**30
-    torch.cuda.reset_peak_memory_stats(device)
-    if world > 1:
-        dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
-    return {"peak_mem_alloc_gib": peaks[0].item(), "peak_mem_reserved_gib": peaks[1].item()}
-
-
-def sample(model: GPT, cfg: DictConfig, device: torch.device, autocast) -> str:
+def sample(model: GPT, cfg: DictConfig, device: torch.device) -> str:
     enc = get_encoding()
     idx = torch.tensor([enc.encode_ordinary(cfg.sample_prompt)], device=device)
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
     model.eval()
-    with autocast:
+    with autocast(cfg.dtype, device):
         out = model.generate(idx, cfg.sample_tokens, generator=gen)
     return enc.decode(out[0].tolist())
 
@@ -414,10 +487,16 @@ def main(cfg: DictConfig) -> float | None:
     hc = HydraConfig.get()
     try:
         summary = train(cfg, Path(hc.runtime.output_dir))
-    except (ConfigError, DatasetError) as e:
+    except (ConfigError, DatasetError, CheckpointError) as e:
         if hc.mode == RunMode.RUN:
-            sys.exit(f"error: {e}")
+            print(f"error: {e}", file=sys.stderr)
+            abandon_run_dir(Path(hc.runtime.output_dir))
+            sys.exit(2)
+        # a sweep job that cannot run is recorded with its reason and skipped; the sweep goes on
         print(f"error: {e} (this job is skipped; the sweep goes on)", file=sys.stderr)
+        job_dir = Path(hc.runtime.output_dir)
+        if not any((job_dir / name).exists() for name in ("summary.json", CHECKPOINT_NAME)):
+            atomic_write(job_dir / "summary.json", json_line({"status": "skipped", "message": str(e)}).encode())
         return None
     if summary["status"] != "ok" and hc.mode == RunMode.RUN:
         sys.exit(1)  # in a sweep the failure is recorded and the next job runs
@@ -429,4 +508,9 @@ if __name__ == "__main__":
         # under torchrun rank 0 alone owns the Hydra run dir; the other ranks get none and write nothing
         sys.argv += ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=disabled",
                      "hydra/hydra_logging=disabled"]
-    main()
+    else:
+        sys.argv += preflight(sys.argv[1:])
+    try:
+        main()
+    except KeyboardInterrupt:
+        sys.exit(130)  # train() said where to resume

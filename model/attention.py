@@ -6,10 +6,14 @@ shape and dtype. The GPT model calls `get_attention(name)` once and never branch
 
 import math
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from configs.schema import AttnName
+from kernels import flash_attention
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -26,22 +30,19 @@ def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
 
 
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """PyTorch's fused attention; which backend runs is torch's choice unless pinned by the caller."""
+    """PyTorch's fused attention; which backend runs is torch's choice unless pinned (sdpa_backend)."""
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Our FlashAttention-2 Triton kernels (kernels/flash_attn.py)."""
-    # imported on first use: the kernel module chooses Triton's CPU interpreter at import time
-    from kernels import flash_attention
-
     return flash_attention(q, k, v, causal=True)
 
 
-ATTENTIONS: dict[str, AttentionFn] = {
-    "naive": naive_attention,
-    "sdpa": sdpa_attention,
-    "triton": triton_attention,
+ATTENTIONS: dict[str, AttentionFn] = {  # one entry per configs.schema.AttnName
+    AttnName.naive.value: naive_attention,
+    AttnName.sdpa.value: sdpa_attention,
+    AttnName.triton.value: triton_attention,
 }
 
 SDPA_BACKENDS = {
@@ -58,14 +59,22 @@ def get_attention(name: str) -> AttentionFn:
     return ATTENTIONS[name]
 
 
-def get_sdpa_backend(name: str) -> SDPBackend:
-    if name not in SDPA_BACKENDS:
-        raise ValueError(f"unknown SDPA backend {name!r}: choose one of {sorted(SDPA_BACKENDS)} or null")
-    return SDPA_BACKENDS[name]
+def sdpa_backend(name: str | None) -> AbstractContextManager:
+    """A fresh context pinning SDPA to backend `name` (nullcontext for None): the contexts are single-use."""
+    return nullcontext() if name is None else sdpa_kernel(SDPA_BACKENDS[name])
 
 
-def sdpa_backend_in_use(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
-    """Name of the SDPA backend torch dispatches to for these inputs under the active sdpa_kernel."""
-    # torch's own dispatcher choice (private API: there is no public one); same rules as the real call
-    choice = SDPBackend(torch._fused_sdp_choice(q, k, v, None, 0.0, True))
-    return choice.name.lower()
+def sdpa_backend_in_use(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str | None = None) -> str:
+    """The SDPA backend (a key of SDPA_BACKENDS) torch dispatches these inputs to, pinned to
+    `backend` if given; RuntimeError if that backend cannot run them."""
+    with sdpa_backend(backend):
+        # torch's own dispatcher choice (private API: there is no public one); same rules as the real call
+        choice = SDPBackend(torch._fused_sdp_choice(q, k, v, None, 0.0, True))
+    return next(name for name, b in SDPA_BACKENDS.items() if b == choice)
+
+
+def probe_sdpa_backend(batch: int, seq_len: int, n_head: int, head_dim: int, dtype: torch.dtype,
+                       device: torch.device, backend: str | None = None) -> str:
+    """sdpa_backend_in_use for the model's own inputs: strided views of one (B, T, 3, H, D) projection."""
+    qkv = torch.empty(batch, seq_len, 3, n_head, head_dim, device=device, dtype=dtype)
+    return sdpa_backend_in_use(*qkv.permute(2, 0, 3, 1, 4), backend=backend)

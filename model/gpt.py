@@ -10,6 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from configs.schema import ModelConfig
+from kernels import attention_flops
 from model.attention import AttentionFn, get_attention
 
 
@@ -87,10 +88,6 @@ class Block(nn.Module):
 class GPT(nn.Module):
     def __init__(self, cfg: ModelConfig, attn: str):
         super().__init__()
-        if cfg.d_model % cfg.n_head:
-            raise ValueError(f"model.d_model {cfg.d_model} is not divisible by model.n_head {cfg.n_head}")
-        if cfg.pos_emb not in ("learned", "rope"):
-            raise ValueError(f"model.pos_emb {cfg.pos_emb!r}: choose 'learned' or 'rope'")
         self.cfg = cfg
         self.vocab_size = padded_vocab(cfg.vocab_size)
         attention = get_attention(attn)
@@ -125,13 +122,11 @@ class GPT(nn.Module):
         return n
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token: 6N for the weights plus causal attention's two T x T matmuls.
-
-        Attention does QK^T and PV, 2 * 2 * T * d_model FLOPs per token forward per layer, halved
-        by the causal mask as in the FlashAttention papers, times 3 for forward + backward.
-        """
-        attention = 3 * 2 * seq_len * self.cfg.d_model * self.cfg.n_layer
-        return 6 * self.num_params(matmul_only=True) + attention
+        """Training FLOPs per token (PaLM's MFU convention): 6N for the weights, plus causal
+        attention's QK^T and PV forward (kernels/flops.py) times 3 for forward and backward."""
+        head_dim = self.cfg.d_model // self.cfg.n_head
+        attention = attention_flops(1, self.cfg.n_head, seq_len, seq_len, head_dim, causal=True) / seq_len
+        return 6 * self.num_params(matmul_only=True) + 3 * self.cfg.n_layer * attention
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         """idx (B, T) token ids -> logits (B, T, V); with targets (B, T) also the mean loss."""

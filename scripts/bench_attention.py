@@ -1,13 +1,13 @@
 """Benchmark causal bf16 attention kernels: our Triton kernel against SDPA backends, FlexAttention, naive.
 
-Shapes match the project's reference numbers (ANCHORS.md): (B, H, T, D) with B·T = 16384 tokens and H·D = 1024, so every
-cell does the work of one attention layer of the same model at a different sequence length.
-Each SDPA backend is pinned with `sdpa_kernel`, so a row always names the kernel that ran.
-FLOP convention (FlashAttention papers, Triton tutorial): forward = 4·B·H·T²·D, halved for causal;
-forward+backward = 3.5 × forward.
+Shapes: (B, H, T, D) with B·T = 16384 tokens and H·D = 1024, so every cell does the work of one
+attention layer of the same model at a different sequence length. Each SDPA backend is pinned
+with `sdpa_kernel`, so a row always names the kernel that ran. FLOPs: kernels/flops.py, with
+forward+backward = 3.5 × forward. Peak extra memory: what one forward+backward allocates beyond
+its inputs and the gradients it returns (the scores for naive, LSE and scratch for the others).
 
-    python scripts/bench_attention.py                       # full sweep, writes docs/bench/
-    python scripts/bench_attention.py --quick --impls triton,sdpa_flash
+    python scripts/bench_attention.py                       # full sweep, into bench/<date>_<time>/
+    python scripts/bench_attention.py --quick --impls triton,sdpa_flash --out docs/bench
 """
 import argparse
 import csv
@@ -29,11 +29,13 @@ from triton.compiler.errors import CompilationError
 from triton.runtime.errors import OutOfResources
 from triton.testing import do_bench
 
+from kernels import attention_flops, flash_attention
+from model.attention import naive_attention
+
 SEQ_LENS = [512, 1024, 2048, 4096, 8192, 16384]
 QUICK_SEQ_LENS = [1024, 8192]
 HEAD_DIMS = [64, 128]
-# Measured: naive fwd+bwd took 45 GB beyond its inputs for 2.1e9 scores (T=8192, D=64, ANCHORS.md),
-# i.e. ~21 bytes per score: bf16 scores, masked copy, fp32 softmax and their gradients.
+# naive fwd+bwd keeps bf16 scores, a masked copy, fp32 softmax and their gradients: ~20 bytes a score
 NAIVE_BYTES_PER_SCORE = 20
 # A cell that fails for one of these records "n/a" and the sweep goes on: a pinned SDPA backend
 # without a kernel for the shape, a Triton config that does not fit in shared memory, and the like.
@@ -47,7 +49,6 @@ FIELDS = ["impl", "D", "T", "B", "H", "fwd_ms", "fwdbwd_ms",
 # ---------------------------------------------------------------------------
 
 def _triton(T):
-    from kernels import flash_attention  # imported here so --help works before the kernel exists
     return lambda q, k, v: flash_attention(q, k, v, causal=True)
 
 
@@ -72,34 +73,18 @@ def _flex(T):
     return lambda q, k, v: compiled(q, k, v, block_mask=block_mask)
 
 
-def _naive_attention(q, k, v):
-    # model/attention.py's naive_attention, copied: importing model/ pulls in hydra through configs/
-    T = q.size(-2)
-    scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.size(-1)))  # (B, H, T, T)
-    future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
-    scores = scores.masked_fill(future, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return probs @ v  # (B, H, T, D)
-
-
 IMPLS = {
     "triton": _triton,
     "sdpa_flash": _sdpa(SDPBackend.FLASH_ATTENTION),
     "sdpa_cudnn": _sdpa(SDPBackend.CUDNN_ATTENTION),
     "sdpa_efficient": _sdpa(SDPBackend.EFFICIENT_ATTENTION),
     "flex": _flex,
-    "naive": lambda T: _naive_attention,
+    "naive": lambda T: naive_attention,
 }
 
 # ---------------------------------------------------------------------------
 # Measurement
 # ---------------------------------------------------------------------------
-
-def attention_flops(B, H, T, D):
-    """(forward, forward+backward) FLOPs of causal attention."""
-    fwd = 4 * B * H * T * T * D / 2
-    return fwd, 3.5 * fwd
-
 
 def make_inputs(B, H, T, D, layout):
     """Fresh N(0, 1) bf16 inputs: (leaves holding the grads, fn giving q, k, v (B, H, T, D), dout)."""
@@ -132,17 +117,18 @@ def bench_one(attn, leaves, get_qkv, dout, warmup, rep):
     fwd_bwd()  # compile / autotune outside the timed region
     fwd_ms = do_bench(fwd, warmup=warmup, rep=rep, return_mode="median")
     fwdbwd_ms = do_bench(fwd_bwd, warmup=warmup, rep=rep, grad_to_none=leaves, return_mode="median")
-    # Peak includes the q, k, v gradients (3 × input size) that every implementation must write.
+    # Peak beyond the inputs, less the dq, dk, dv every implementation returns; autograd.grad,
+    # so that no leaf .grad (a (B, T, 3, H, D) copy in the btHd layout) is counted
     for x in leaves:
         x.grad = None
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    fwd_bwd()
+    q, k, v = get_qkv()
+    grads = torch.autograd.grad(attn(q, k, v), (q, k, v), dout)
     torch.cuda.synchronize()
-    peak_mb = (torch.cuda.max_memory_allocated() - before) / 1e6
-    for x in leaves:
-        x.grad = None
+    peak_mb = (torch.cuda.max_memory_allocated() - before - sum(g.numel() * g.element_size() for g in grads)) / 1e6
+    del grads
     return fwd_ms, fwdbwd_ms, peak_mb
 
 
@@ -176,7 +162,7 @@ def run_cell(name, B, H, T, D, leaves, get_qkv, dout, args):
     for x in leaves:
         x.grad = None
     free_memory()
-    for key, flops in zip(("fwd", "fwdbwd"), attention_flops(B, H, T, D)):
+    for key, flops in zip(("fwd", "fwdbwd"), (attention_flops(B, H, T, T, D), 3.5 * attention_flops(B, H, T, T, D))):
         row[f"{key}_tflops"] = flops / (row[f"{key}_ms"] * 1e-3) / 1e12
     return row
 
@@ -215,7 +201,7 @@ def markdown_tables(rows, impls):
         lines.append("")
     T_max = max(r["T"] for r in rows)
     ds = sorted({r["D"] for r in rows if r["T"] == T_max})
-    lines += [f"Peak extra memory of one fwd+bwd at T = {T_max}, MB (includes dq, dk, dv)", "",
+    lines += [f"Peak extra memory of one fwd+bwd at T = {T_max}, MB (beyond q, k, v and dq, dk, dv)", "",
               "| impl | " + " | ".join(f"D = {D}" for D in ds) + " |", "|---" * (len(ds) + 1) + "|"]
     for name in impls:
         cells = [_cell(rows, name, D, T_max, lambda r: f"{r['peak_extra_mb']:.0f}") for D in ds]
@@ -271,13 +257,15 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help=f"only T in {QUICK_SEQ_LENS}")
     p.add_argument("--impls", default=",".join(IMPLS), help=f"comma subset of {','.join(IMPLS)}")
     p.add_argument("--layout", choices=["bhtd", "btHd"], default="bhtd",
-                   help="bhtd: contiguous q, k, v (ANCHORS.md); btHd: transposed views of one "
+                   help="bhtd: contiguous q, k, v; btHd: transposed views of one "
                         "(B, T, 3, H, D) tensor, as the model produces them")
     p.add_argument("--tokens", type=int, default=16384, help="B·T, fixed across T")
     p.add_argument("--width", type=int, default=1024, help="H·D, fixed across D")
     p.add_argument("--warmup", type=int, default=25, help="do_bench warmup, ms")
     p.add_argument("--rep", type=int, default=100, help="do_bench timed repetitions, ms")
-    p.add_argument("--out", type=Path, default=Path("docs/bench"), help="where CSV and PNG go")
+    p.add_argument("--out", type=Path, default=Path("bench") / f"{datetime.now():%Y-%m-%d_%H-%M-%S}",
+                   help="where CSV, PNG and Markdown go (default: a new folder under bench/; "
+                        "docs/bench holds the README's tables)")
     args = p.parse_args(argv)
     args.impls = args.impls.split(",")
     unknown = [n for n in args.impls if n not in IMPLS]

@@ -11,11 +11,9 @@ reference. The tolerance follows from the arithmetic, so it depends on the preci
 
 - strict (fp32 on the CPU): the attentions sum the same terms in different orders, so the curves
   differ by rounding alone, carried through the steps. Bound: |Δloss| <= 1e-4 at every step and
-  for the final val loss. Measured (experiment=equivalence_cpu, 50 steps): max |Δ| 9.5e-7 for naive
-  and 1.9e-6 for triton against sdpa, 1-2 fp32 ulps of a loss near 9; final val losses identical.
-  The bound assumes stable training: at a gradient-norm spike the same small weight differences
-  move the loss a lot (that preset at optim.lr=3e-3: grad norm 1.1 -> 19 at step 47, |Δ| 1e-6 ->
-  7e-4), so the check prints the reference's grad norm at the first step over the bound.
+  for the final val loss (measured differences: README). The bound assumes stable training: at a
+  gradient-norm spike the same small weight differences move the loss a lot, so the check prints
+  the reference's grad norm at the first step over the bound.
 - spread (bf16 autocast, or any CUDA run, where train.py enables TF32): rounding is ~1e-3 relative and
   grows chaotically over hundreds of steps, so a fixed bound would be a guess. Instead the reference
   trains once more with data_seed + 1 (only the batch order changes): the difference between two
@@ -38,9 +36,8 @@ import hydra
 import matplotlib
 import torch
 import triton
-from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 matplotlib.use("Agg")  # files only: no display needed
 import matplotlib.pyplot as plt  # noqa: E402
@@ -48,7 +45,13 @@ import matplotlib.pyplot as plt  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/ sits beside the packages
 
 import train  # noqa: E402
-from configs.schema import TrainConfig, register_configs  # noqa: E402
+from configs.runtime import resolve_device, uses_bf16  # noqa: E402
+from configs.schema import TrainConfig  # noqa: E402
+from configs.store import register_configs  # noqa: E402
+from configs.validate import ConfigError  # noqa: E402
+from data import DatasetError  # noqa: E402
+from data.checkpoint import CheckpointError  # noqa: E402
+from data.metrics import read_metrics  # noqa: E402
 from model.attention import ATTENTIONS  # noqa: E402
 
 NAN = float("nan")
@@ -66,21 +69,10 @@ class EquivalenceConfig(TrainConfig):
     print_every: int = 10  # steps between rows of the printed table
 
 
-def register_equivalence_config() -> None:
-    # config.yaml's defaults list starts with train_schema: this subclass stored under that name makes
-    # configs/equivalence.yaml compose train.py's whole config, typed, plus the keys above
-    register_configs()
-    ConfigStore.instance().store(name="train_schema", node=EquivalenceConfig)
-
-
-def resolve_device(cfg: DictConfig) -> str:
-    return cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-
-
 def precision_mode(cfg: DictConfig) -> str:
     """'strict' for fp32 on the CPU; 'spread' for bf16 autocast or CUDA (train.py turns TF32 on)."""
-    bf16 = cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and resolve_device(cfg).startswith("cuda"))
-    return "strict" if resolve_device(cfg) == "cpu" and not bf16 else "spread"
+    device = resolve_device(cfg.device)
+    return "strict" if device.type == "cpu" and not uses_bf16(cfg.dtype, device) else "spread"
 
 
 def train_curve(cfg: DictConfig, attn: str, run_dir: Path, data_seed: int | None = None) -> dict:
@@ -93,8 +85,7 @@ def train_curve(cfg: DictConfig, attn: str, run_dir: Path, data_seed: int | None
     if data_seed is not None:
         run_cfg.data_seed = data_seed
     summary = train.train(run_cfg, run_dir)
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    records = [r for r in records if "loss" in r]
+    records = [r for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
     return {"loss": [r["loss"] for r in records], "grad_norm": [r["grad_norm"] for r in records],
             "val_loss": summary["final_val_loss"], "status": summary["status"]}
 
@@ -207,7 +198,7 @@ def log_wandb(cfg: DictConfig, out_dir: Path, runs: dict, result: dict, png: Pat
     run = wandb.init(project=cfg.wandb.project, entity=cfg.wandb.entity, group=cfg.wandb.group or "equivalence",
                      name=f"equivalence-{cfg.model.name}-T{cfg.seq_len}", tags=list(cfg.wandb.tags),
                      mode=cfg.wandb.mode, dir=str(out_dir), job_type="equivalence",
-                     config={**OmegaConf.to_container(cfg, resolve=True), **result["environment"],
+                     config={**train.plain(cfg), **result["environment"],
                              "mode": result["mode"]})
     series = {f"loss/{n}": r["loss"] for n, r in runs.items()}
     series |= {f"abs_diff/{n}": d for n, d in result["abs_diff"].items()}
@@ -232,10 +223,10 @@ def check(cfg: DictConfig, out_dir: Path) -> dict:
     """Trains every attention in cfg.attns (and, in spread mode, the reference's data-order twin), compares, reports."""
     attns = list(cfg.attns)
     if len(attns) < 2 or len(set(attns)) < len(attns) or not set(attns) <= ATTENTIONS.keys():
-        raise train.ConfigError(f"attns={attns}: list two or more distinct attentions of {sorted(ATTENTIONS)}, "
+        raise ConfigError(f"attns={attns}: list two or more distinct attentions of {sorted(ATTENTIONS)}, "
                                 "the reference first")
-    mode, reference, device = precision_mode(cfg), attns[0], resolve_device(cfg)
-    environment = {"device": torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu",
+    mode, reference, device = precision_mode(cfg), attns[0], resolve_device(cfg.device)
+    environment = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                    "torch": torch.__version__, "triton": triton.__version__}
     print(f"loss equivalence: {attns} (reference {reference}), {cfg.max_steps} steps, mode {mode} | {environment}")
 
@@ -264,12 +255,16 @@ def check(cfg: DictConfig, out_dir: Path) -> dict:
 def main(cfg: DictConfig) -> None:
     try:
         result = check(cfg, Path(HydraConfig.get().runtime.output_dir))
-    except (train.ConfigError, train.DatasetError) as e:
-        sys.exit(f"error: {e}")
+    except (ConfigError, DatasetError, CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     if result["verdict"] != "AGREE":
         sys.exit(1)
 
 
 if __name__ == "__main__":
-    register_equivalence_config()  # here, not at import: importing this module changes no global state
+    # config.yaml's defaults list starts with train_schema: the subclass stored under that name makes
+    # configs/equivalence.yaml compose train.py's whole config, typed, plus the keys above. Here, not
+    # at import: importing this module changes no global state
+    register_configs(EquivalenceConfig)
     main()

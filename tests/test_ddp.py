@@ -15,10 +15,12 @@ import pytest
 import torch
 
 import train as train_module
-from tests.test_train import REPO, TINY, compose_train, data_root, metrics  # noqa: F401 (fixture)
+from configs.validate import ConfigError, batch_size_per_process, validate
+from tests.helpers import REPO, TINY, compose, metrics
 
 
-def test_two_processes_write_one_run_and_match_one_process(data_root, tmp_path):  # noqa: F811
+@pytest.mark.slow
+def test_two_processes_write_one_run_and_match_one_process(data_root, tmp_path):
     common = TINY + [f"data.root={data_root}", "batch_tokens=256", "max_steps=3", "log_interval=1",
                      "eval_interval=0", "wandb.mode=offline"]
     workdir, run_dir = tmp_path / "cwd", tmp_path / "ddp"
@@ -34,7 +36,7 @@ def test_two_processes_write_one_run_and_match_one_process(data_root, tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["tokens_per_step"] == 256
 
-    train_module.train(compose_train(common + ["wandb.mode=disabled"]), tmp_path / "single")
+    train_module.train(compose(common + ["wandb.mode=disabled"]), tmp_path / "single")
     single = [r for r in metrics(tmp_path / "single") if "loss" in r]
     # same windows, same weights: the global-batch mean and the mean of two half-batch means
     # differ by fp32 rounding only (a few ulps, ~1e-7), carried through two AdamW updates
@@ -43,11 +45,11 @@ def test_two_processes_write_one_run_and_match_one_process(data_root, tmp_path):
 
 
 def test_world_size_must_divide_the_global_batch():
-    cfg = compose_train(TINY + ["batch_tokens=256"])  # 8 sequences of 32
-    with pytest.raises(ValueError, match="over 3 processes: make it a multiple of seq_len x world size"):
-        train_module.check_config(cfg, world=3)
-    train_module.check_config(cfg, world=2)
-    assert cfg.batch_size == 4
+    cfg = compose(TINY + ["batch_tokens=256"])  # 8 sequences of 32
+    with pytest.raises(ConfigError, match="batch_tokens=256: must be a multiple of seq_len x processes = 32 x 3"):
+        validate(cfg, world=3)
+    validate(cfg, world=2)
+    assert batch_size_per_process(cfg, world=2) == 4
 
 
 def test_more_processes_than_gpus_is_refused(monkeypatch):
@@ -56,5 +58,5 @@ def test_more_processes_than_gpus_is_refused(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    with pytest.raises(ValueError, match="needs GPU 1, but only 1 are visible: lower --nproc_per_node"):
-        train_module.setup_distributed(compose_train(TINY[:-1]))
+    with pytest.raises(ConfigError, match="needs GPU 1, but only 1 are visible: lower --nproc_per_node"):
+        train_module.setup_distributed(compose(TINY[:-1]))

@@ -20,15 +20,10 @@ from pathlib import Path
 
 import pytest
 import torch.nn.functional as F
-from hydra import compose, initialize_config_dir
 
-from configs.schema import register_configs
-from data.prepare import prepare
 from model import attention
-from tests.test_train import TINY
+from tests.helpers import REPO, TINY, compose
 from tests.wandb_records import history, run_info
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def load_script(name: str):
@@ -42,32 +37,16 @@ equivalence = load_script("loss_equivalence")
 sweep_summary = load_script("sweep_summary")
 
 
-@pytest.fixture(scope="module")
-def data_root(tmp_path_factory) -> str:
-    root = tmp_path_factory.mktemp("data")
-    register_configs()
-    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
-        prepare(compose(config_name="config", overrides=[f"data.root={root}"]).data)
-    return str(root)
-
-
-@pytest.fixture
-def compose_equivalence():
-    equivalence.register_equivalence_config()
-
-    def compose_(overrides: list[str]):
-        with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
-            return compose(config_name="equivalence", overrides=overrides)
-
-    yield compose_
-    register_configs()  # the plain train schema again, for the tests that run after these
+def compose_equivalence(overrides: list[str]):
+    return compose(overrides, config_name="equivalence", schema=equivalence.EquivalenceConfig)
 
 
 # -----------------------------------------------------------------------------
 # loss-curve equivalence
 
 
-def test_fp32_loss_curves_of_all_attentions_agree(compose_equivalence, data_root, tmp_path):
+@pytest.mark.slow
+def test_fp32_loss_curves_of_all_attentions_agree(data_root, tmp_path):
     cfg = compose_equivalence(TINY + [f"data.root={data_root}", "max_steps=20", "attns=[sdpa,naive,triton]",
                                       "wandb.mode=offline"])
     result = equivalence.check(cfg, tmp_path)
@@ -86,7 +65,7 @@ def test_fp32_loss_curves_of_all_attentions_agree(compose_equivalence, data_root
     assert run_info(run)["group"] == "equivalence"
 
 
-def test_a_wrong_softmax_scale_is_caught(compose_equivalence, data_root, tmp_path, monkeypatch):
+def test_a_wrong_softmax_scale_is_caught(data_root, tmp_path, monkeypatch):
     def unscaled_attention(q, k, v):  # the classic bug: scores not divided by sqrt(head_dim)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1.0)
 
@@ -97,6 +76,7 @@ def test_a_wrong_softmax_scale_is_caught(compose_equivalence, data_root, tmp_pat
     assert result["verdict"] == "DISAGREE" and result["stats"]["naive"]["max_abs_diff"] > 1e-4
 
 
+@pytest.mark.slow
 def test_command_line_exits_0_on_agreement(data_root, tmp_path):
     cmd = [sys.executable, "scripts/loss_equivalence.py", *TINY, f"data.root={data_root}", "max_steps=5",
            "attns=[sdpa,naive]", "wandb.mode=disabled", f"hydra.run.dir={tmp_path}"]
@@ -115,6 +95,7 @@ def read_csv(path: Path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
+@pytest.mark.slow
 def test_cpu_sweep_runs_the_matrix_and_is_summarised(data_root, tmp_path):
     sweep, out = tmp_path / "sweep", tmp_path / "summary"
     subprocess.run([sys.executable, "train.py", "-m", "experiment=sweep_cpu", f"data.root={data_root}",

@@ -1,0 +1,132 @@
+"""Checks a composed training config before anything runs, and what a resume may change.
+
+The schema (configs/schema.py) already fixed every key's type and choices; here are the rules
+that need a value range, several keys, or this machine. Each failure is a ConfigError whose one
+line names the key, the value and what is allowed.
+"""
+
+import math
+import re
+
+from omegaconf import DictConfig, OmegaConf
+
+from configs.runtime import resolve_device
+from data.tokenizer import VOCAB_SIZE
+from kernels import MAX_HEAD_DIM
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message says what to change."""
+
+
+def _fail(key: str, value, allowed: str):
+    raise ConfigError(f"{key}={value}: {allowed}")
+
+
+def _at_least(cfg: DictConfig, keys: str, low: int) -> None:
+    for key in keys.split():
+        value = OmegaConf.select(cfg, key)
+        if value is not None and value < low:
+            _fail(key, value, f"must be at least {low}")
+
+
+def _within(cfg: DictConfig, key: str, low: float, high: float, closed_high: bool = False) -> None:
+    value = OmegaConf.select(cfg, key)
+    if not (math.isfinite(value) and low <= value and (value <= high if closed_high else value < high)):
+        _fail(key, value, f"must be in [{low:g}, {high:g}{']' if closed_high else ')'}")
+
+
+def validate(cfg: DictConfig, world: int = 1) -> None:
+    """Raises ConfigError for the first key whose value cannot run; world is the process count."""
+    m = cfg.model
+    _at_least(cfg, "seq_len batch_size grad_accum max_steps log_interval eval_steps model.n_layer model.n_head "
+                   "model.d_model model.max_seq_len batch_tokens data.max_docs", 1)
+    _at_least(cfg, "eval_interval optim.warmup_steps sample_tokens", 0)
+    _at_least(cfg, "ckpt_interval", -1)
+    _at_least(cfg, "seed data_seed", 0)
+    if cfg.batch_tokens is not None and cfg.batch_tokens % (cfg.seq_len * world):
+        _fail("batch_tokens", cfg.batch_tokens, f"must be a multiple of seq_len x processes = {cfg.seq_len} x {world}")
+    if cfg.seq_len > m.max_seq_len:
+        _fail("seq_len", cfg.seq_len, f"must not exceed model.max_seq_len {m.max_seq_len}: set model.max_seq_len too")
+    if m.vocab_size < VOCAB_SIZE:
+        _fail("model.vocab_size", m.vocab_size, f"must be at least the GPT-2 tokenizer's {VOCAB_SIZE}")
+    if m.d_model % m.n_head:
+        _fail("model.d_model", m.d_model, f"must be divisible by model.n_head {m.n_head}")
+    head_dim = m.d_model // m.n_head
+    if cfg.attn.name == "triton" and head_dim > MAX_HEAD_DIM:
+        _fail("model.d_model", m.d_model, f"gives head dim {head_dim} with {m.n_head} heads; attn=triton supports "
+                                          f"up to {MAX_HEAD_DIM}: use more heads or attn=sdpa")
+    if m.pos_emb == "rope" and head_dim % 2:
+        _fail("model.d_model", m.d_model, f"gives odd head dim {head_dim}; RoPE rotates pairs: use an even one")
+    if not (math.isfinite(m.rope_theta) and m.rope_theta > 0):
+        _fail("model.rope_theta", m.rope_theta, "must be a positive number")
+    _within(cfg, "model.dropout", 0, 1)
+    o = cfg.optim
+    if not (math.isfinite(o.lr) and o.lr > 0):
+        _fail("optim.lr", o.lr, "must be a positive number")
+    if not (math.isfinite(o.eps) and o.eps > 0):
+        _fail("optim.eps", o.eps, "must be a positive number")
+    _within(cfg, "optim.min_lr_ratio", 0, 1, closed_high=True)
+    _within(cfg, "optim.beta1", 0, 1)
+    _within(cfg, "optim.beta2", 0, 1)
+    _within(cfg, "optim.weight_decay", 0, math.inf)
+    _within(cfg, "optim.grad_clip", 0, math.inf)
+    d = cfg.data
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", d.name) or d.name in (".", ".."):
+        _fail("data.name", d.name, "must be a plain directory name (letters, digits, _ . -)")
+    if d.source == "hf" and not d.hf_path:
+        _fail("data.hf_path", d.hf_path, "a Hugging Face dataset name is needed with data.source=hf")
+    _within(cfg, "data.val_fraction", 0, 1)
+    if d.val_fraction == 0:
+        _fail("data.val_fraction", d.val_fraction, "must be above 0: validation needs documents")
+    if cfg.sample_tokens and not cfg.sample_prompt:
+        _fail("sample_prompt", "''", "must not be empty when sample_tokens > 0")
+    if not cfg.wandb.project:
+        _fail("wandb.project", "''", "must not be empty")
+    try:
+        resolve_device(cfg.device)
+    except ValueError as e:
+        _fail("device", cfg.device, str(e))
+
+
+def batch_size_per_process(cfg: DictConfig, world: int) -> int:
+    """Sequences per micro-step per process: batch_tokens spread over the processes, if it is set."""
+    return cfg.batch_size if cfg.batch_tokens is None else cfg.batch_tokens // (cfg.seq_len * world)
+
+
+# what a resume may change without breaking the run it continues: how long it runs and how it
+# reports, where it runs and with which (equivalent) attention kernel, and the lr schedule, which
+# depends on max_steps anyway. Everything else (model, data, batch, seeds, precision, AdamW's own
+# constants) would make a different run.
+RESUMABLE = ("max_steps", "log_interval", "eval_interval", "eval_steps", "ckpt_interval", "sample_tokens",
+             "sample_prompt", "wandb.", "compile", "device", "resume", "attn.", "data.root", "optim.lr",
+             "optim.min_lr_ratio", "optim.warmup_steps", "optim.grad_clip")
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in d.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def check_resume(ckpt: dict, now: dict, world: int, path) -> str:
+    """The settings that differ between a checkpoint and this run, as 'key old -> new, ...' (empty if
+    none); ConfigError if one of them would not continue the same run."""
+    before, after = _flat(ckpt["config"]), _flat(now)
+    # the batch is global: batch_size is per process, batch_tokens a way to set it
+    for flat, ranks in ((before, ckpt["world_size"]), (after, world)):
+        flat["global batch_size"] = flat.pop("batch_size") * ranks
+        flat.pop("batch_tokens")
+    changed = {k: (before.get(k), after.get(k)) for k in sorted(before.keys() | after.keys())
+               if before.get(k) != after.get(k)}
+    refused = {k: v for k, v in changed.items() if not k.startswith(RESUMABLE)}
+    text = lambda d: ", ".join(f"{k} {old} -> {new}" for k, (old, new) in d.items())
+    if refused:
+        raise ConfigError(f"resume={path}: {text(refused)} would not continue the same run (model, data, batch, "
+                          f"seeds and precision must match the checkpoint's): drop those overrides, or start a new "
+                          f"run; may change on resume: {', '.join(RESUMABLE)}")
+    return text({k: v for k, v in changed.items() if k != "resume"})

@@ -1,0 +1,35 @@
+"""metrics.jsonl: one strict-JSON object per line, appended as a run goes, read back after any crash.
+
+Non-finite numbers are written as null (bare NaN is not JSON). A crash or a full disk can cut the
+last line short; readers drop such a line instead of failing on it.
+"""
+
+import json
+import math
+from pathlib import Path
+
+
+def json_line(record: dict) -> str:
+    clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
+    return json.dumps(clean, allow_nan=False) + "\n"
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The records of a metrics.jsonl (none if it does not exist), without a cut-off last line."""
+    if not Path(path).exists():
+        return []
+    records = []
+    lines = Path(path).read_text().splitlines()
+    for i, line in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i != len(lines) - 1:
+                raise ValueError(f"{path}, line {i + 1}, is not JSON: {line[:80]!r}") from None
+    return records
+
+
+def steady(train_records: list[dict]) -> list[dict]:
+    """The training records that measure throughput: the first interval holds warmup, Triton
+    autotuning and compilation, so it is left out (unless it is all there is)."""
+    return train_records[1:] or train_records

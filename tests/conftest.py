@@ -1,0 +1,40 @@
+"""What every test file shares: the environment, the markers, and Shakespeare prepared once.
+
+- FLASH_ATTENTION_AUTOTUNE=0 for the whole suite (subprocesses inherit it): benchmarking every
+  block config for every new test shape would take most of a GPU run; correctness cannot depend
+  on it, and test_gpu_every_tuning_config_is_correct runs each config instead.
+- Markers: `gpu` tests need CUDA and are skipped, with that reason, where there is none; `slow`
+  tests start processes or train for tens of steps (`-m "not slow"` leaves them out while iterating).
+- `data_root`: the real Shakespeare dataset, prepared once per session into a temp dir.
+"""
+
+import os
+
+import pytest
+import torch
+
+os.environ["FLASH_ATTENTION_AUTOTUNE"] = "0"
+
+from data.prepare import prepare  # noqa: E402
+from tests.helpers import compose  # noqa: E402
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")
+    config.addinivalue_line("markers", "slow: starts processes or trains for tens of steps")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU: run the suite on a CUDA machine")
+    for item in items:
+        if item.get_closest_marker("gpu"):
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def data_root(tmp_path_factory) -> str:
+    root = tmp_path_factory.mktemp("data")
+    prepare(compose([f"data.root={root}"]).data)
+    return str(root)

@@ -1,0 +1,32 @@
+"""Helpers the test files share: composing configs as train.py does, a CPU-sized model, reading a run's outputs."""
+
+import json
+from pathlib import Path
+
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+
+from configs.store import register_configs
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = REPO / "configs"
+# a one-layer model and short windows: a training step takes milliseconds on the CPU
+TINY = ["model=tiny", "model.n_layer=1", "model.n_head=2", "model.d_model=32", "seq_len=32", "batch_size=4",
+        "eval_steps=2", "sample_tokens=0", "optim.warmup_steps=2", "optim.lr=1e-2", "device=cpu"]
+
+
+def compose(overrides: list[str], config_name: str = "config", schema: type | None = None):
+    """The config train.py (or a script with its own schema subclass) would run with these overrides."""
+    register_configs(schema) if schema else register_configs()
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        return hydra_compose(config_name=config_name, overrides=overrides)
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def wandb_file(run_dir: Path) -> Path:
+    files = sorted(Path(run_dir).glob("wandb/offline-run-*/run-*.wandb"))
+    assert files, f"no offline W&B run under {run_dir}"
+    return files[-1]

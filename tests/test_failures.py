@@ -1,0 +1,298 @@
+"""Nothing lost, nothing mixed, every mistake answered in one line: real train.py processes, real signals.
+
+- SIGKILL at seeded random steps and in the middle of a checkpoint write, SIGINT, and a metrics
+  line cut short: after each, resume=<dir> goes on, and the metrics equal the uninterrupted run's
+  exactly, no row duplicated or missing (FAULT_SEED picks the kill points; fixed by default);
+- a checkpoint truncated, with a zeroed block, or with flipped bits is refused in one line;
+- two runs into one dir: one proceeds, the other gets one line, the first's files are untouched;
+  two runs started together into default dirs get one dir each;
+- a diverging run stops, its last checkpoint loadable and finite, and resumes with a sane lr;
+- a full disk during a save (a small tmpfs in a private mount namespace): one line, no temp file,
+  the last checkpoint intact;
+- bad config values: exit code 2, one line on stderr naming the key, nothing created;
+- an online dataset without the hub: one line, nothing left; a bad sweep job: skipped with its reason.
+
+    .venv/bin/python -m pytest tests/test_failures.py -q      # about two minutes on 2 cores
+"""
+
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from configs import preflight
+from data.checkpoint import CheckpointError, load_checkpoint
+from data.metrics import json_line, read_metrics
+from tests.helpers import REPO, TINY
+
+SEED = int(os.environ.get("FAULT_SEED", "20261122"))
+BASE = TINY + ["wandb.mode=disabled", "log_interval=1", "eval_interval=0", "ckpt_interval=3", "max_steps=24"]
+
+
+def command(data_root, *overrides) -> list[str]:
+    return [sys.executable, str(REPO / "train.py"), *BASE, f"data.root={data_root}", *overrides]
+
+
+def start(cmd, cwd: Path, log: Path) -> subprocess.Popen:
+    # SIGINT as a terminal's Ctrl-C delivers it (a background test process may have it ignored)
+    out = open(log, "w")
+    return subprocess.Popen(cmd, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+
+
+def run(cmd, cwd: Path, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=600, **kwargs)
+
+
+def curve(run_dir: Path) -> list[tuple]:
+    return [(r["step"], r.get("loss"), r.get("grad_norm"), r.get("val_loss")) for r in read_metrics(run_dir / "metrics.jsonl")]
+
+
+def last_step(run_dir: Path) -> int:
+    return max((r["step"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r), default=0)
+
+
+def saving(run_dir: Path) -> bool:
+    return any(p.name.startswith(".ckpt.pt.") for p in run_dir.iterdir()) if run_dir.exists() else False
+
+
+def interrupt(proc: subprocess.Popen, until, sig: int) -> bool:
+    """Sends sig once until() holds; False if the process ended first."""
+    while proc.poll() is None:
+        if until():
+            proc.send_signal(sig)
+            proc.wait(timeout=120)
+            return True
+        time.sleep(0.001)
+    return False
+
+
+def stderr_line(proc: subprocess.CompletedProcess) -> str:
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr[-2000:]
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(data_root, tmp_path_factory) -> list[tuple]:
+    tmp = tmp_path_factory.mktemp("straight")
+    done = run(command(data_root, f"hydra.run.dir={tmp / 'run'}"), tmp)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return curve(tmp / "run")
+
+
+# ----------------------------------------------------------------------------- interruptions
+
+
+@pytest.mark.slow
+def test_kills_and_ctrl_c_at_random_points_then_resume_reproduce_the_run(data_root, uninterrupted, tmp_path):
+    rng = random.Random(SEED)
+    kill_steps = sorted(rng.sample(range(2, 20), 2))
+    run_dir = tmp_path / "run"
+    legs = [(signal.SIGKILL, lambda: last_step(run_dir) >= kill_steps[0]),
+            (signal.SIGINT, lambda: last_step(run_dir) >= kill_steps[1]),
+            (signal.SIGKILL, lambda: saving(run_dir))]  # in the middle of writing a checkpoint
+    for i, (sig, when) in enumerate(legs):
+        resume = [f"resume={run_dir}"] if i else []
+        proc = start(command(data_root, f"hydra.run.dir={run_dir}", *resume), tmp_path, tmp_path / f"leg{i}.log")
+        assert interrupt(proc, when, sig), f"leg {i} finished before its {sig.name}: {(tmp_path / f'leg{i}.log').read_text()[-1500:]}"
+        assert proc.returncode == (130 if sig == signal.SIGINT else -signal.SIGKILL)
+        if sig == signal.SIGINT:
+            assert f"add resume={run_dir} to the same command" in (tmp_path / f"leg{i}.log").read_text()
+        load_checkpoint(run_dir / "ckpt.pt")  # whatever the moment of the kill, the checkpoint is whole
+    assert any(p.name.startswith(".ckpt.pt.") for p in run_dir.iterdir())  # the write the last kill cut short
+    with open(run_dir / "metrics.jsonl", "a") as f:  # a line cut short, as by a kill mid-append
+        f.write('{"step": 99, "loss": 3.1')
+    done = run(command(data_root, f"hydra.run.dir={run_dir}", f"resume={run_dir}"), tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert curve(run_dir) == uninterrupted  # bit-identical, every step once
+    assert not [p.name for p in run_dir.iterdir() if p.name.endswith(".tmp")]
+
+
+@pytest.mark.parametrize("damage", ["truncated", "zeroed block", "flipped bits"])
+def test_a_damaged_checkpoint_is_refused_in_one_line(damage, data_root, tmp_path):
+    run_dir = tmp_path / "run"
+    done = run(command(data_root, f"hydra.run.dir={run_dir}", "max_steps=3"), tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    raw = bytearray((run_dir / "ckpt.pt").read_bytes())
+    middle = len(raw) // 2
+    if damage == "truncated":
+        raw = raw[:middle]
+    elif damage == "zeroed block":
+        raw[middle:middle + 4096] = bytes(4096)
+    else:
+        for i in random.Random(SEED).sample(range(len(raw) // 4, len(raw)), 8):
+            raw[i] ^= 0x10
+    (run_dir / "ckpt.pt").write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match="is damaged"):
+        load_checkpoint(run_dir / "ckpt.pt")
+    if damage == "zeroed block":  # and the command line says so in one line
+        refused = run(command(data_root, f"resume={run_dir}", "max_steps=6"), tmp_path)
+        assert refused.returncode == 2 and "is damaged" in stderr_line(refused)
+
+
+# ----------------------------------------------------------------------------- runs side by side
+
+
+@pytest.mark.slow
+def test_two_runs_into_one_dir_one_proceeds_the_other_is_refused(data_root, tmp_path):
+    run_dir = tmp_path / "shared"
+    procs = [start(command(data_root, f"hydra.run.dir={run_dir}", "max_steps=6", f"optim.lr={lr}"), tmp_path,
+                   tmp_path / f"{lr}.log") for lr in ("1e-3", "3e-3")]
+    codes = [p.wait(timeout=600) for p in procs]
+    assert sorted(codes) == [0, 2], codes
+    winner = ("1e-3", "3e-3")[codes.index(0)]
+    loser_log = (tmp_path / f"{('1e-3', '3e-3')[codes.index(2)]}.log").read_text().strip().splitlines()
+    assert loser_log[-1].startswith("error: run dir") and ("in use by another" in loser_log[-1]
+                                                           or "already holds a run" in loser_log[-1])
+    assert f"optim.lr={winner}" in (run_dir / ".hydra" / "overrides.yaml").read_text()
+    assert [r[0] for r in curve(run_dir)] == [1, 2, 3, 4, 5, 6, 6]  # six steps and the final eval, once each
+    # the same command again is refused too: the dir holds a finished run
+    again = run(command(data_root, f"hydra.run.dir={run_dir}", "max_steps=6"), tmp_path)
+    assert again.returncode == 2 and "already holds a run" in stderr_line(again)
+
+
+@pytest.mark.slow
+def test_two_runs_started_together_get_a_default_dir_each(data_root, tmp_path):
+    procs = [start(command(data_root, "max_steps=2"), tmp_path, tmp_path / f"{i}.log") for i in range(2)]
+    assert [p.wait(timeout=600) for p in procs] == [0, 0]
+    runs = sorted(tmp_path.glob("outputs/*/*"))
+    assert len(runs) == 2
+    for run_dir in runs:
+        assert [r[0] for r in curve(run_dir)] == [1, 2, 2]
+
+
+# ----------------------------------------------------------------------------- divergence, full disk
+
+
+@pytest.mark.slow
+def test_a_diverging_run_keeps_its_last_good_checkpoint(data_root, tmp_path):
+    run_dir = tmp_path / "run"
+    good = run(command(data_root, f"hydra.run.dir={run_dir}", "max_steps=6", "optim.lr=1e-3"), tmp_path)
+    assert good.returncode == 0, good.stderr[-2000:]
+    # the lr raised on resume blows the run up before its next checkpoint (step 9)
+    diverged = run(command(data_root, f"resume={run_dir}", "optim.lr=1e4"), tmp_path)
+    assert diverged.returncode == 1
+    line = [x for x in diverged.stderr.splitlines() if "training diverged" in x]
+    assert len(line) == 1 and "the last checkpoint (step 6)" in line[0], diverged.stderr[-2000:]
+    state = load_checkpoint(run_dir / "ckpt.pt")  # verified, and save_checkpoint never writes NaN or inf
+    assert state["step"] == 6 and all(torch.isfinite(t).all() for t in state["model"].values())
+    assert read_metrics(run_dir / "summary.json")[0]["status"] == "diverged"
+    resumed = run(command(data_root, f"resume={run_dir}", "optim.lr=1e-3", "max_steps=9"), tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert all(r[1] is not None for r in curve(run_dir) if r[3] is None)  # every logged loss finite
+
+
+def _private_tmpfs_works() -> bool:
+    return shutil.which("unshare") is not None and subprocess.run(
+        ["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /mnt"], capture_output=True).returncode == 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _private_tmpfs_works(), reason="needs unshare -rm and tmpfs mounts for a private small disk")
+def test_a_full_disk_during_a_save_keeps_the_last_checkpoint(data_root, tmp_path):
+    # a ~20 MB checkpoint on a 30 MB disk: the first save fits, the second cannot (the old file stays
+    # until the new one is whole); everything is checked inside the namespace, where the disk exists
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    cmd = command(data_root, f"hydra.run.dir={disk / 'run'}", "ckpt_interval=3", "max_steps=9")
+    check = ("import json, sys; from pathlib import Path; from data.checkpoint import load_checkpoint; "
+             f"run = Path({str(disk / 'run')!r}); "
+             "print(json.dumps({'step': load_checkpoint(run / 'ckpt.pt')['step'], "
+             "'files': sorted(p.name for p in run.iterdir())}))")
+    script = ('mount -t tmpfs -o size=30m tmpfs "$1" && shift && "$@"; echo "rc=$?"; '
+              f'"{sys.executable}" -c "$CHECK"')
+    done = run(["unshare", "-rm", "sh", "-c", script, "sh", str(disk), *cmd], REPO,
+               env={**os.environ, "CHECK": check})
+    out = done.stdout.strip().splitlines()
+    assert "rc=1" in out, done.stdout[-2000:] + done.stderr[-2000:]
+    message = [line for line in done.stderr.splitlines() if "disk full" in line]
+    assert len(message) == 1 and "the last checkpoint (step 3)" in message[0], done.stderr[-2000:]
+    result = eval(out[-1])  # the JSON printed by CHECK: true/false never occur in it
+    assert result["step"] == 3 and not [f for f in result["files"] if f.endswith(".tmp")]
+
+
+# ----------------------------------------------------------------------------- mistakes
+
+
+BAD_VALUES = [
+    ("seq_len=0", "seq_len"), ("seq_len=-5", "seq_len"), ("batch_size=0", "batch_size"),
+    ("grad_accum=0", "grad_accum"), ("max_steps=0", "max_steps"), ("log_interval=0", "log_interval"),
+    ("eval_steps=0", "eval_steps"), ("eval_interval=-1", "eval_interval"), ("ckpt_interval=-2", "ckpt_interval"),
+    ("seed=-1", "seed"), ("batch_tokens=100", "batch_tokens"), ("model.n_layer=-1", "model.n_layer"),
+    ("model.n_head=3", "model.d_model"), ("model.vocab_size=100", "model.vocab_size"),
+    ("model.dropout=1.5", "model.dropout"), ("model.max_seq_len=16", "seq_len"),
+    ("model.rope_theta=0", "model.rope_theta"), ("optim.lr=-1e-3", "optim.lr"), ("optim.lr=nan", "optim.lr"),
+    ("optim.beta1=1.0", "optim.beta1"), ("optim.beta2=-0.1", "optim.beta2"), ("optim.eps=0", "optim.eps"),
+    ("optim.weight_decay=-1", "optim.weight_decay"), ("optim.min_lr_ratio=2", "optim.min_lr_ratio"),
+    ("optim.grad_clip=-1", "optim.grad_clip"), ("data.name=..", "data.name"), ("data.name=a/b", "data.name"),
+    ("data.val_fraction=1.0", "data.val_fraction"), ("data=tinystories data.hf_path=null", "data.hf_path"),
+    ("sample_tokens=5 sample_prompt=''", "sample_prompt"), ("wandb.project=''", "wandb.project"),
+    ("device=tpu", "device"), ("device=cuda:99", "device"),
+    ("attn=triton model.n_head=1 model.d_model=512", "model.d_model"),
+    ("model.pos_emb=rope model.n_head=32 model.d_model=96", "model.d_model"),
+    ("seq_len=abc", "seq_len"), ("model.pos_emb=alibi", "model.pos_emb"), ("dtype=float16", "dtype"),
+    ("wandb.mode=on", "wandb.mode"), ("attn.sdpa_backend=fast", "attn.sdpa_backend"),
+    ("model.n_layers=4", "model.n_layers"), ("data=nosuchdata", "nosuchdata"), ("attn=flash", "attn/flash"),
+    ("seq_len", "seq_len"),
+]
+
+
+@pytest.mark.parametrize("overrides, key", BAD_VALUES, ids=[o for o, _ in BAD_VALUES])
+def test_a_bad_value_exits_2_with_one_line_naming_the_key_and_creates_nothing(overrides, key, tmp_path,
+                                                                            monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # where the run dir (outputs/...) would be made
+    with pytest.raises(SystemExit) as exit_:
+        preflight.preflight([*TINY, *overrides.split()])
+    assert exit_.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and key in lines[0], lines
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_command_line_says_it_in_one_line_too(data_root, tmp_path):
+    done = run(command(data_root, "optim.beta2=1.5"), tmp_path)
+    assert done.returncode == 2 and stderr_line(done) == "error: optim.beta2=1.5: must be in [0, 1)"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_online_dataset_without_the_hub_is_one_line_and_leaves_nothing(tmp_path):
+    done = run([sys.executable, str(REPO / "train.py"), *TINY, "data=tinystories", f"data.root={tmp_path / 'data'}"],
+               tmp_path, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 2
+    line = stderr_line_after_logging(done)
+    assert "cannot reach" in line and "python -m data.prepare tinystories" in line
+    assert not (tmp_path / "data" / "tinystories").exists() and not list(tmp_path.glob("outputs/*/*"))
+
+
+def stderr_line_after_logging(proc: subprocess.CompletedProcess) -> str:
+    """The error line; Hydra's log lines (timestamped) may come before it."""
+    lines = [line for line in proc.stderr.strip().splitlines() if not line.startswith("[20")]
+    assert len(lines) == 1, proc.stderr[-2000:]
+    return lines[0]
+
+
+@pytest.mark.slow
+def test_a_sweep_records_why_it_skipped_a_job(data_root, tmp_path):
+    sweep = tmp_path / "sweep"
+    done = run([sys.executable, str(REPO / "train.py"), "-m", *BASE, f"data.root={data_root}", "max_steps=2",
+                "model.n_head=2,3", f"hydra.sweep.dir={sweep}"], tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    skipped = read_metrics(sweep / "1_sdpa_T32" / "summary.json")[0]
+    assert skipped["status"] == "skipped" and "model.d_model=32" in skipped["message"]
+    table = run([sys.executable, str(REPO / "scripts" / "sweep_summary.py"), str(sweep)], tmp_path).stdout
+    assert "skipped: model.d_model=32: must be divisible by model.n_head 3" in table
+
+
+def test_metrics_are_strict_json_and_survive_a_cut_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(json_line({"step": 1, "loss": float("nan"), "grad_norm": float("inf")}) + '{"step": 2, "lo')
+    assert path.read_text().startswith('{"step": 1, "loss": null, "grad_norm": null}\n')
+    assert read_metrics(path) == [{"step": 1, "loss": None, "grad_norm": None}]
