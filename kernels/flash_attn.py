@@ -455,9 +455,12 @@ def _softmax_scale(q, softmax_scale):
 def flash_attn_forward(q, k, v, causal=True, softmax_scale=None):
     """(o (B, H, T, D) in q's dtype, lse (B, H, T) fp32 in natural log), without autograd."""
     _check_inputs(q, k, v)
-    scale = _softmax_scale(q, softmax_scale)
+    return _forward(q, k, v, causal, _softmax_scale(q, softmax_scale))
+
+
+def _forward(q, k, v, causal, scale):
     if _interpreted_bf16(q):
-        o, lse = flash_attn_forward(q.float(), k.float(), v.float(), causal, scale)
+        o, lse = _forward(q.float(), k.float(), v.float(), causal, scale)
         return o.to(torch.bfloat16), lse
     (B, H, T, D), (H_kv, S) = q.shape, k.shape[1:3]
     o = _empty_bhtd(B, H, T, D, q)
@@ -506,7 +509,7 @@ def flash_attn_backward(do, q, k, v, o, lse, causal=True, softmax_scale=None):
 def _flash_attn_fwd_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return flash_attn_forward(q, k, v, causal, scale)
+    return _forward(q, k, v, causal, scale)
 
 
 @_flash_attn_fwd_op.register_fake
@@ -551,7 +554,7 @@ class FlashAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal, scale):
-        o, lse = flash_attn_forward(q, k, v, causal, scale)
+        o, lse = _forward(q, k, v, causal, scale)
         _save_for_backward(ctx, (q, k, v, causal, scale), (o, lse))
         return o
 

@@ -38,6 +38,7 @@ class Launcher:
                  prune: Callable[[list[triton.Config], int, int], list[triton.Config]]):
         self.kernel, self.configs, self.cpu_config, self.prune = kernel, configs, cpu_config, prune
         self.chosen: dict[tuple, triton.Config] = {}  # tuning key -> config
+        self.compiled: dict[tuple, object] = {}  # (config, constexprs, device, specialization) -> CompiledKernel
         self._pinned: triton.Config | None = None
 
     @property
@@ -71,7 +72,16 @@ class Launcher:
         self._launch(config, grid, args, constexprs)
 
     def _launch(self, config: triton.Config, grid: Grid, args: tuple, constexprs: dict) -> None:
-        self.kernel[grid(config.kwargs)](*args, **constexprs, **config.all_kwargs())
+        # Triton's own launch path binds and specializes every argument on every call (tens of
+        # microseconds, several times a training step); the compiled kernel is cached here per
+        # (config, constexprs, device, specialization) and launched directly
+        key = (config, *constexprs.items(), args[0].device.index, *map(_specialization, args))
+        compiled = self.compiled.get(key)
+        if compiled is None:
+            self.compiled[key] = self.kernel[grid(config.kwargs)](*args, **constexprs, **config.all_kwargs())
+            return
+        named = {**constexprs, **config.kwargs}
+        compiled[grid(config.kwargs)](*args, *(named[name] for name in self.kernel.arg_names[len(args):]))
 
     def _tune(self, grid: Grid, args: tuple, constexprs: dict, itemsize: int) -> triton.Config:
         configs = self.candidates(constexprs["BLOCK_D"], itemsize)
@@ -86,6 +96,16 @@ class Launcher:
             except (OutOfResources, CompilationError):  # does not fit after all: not a candidate
                 continue
         return min(timings, key=timings.get) if timings else configs[-1]
+
+
+def _specialization(arg) -> tuple:
+    """What Triton compiles a kernel argument's value into (at least): a pointer's dtype and 16-byte
+    alignment; an integer's width, divisibility by 16 and being 1."""
+    if isinstance(arg, torch.Tensor):
+        return arg.dtype, arg.data_ptr() % 16 == 0
+    if isinstance(arg, int) and not isinstance(arg, bool):
+        return int, arg % 16 == 0, arg == 1, -(2**31) <= arg < 2**31
+    return (type(arg),)
 
 
 def on_device(t: torch.Tensor):

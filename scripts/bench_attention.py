@@ -30,6 +30,7 @@ from triton.runtime.errors import OutOfResources
 from triton.testing import do_bench
 
 from kernels import attention_flops, flash_attention
+from kernels.flash_attn import LAUNCHERS
 from model.attention import naive_attention
 
 SEQ_LENS = [512, 1024, 2048, 4096, 8192, 16384]
@@ -315,6 +316,10 @@ def main():
     tables = markdown_tables(rows, args.impls)
     stem.with_suffix(".md").write_text(f"{env}\n\n{tables}\n")
     print(f"wrote {stem}.csv, .png, .md\n")
+    print("configs our kernels ran with, per (dtype, BLOCK_D, causal, T bucket, S bucket):")
+    for name, launcher in LAUNCHERS.items():
+        for key, config in launcher.chosen.items():
+            print(f"  {name} {key[1:]}: {config}")
     print(env + "\n")
     print(tables)
 
