@@ -217,7 +217,7 @@ class Run:
     raw_model: GPT  # what a checkpoint holds
     optimizer: torch.optim.Optimizer
     train_loader: TokenWindows
-    val_loader: TokenWindows
+    val_loader: TokenWindows | None  # None with eval_steps=0
     meter: Meter
     info: dict
     log: RunLog | None = None  # rank 0 only
@@ -280,9 +280,10 @@ def setup(cfg: DictConfig, run_dir: Path) -> Run:
     # each rank takes its own slice of one global batch (data/loader.py)
     data_seed = cfg.seed if cfg.data_seed is None else cfg.data_seed
     train_loader = TokenWindows(dataset_dir, "train", cfg.seq_len, cfg.batch_size, device, data_seed, rank, world)
-    val_loader = TokenWindows(dataset_dir, "val", cfg.seq_len, cfg.batch_size, device, cfg.seed, rank, world)
+    val_loader = (TokenWindows(dataset_dir, "val", cfg.seq_len, cfg.batch_size, device, cfg.seed, rank, world)
+                  if cfg.eval_steps else None)
 
-    raw_model = GPT(cfg.model, cfg.attn.name).to(device)
+    raw_model = GPT(cfg.model, cfg.attn.name, cfg.ac).to(device)
     info = {"params": raw_model.num_params(), "tokens_per_step": cfg.batch_size * cfg.seq_len * cfg.grad_accum * world,
             "world_size": world, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "torch": torch.__version__, "triton": triton_version()}
@@ -298,7 +299,7 @@ def setup(cfg: DictConfig, run_dir: Path) -> Run:
     model = raw_model
     run = Run(cfg=cfg, run_dir=Path(run_dir), rank=rank, world=world, device=device, model=model,
               raw_model=raw_model, optimizer=make_optimizer(raw_model, cfg), train_loader=train_loader,
-              val_loader=val_loader, val_start=val_loader.state_dict(), info=info,
+              val_loader=val_loader, val_start=val_loader.state_dict() if val_loader else {}, info=info,
               meter=Meter(info["tokens_per_step"], raw_model.flops_per_token(cfg.seq_len), device, world),
               first_bad_step=torch.zeros((), dtype=torch.long, device=device))
     if ckpt is not None:
@@ -419,7 +420,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
                 if run.master:
                     run.log.log(rec)
                     bar.set_postfix(loss=f"{loss_val:.3f}", tok_s=f"{rec['tokens_per_s']:,.0f}")
-            if (cfg.eval_interval and run.step % cfg.eval_interval == 0) or last:
+            if cfg.eval_steps and ((cfg.eval_interval and run.step % cfg.eval_interval == 0) or last):
                 with run.meter.paused():
                     run.last_val = evaluate(run)
                 run.best_val = min(run.best_val, run.last_val)

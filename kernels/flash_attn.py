@@ -384,8 +384,7 @@ def _bwd_dq_kernel(
 _FWD = Launcher(_fwd_kernel, tuning.FWD, tuning.CPU_FWD, tuning.FWD_PRUNE)
 _DQ = Launcher(_bwd_dq_kernel, tuning.DQ, tuning.CPU_DQ, tuning.DQ_PRUNE)
 _DKDV = Launcher(_bwd_dkdv_kernel, tuning.DKDV, tuning.CPU_DKDV, tuning.DKDV_PRUNE)
-_PREPROCESS = Launcher(_bwd_preprocess_kernel, [triton.Config({"BLOCK_M": 64})], triton.Config({"BLOCK_M": 64}),
-                       lambda configs, block_d, itemsize: configs)
+_PREPROCESS = Launcher(_bwd_preprocess_kernel, [triton.Config({"BLOCK_M": 64})], triton.Config({"BLOCK_M": 64}))
 # the tuned kernels by name, for the tests and scripts/tune_attention.py to pin configs
 LAUNCHERS = {"fwd": _FWD, "dq": _DQ, "dkdv": _DKDV}
 
@@ -576,6 +575,8 @@ def flash_attention(q, k, v, causal=True, softmax_scale=None):
         q, k, v = (t.to(dtype) if isinstance(t, torch.Tensor) else t for t in (q, k, v))
     _check_inputs(q, k, v)
     scale = _softmax_scale(q, softmax_scale)
-    if torch.compiler.is_compiling():
+    # the custom op where something watches the dispatcher: torch.compile, and modes such as
+    # selective activation checkpointing, which must see the attention as one op to keep it
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
         return _flash_attn_fwd_op(q, k, v, bool(causal), scale)[0]
     return FlashAttentionFunction.apply(q, k, v, bool(causal), scale)

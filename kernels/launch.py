@@ -30,12 +30,12 @@ def autotuning() -> bool:
 class Launcher:
     """One kernel, its candidate configs in order of preference, and the choices made so far.
 
-    prune(configs, block_d, itemsize) keeps the configs whose tiles fit the chip at that head
-    dim and input width; it never returns an empty list.
+    prune(configs, constexprs, itemsize) keeps the configs that fit the chip for those constexprs
+    and that input width (None: all); it never returns an empty list.
     """
 
     def __init__(self, kernel, configs: list[triton.Config], cpu_config: triton.Config,
-                 prune: Callable[[list[triton.Config], int, int], list[triton.Config]]):
+                 prune: Callable[[list[triton.Config], dict, int], list[triton.Config]] | None = None):
         self.kernel, self.configs, self.cpu_config, self.prune = kernel, configs, cpu_config, prune
         self.chosen: dict[tuple, triton.Config] = {}  # tuning key -> config
         self.compiled: dict[tuple, object] = {}  # (config, constexprs, device, specialization) -> CompiledKernel
@@ -45,9 +45,9 @@ class Launcher:
     def name(self) -> str:
         return self.kernel.__name__
 
-    def candidates(self, block_d: int, itemsize: int) -> list[triton.Config]:
-        """The configs autotuning chooses among for this head-dim tile and input width."""
-        return self.prune(self.configs, block_d, itemsize)
+    def candidates(self, constexprs: dict, itemsize: int) -> list[triton.Config]:
+        """The configs autotuning chooses among for these constexprs and input width."""
+        return self.prune(self.configs, constexprs, itemsize) if self.prune else self.configs
 
     @contextlib.contextmanager
     def pinned(self, config: triton.Config):
@@ -81,10 +81,11 @@ class Launcher:
             self.compiled[key] = self.kernel[grid(config.kwargs)](*args, **constexprs, **config.all_kwargs())
             return
         named = {**constexprs, **config.kwargs}
-        compiled[grid(config.kwargs)](*args, *(named[name] for name in self.kernel.arg_names[len(args):]))
+        dims = (*grid(config.kwargs), 1, 1)[:3]  # the compiled kernel's launcher takes exactly three
+        compiled[dims](*args, *(named[name] for name in self.kernel.arg_names[len(args):]))
 
     def _tune(self, grid: Grid, args: tuple, constexprs: dict, itemsize: int) -> triton.Config:
-        configs = self.candidates(constexprs["BLOCK_D"], itemsize)
+        configs = self.candidates(constexprs, itemsize)
         if len(configs) == 1 or not autotuning():
             return configs[0]
         # every kernel here writes each output element exactly once: benchmarking cannot corrupt them

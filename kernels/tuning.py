@@ -22,15 +22,17 @@ def _configs(resident: str, streamed: str, *candidates) -> list[triton.Config]:
 
 
 def pruner(resident: str, streamed: str, resident_tiles: int, acc_tiles: int, score_tiles: int):
-    """prune(configs, block_d, itemsize): the configs whose tiles fit in shared memory and
-    registers (or the smallest one, if none does).
+    """prune(configs, constexprs, itemsize): the configs whose tiles fit in shared memory and
+    registers at the head-dim tile constexprs["BLOCK_D"] (or the smallest one, if none does).
 
     Per program: resident_tiles (rows, D) input tiles stay in shared memory (Q; Q and dO; K and
     V), two streamed (rows, D) tiles are buffered per pipeline stage; acc_tiles (rows, D) fp32
     accumulators and score_tiles (resident rows, streamed rows) fp32 tiles live in registers.
     """
 
-    def prune(configs: list[triton.Config], block_d: int, itemsize: int) -> list[triton.Config]:
+    def prune(configs: list[triton.Config], constexprs: dict, itemsize: int) -> list[triton.Config]:
+        block_d = constexprs["BLOCK_D"]
+
         def area(c):
             return c.kwargs[resident] * c.kwargs[streamed]
 

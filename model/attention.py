@@ -45,6 +45,16 @@ ATTENTIONS: dict[str, AttentionFn] = {  # one entry per configs.schema.AttnName
     AttnName.triton.value: triton_attention,
 }
 
+# the ops that compute attention as one call: what selective activation checkpointing keeps
+# (naive attention has none; it is recomputed whole)
+ATTENTION_OPS = {
+    torch.ops.kernels.flash_attn_fwd.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+}
+
 SDPA_BACKENDS = {
     "flash": SDPBackend.FLASH_ATTENTION,
     "cudnn": SDPBackend.CUDNN_ATTENTION,

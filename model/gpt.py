@@ -3,15 +3,18 @@
 The attention function comes from model/attention.py by name; this file never knows which one runs.
 """
 
+import contextlib
 import math
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from configs.schema import ModelConfig
 from kernels import attention_flops
-from model.attention import AttentionFn, get_attention
+from kernels.cross_entropy import full_cross_entropy, linear_cross_entropy
+from model.attention import ATTENTION_OPS, AttentionFn, get_attention
 
 
 def padded_vocab(vocab_size: int) -> int:
@@ -24,11 +27,12 @@ class Rotary(nn.Module):
 
     def __init__(self, head_dim: int, max_seq_len: int, theta: float):
         super().__init__()
-        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-        angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)  # (T, D/2)
+        # angles in float64: in fp32, position 10^6 times a frequency near 1 is off by ~0.03 rad
+        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+        angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)  # (T, D/2)
         # not persistent: derived from the config, so checkpoints stay small and shape-free
-        self.register_buffer("cos", angles.cos(), persistent=False)
-        self.register_buffer("sin", angles.sin(), persistent=False)
+        self.register_buffer("cos", angles.cos().float(), persistent=False)
+        self.register_buffer("sin", angles.sin().float(), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         T = x.size(-2)
@@ -86,9 +90,10 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: ModelConfig, attn: str):
+    def __init__(self, cfg: ModelConfig, attn: str, ac: str = "none"):
+        """attn: a name in model/attention.py; ac: activation checkpointing per block, none | selective | full."""
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.ac = cfg, ac
         self.vocab_size = padded_vocab(cfg.vocab_size)
         attention = get_attention(attn)
         head_dim = cfg.d_model // cfg.n_head
@@ -129,7 +134,8 @@ class GPT(nn.Module):
         return 6 * self.num_params(matmul_only=True) + 3 * self.cfg.n_layer * attention
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
-        """idx (B, T) token ids -> logits (B, T, V); with targets (B, T) also the mean loss."""
+        """idx (B, T) token ids -> (logits (B, T, V), None); with targets (B, T), (logits, mean loss),
+        where model.loss=chunked returns no logits: it never makes them (kernels/cross_entropy.py)."""
         B, T = idx.shape
         if T > self.cfg.max_seq_len:
             raise ValueError(f"sequence of {T} tokens exceeds model.max_seq_len {self.cfg.max_seq_len}")
@@ -137,13 +143,27 @@ class GPT(nn.Module):
         if self.pos_emb is not None:
             x = x + self.pos_emb(torch.arange(T, device=idx.device))
         x = self.drop(x)
+        recompute = self.ac != "none" and self.training and torch.is_grad_enabled()
         for block in self.blocks:
-            x = block(x)
-        logits = self.head(self.ln_f(x))  # (B, T, V)
+            x = checkpoint(block, x, use_reentrant=False, context_fn=self._ac_context) if recompute else block(x)
+        x = self.ln_f(x)
+        if targets is not None and self.cfg.loss == "chunked":
+            loss = linear_cross_entropy(x.view(B * T, -1), self.head.weight, targets.view(-1), self.cfg.loss_chunk,
+                                        z_loss=self.cfg.z_loss)
+            return None, loss
+        logits = self.head(x)  # (B, T, V)
         if targets is None:
             return logits, None
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.view(-1))
-        return logits, loss
+        return logits, full_cross_entropy(logits.view(B * T, -1), targets.view(-1), z_loss=self.cfg.z_loss)
+
+    def _ac_context(self):
+        """Activation checkpointing of a block: full recomputes it all in the backward; selective
+        keeps what the attention kernels returned (output and LSE) and recomputes the rest."""
+        if self.ac == "full":
+            return contextlib.nullcontext(), contextlib.nullcontext()
+        return create_selective_checkpoint_contexts(
+            lambda ctx, op, *args, **kwargs: CheckpointPolicy.MUST_SAVE if op in ATTENTION_OPS
+            else CheckpointPolicy.PREFER_RECOMPUTE)
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 0.8,

@@ -225,7 +225,7 @@ def test_a_full_disk_during_a_save_keeps_the_last_checkpoint(data_root, tmp_path
 BAD_VALUES = [
     ("seq_len=0", "seq_len"), ("seq_len=-5", "seq_len"), ("batch_size=0", "batch_size"),
     ("grad_accum=0", "grad_accum"), ("max_steps=0", "max_steps"), ("log_interval=0", "log_interval"),
-    ("eval_steps=0", "eval_steps"), ("eval_interval=-1", "eval_interval"), ("ckpt_interval=-2", "ckpt_interval"),
+    ("eval_steps=-1", "eval_steps"), ("eval_interval=-1", "eval_interval"), ("ckpt_interval=-2", "ckpt_interval"),
     ("seed=-1", "seed"), ("batch_tokens=100", "batch_tokens"), ("model.n_layer=-1", "model.n_layer"),
     ("model.n_head=3", "model.d_model"), ("model.vocab_size=100", "model.vocab_size"),
     ("model.dropout=1.5", "model.dropout"), ("model.max_seq_len=16", "seq_len"),
@@ -241,7 +241,8 @@ BAD_VALUES = [
     ("seq_len=abc", "seq_len"), ("model.pos_emb=alibi", "model.pos_emb"), ("dtype=float16", "dtype"),
     ("wandb.mode=on", "wandb.mode"), ("attn.sdpa_backend=fast", "attn.sdpa_backend"),
     ("model.n_layers=4", "model.n_layers"), ("data=nosuchdata", "nosuchdata"), ("attn=flash", "attn/flash"),
-    ("seq_len", "seq_len"),
+    ("seq_len", "seq_len"), ("model.loss_chunk=0", "model.loss_chunk"), ("model.z_loss=-1", "model.z_loss"),
+    ("model.loss=fused", "model.loss"), ("ac=some", "ac"),
 ]
 
 

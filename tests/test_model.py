@@ -1,9 +1,11 @@
-"""The GPT model: shapes, initial loss, and that every attention computes the same function.
+"""The GPT model: shapes, initial loss, that every attention computes the same function, and that
+activation checkpointing and the chunked loss change nothing but memory and time.
 
 naive and sdpa are compared in float64 (where both are exact up to rounding), triton through
 Triton's CPU interpreter in float32. Run: .venv/bin/python -m pytest tests/test_model.py -q
 """
 
+import dataclasses
 import math
 
 import pytest
@@ -11,6 +13,7 @@ import torch
 
 from configs.schema import ModelConfig
 from model import ATTENTIONS, GPT, get_attention
+from model.gpt import Rotary
 
 
 def tiny_config(**overrides) -> ModelConfig:
@@ -27,9 +30,11 @@ def twin_models(cfg: ModelConfig, attns: tuple[str, ...], dtype: torch.dtype) ->
 
 
 def logits_and_grads(model: GPT, idx: torch.Tensor, targets: torch.Tensor):
-    logits, loss = model(idx, targets)
+    with torch.no_grad():
+        logits, _ = model(idx)
+    _, loss = model(idx, targets)
     loss.backward()
-    return logits.detach(), {n: p.grad for n, p in model.named_parameters()}
+    return logits, {n: p.grad for n, p in model.named_parameters()}
 
 
 def test_shapes_and_padded_vocab():
@@ -94,3 +99,45 @@ def test_residual_projections_are_scaled():
     std_fc = model.blocks[0].mlp.fc.weight.std().item()
     assert abs(std_fc - 0.02) < 0.002
     assert abs(std_proj - 0.02 / math.sqrt(2 * cfg.n_layer)) < 0.001
+
+
+@pytest.mark.parametrize("attn", ["naive", "sdpa", "triton"])
+def test_checkpointing_and_the_chunked_loss_change_nothing_but_memory(attn):
+    # fp32, dropout on (checkpointing must replay the same masks): losses and gradients of a few
+    # AdamW steps with ac=selective and ac=full, and with the full loss, equal ac=none's to 1e-6
+    cfg = tiny_config(n_layer=2, n_head=2, d_model=32, max_seq_len=40, dropout=0.1, loss_chunk=23)
+    gen = torch.Generator().manual_seed(5)
+    batches = [tuple(torch.randint(0, 50257, (2, 40), generator=gen) for _ in range(2)) for _ in range(3)]
+
+    def run(ac, loss):
+        torch.manual_seed(0)
+        model = GPT(dataclasses.replace(cfg, loss=loss), attn, ac)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        history = []
+        for idx, targets in batches:
+            _, value = model(idx, targets)
+            value.backward()
+            history.append((value.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+            opt.step()
+            opt.zero_grad()
+        return history
+
+    reference = run("none", "chunked")
+    # checkpointing over three steps; the full loss on the first (AdamW then amplifies the
+    # last-bit differences of two summation orders in the weights it updates)
+    for ac, loss, steps in (("selective", "chunked", 3), ("full", "chunked", 3), ("none", "full", 1)):
+        for (value, grads), (ref_value, ref_grads) in zip(run(ac, loss)[:steps], reference[:steps], strict=True):
+            torch.testing.assert_close(value, ref_value, rtol=1e-6, atol=0, msg=f"{ac} {loss} loss")
+            for name in grads:
+                scale = ref_grads[name].abs().max()
+                assert (grads[name] - ref_grads[name]).abs().max() <= 1e-6 * scale, (ac, loss, name)
+
+
+def test_rotary_angles_are_exact_at_a_million_positions():
+    # cos and sin of position * frequency, against float64 math, at the far end of a 2^20 table
+    rotary = Rotary(head_dim=64, max_seq_len=2**20, theta=10000.0)
+    positions = torch.tensor([0, 1, 777_777, 2**20 - 1])
+    freqs = 1.0 / 10000.0 ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64)
+    angles = positions.double()[:, None] * freqs
+    assert (rotary.cos[positions].double() - angles.cos()).abs().max() < 1e-6
+    assert (rotary.sin[positions].double() - angles.sin()).abs().max() < 1e-6
