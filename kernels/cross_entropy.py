@@ -84,11 +84,10 @@ def _chunk_kernel(logits, yc, n, ignore_index, z_loss, grad):
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, targets, chunk, ignore_index, z_loss, use_kernel, grad_enabled):
+    def forward(ctx, x, weight, targets, chunk, ignore_index, z_loss, use_kernel, want_dx, want_dw):
         # x (N, d), weight (V, d), targets (N,)
         valid = targets != ignore_index
         n = valid.sum().clamp(min=1)  # a tensor: no host sync
-        want_dx, want_dw = (grad_enabled and wanted for wanted in ctx.needs_input_grad[:2])
         acc = torch.promote_types(x.dtype, torch.float32)  # sums: fp32 (float64 for float64)
         dx = torch.empty_like(x) if want_dx else None
         dw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if want_dw else None
@@ -115,7 +114,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):
         dx, dw = ctx.saved_tensors
         return (None if dx is None else dx * grad_loss.to(dx.dtype),
-                None if dw is None else (dw * grad_loss).to(ctx.weight_dtype), None, None, None, None, None, None)
+                None if dw is None else (dw * grad_loss).to(ctx.weight_dtype), *[None] * 7)
 
 
 def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int = 4096,
@@ -127,9 +126,12 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.T
     if chunk < 1:
         raise ValueError(f"chunk must be at least 1, got {chunk}")
     use_kernel = x.is_cuda if kernel is None else kernel
-    # the gradient is computed in the forward: not under no_grad (evaluation), where it would be wasted
+    # the gradients are computed in the forward, so it is told here which will be wanted (none under
+    # no_grad, where they would be wasted): under torch.compile on torch 2.11, reading
+    # ctx.needs_input_grad there instead gave a dX of zeros (H100 test run)
+    grad = torch.is_grad_enabled()
     return _LinearCrossEntropy.apply(x, weight, targets, int(chunk), int(ignore_index), float(z_loss), use_kernel,
-                                     torch.is_grad_enabled())
+                                     grad and x.requires_grad, grad and weight.requires_grad)
 
 
 def full_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = IGNORE_INDEX,

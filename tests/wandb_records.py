@@ -8,6 +8,7 @@ framing in 32 KiB blocks, each chunk a 4-byte CRC, 2-byte length, 1-byte type
 
 import json
 import struct
+import time
 from pathlib import Path
 
 from wandb.proto import wandb_internal_pb2
@@ -16,7 +17,18 @@ BLOCK = 32 * 1024
 HEADER = 7  # chunk header: crc32c (4), length (2), type (1)
 
 
-def records(path: Path):
+def records(path: Path, timeout: float = 60.0):
+    """The records of a finished run's file. W&B's service may still be writing it when finish()
+    returns (seen under load): wait for the exit record that ends it."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = list(_parse(path))
+        if any(rec.WhichOneof("record_type") == "exit" for rec in found) or time.monotonic() > deadline:
+            return found
+        time.sleep(0.2)
+
+
+def _parse(path: Path):
     raw = Path(path).read_bytes()
     assert raw[:4] == b":W&B", f"{path} is not a W&B transaction log"
     pos, pending = 7, b""
