@@ -283,7 +283,7 @@ def setup(cfg: DictConfig, run_dir: Path) -> Run:
     val_loader = (TokenWindows(dataset_dir, "val", cfg.seq_len, cfg.batch_size, device, cfg.seed, rank, world)
                   if cfg.eval_steps else None)
 
-    raw_model = GPT(cfg.model, cfg.attn.name, cfg.ac).to(device)
+    raw_model = GPT(cfg.model, cfg.attn.name, cfg.ac, cfg.data.doc_mask).to(device)
     info = {"params": raw_model.num_params(), "tokens_per_step": cfg.batch_size * cfg.seq_len * cfg.grad_accum * world,
             "world_size": world, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "torch": torch.__version__, "triton": triton_version()}

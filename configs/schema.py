@@ -98,6 +98,8 @@ class DataConfig:
     val_fraction: float = 0.05
     # where prepared datasets live; empty means <repo>/.cache/data
     root: str = ""
+    # attend within documents only: a window holds several, each ended by GPT-2's end-of-text token
+    doc_mask: bool = False
 
 
 @dataclass

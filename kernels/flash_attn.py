@@ -18,14 +18,18 @@ as (B, H, T, D) views, so the caller's transpose back to (B, T, H * D) is free. 
 blocks visit only the key blocks left of the diagonal, start longest-first, and mask only the
 blocks that straddle the diagonal or the end of the keys.
 
-Differs from Triton's tutorial 06: masked pointer loads instead of TMA (any strides and sizes),
-GQA, a separate dQ kernel, K not pre-scaled. Not supported: dropout, bias, windows, varlen.
+Packed documents (doc_ids (B, T), T == S): query i attends key j only in its own document. A
+query block starts at the tile of its first row's document, a key block stops at the end of its
+last key's document, so tiles of other documents are skipped, not masked; only tiles that cross
+a document boundary or the diagonal are masked. Differs from Triton's tutorial 06: masked pointer
+loads instead of TMA (any strides and sizes), GQA, a separate dQ kernel, K not pre-scaled.
 CPU tensors run in Triton's interpreter (kernels/interpreter.py), whose bf16 tl.dot is wrong:
 there bf16 is computed in fp32 and rounded. kernels/flash_ref.py is the same algorithm in
 PyTorch; kernels/launch.py picks block sizes per shape (kernels/tuning.py lists them).
 """
 
 import math
+from typing import Optional
 
 import torch
 import triton
@@ -89,13 +93,41 @@ def _q_block_range(start_n, T, S, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, B
 
 
 @triton.jit
-def _visible(rows, cols, T, S, CAUSAL: tl.constexpr):
-    """(len(rows), len(cols)) mask of the scores a query row may attend: real keys, and under
-    the bottom-right causal mask only keys j <= i + S - T."""
+def _visible(rows, cols, T, S, doc_rows, doc_ptr, CAUSAL: tl.constexpr, DOC_MASK: tl.constexpr):
+    """(len(rows), len(cols)) mask of the scores a query row may attend: real keys; under the
+    bottom-right causal mask only keys j <= i + S - T; with documents, only keys of the row's own
+    document (doc_rows: the rows' document ids; doc_ptr: the sequence's ids, read at cols)."""
     visible = cols[None, :] < S
     if CAUSAL:
         visible = visible & (cols[None, :] <= rows[:, None] + (S - T))
+    if DOC_MASK:
+        visible = visible & (doc_rows[:, None] == tl.load(doc_ptr + cols, mask=cols < S, other=-2)[None, :])
     return visible
+
+
+@triton.jit
+def _doc_kv_range(DOC, DOC_START, start_m, T, full_end, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """With documents, query rows [start_m, start_m + BLOCK_M) attend keys from lo (the tile of
+    the first row's document start) on; keys from full_lo to full_end are seen by every row, which
+    needs the rows in one document (otherwise full_lo = full_end: no tile is mask-free)."""
+    last = tl.minimum(start_m + BLOCK_M, T) - 1
+    doc_lo = tl.load(DOC_START + start_m)
+    lo = doc_lo // BLOCK_N * BLOCK_N
+    one_doc = tl.load(DOC + start_m) == tl.load(DOC + last)
+    full_lo = tl.where(one_doc, tl.cdiv(doc_lo, BLOCK_N) * BLOCK_N, full_end)
+    return lo, full_lo
+
+
+@triton.jit
+def _doc_q_range(DOC, DOC_END, start_n, S, full_start, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """With documents, keys [start_n, start_n + BLOCK_N) are attended by query rows before q_hi (the
+    end of the last key's document); rows from full_start to full_hi see all of them, which needs
+    the keys in one document (otherwise full_hi = full_start)."""
+    last = tl.minimum(start_n + BLOCK_N, S) - 1
+    q_hi = tl.load(DOC_END + last)
+    one_doc = tl.load(DOC + start_n) == tl.load(DOC + last)
+    full_hi = tl.maximum(tl.where(one_doc, q_hi // BLOCK_M * BLOCK_M, full_start), full_start)
+    return full_hi, q_hi
 
 
 @triton.jit
@@ -103,9 +135,10 @@ def _fwd_inner(
     acc, l_i, m_i, q,  # running (BLOCK_M, BLOCK_D) output, row sum, row max (log2 units); Q tile
     k_ptrs, v_ptrs,  # (BLOCK_N, BLOCK_D) pointers at key 0 of this kv head
     stride_kn, stride_vn,
-    rows, offs_n, d_mask,
+    rows, offs_n, d_mask, doc_rows, doc_ptr,
     n_start, n_end, T, S, qk_scale,
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOC_MASK: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     k_ptrs += n_start * stride_kn
     v_ptrs += n_start * stride_vn
@@ -117,7 +150,7 @@ def _fwd_inner(
         k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
         qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)  # (BLOCK_M, BLOCK_N)
         if MASKED:
-            qk = tl.where(_visible(rows, cols, T, S, CAUSAL), qk, float("-inf"))
+            qk = tl.where(_visible(rows, cols, T, S, doc_rows, doc_ptr, CAUSAL, DOC_MASK), qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
         m_sub = m_new
         if MASKED:  # a row that has seen no key yet keeps m = -inf: subtract 0 so exp2 gives 0, not NaN
@@ -137,6 +170,7 @@ def _fwd_inner(
 def _fwd_kernel(
     # pointers
     Q, K, V, O, LSE,
+    DOC, DOC_START, DOC_END,  # (B, T) int32: each token's document id, and its document's first and end index
     # strides: batch, head, sequence, head dim
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
@@ -146,8 +180,8 @@ def _fwd_kernel(
     H, GROUP, T, S,
     qk_scale,  # softmax_scale * log2(e)
     # meta-parameters
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, DOC_MASK: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # the longest causal rows start first, so that short ones fill the tail of the launch
     start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
@@ -170,10 +204,24 @@ def _fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     full_end, end = _kv_block_range(start_m, T, S, CAUSAL, BLOCK_M, BLOCK_N)
+    doc_ptr = DOC + off_b.to(tl.int64) * T
+    doc_rows = rows
+    full_lo = 0
+    after_full = full_end
+    if DOC_MASK:  # masked tiles where the document starts, mask-free ones, masked ones at the diagonal
+        doc_rows = tl.load(doc_ptr + rows, mask=rows < T, other=-1)
+        lo, full_lo = _doc_kv_range(doc_ptr, DOC_START + off_b.to(tl.int64) * T, start_m, T, full_end,
+                                    BLOCK_M, BLOCK_N)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, rows, offs_n, d_mask,
+                                   doc_rows, doc_ptr, lo, tl.minimum(full_lo, full_end), T, S, qk_scale,
+                                   True, CAUSAL, DOC_MASK, INPUT_PRECISION, BLOCK_N)
+        after_full = tl.maximum(lo, full_end)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, rows, offs_n, d_mask,
-                               0, full_end, T, S, qk_scale, False, CAUSAL, INPUT_PRECISION, BLOCK_N)
+                               doc_rows, doc_ptr, full_lo, full_end, T, S, qk_scale,
+                               False, CAUSAL, DOC_MASK, INPUT_PRECISION, BLOCK_N)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, rows, offs_n, d_mask,
-                               full_end, end, T, S, qk_scale, True, CAUSAL, INPUT_PRECISION, BLOCK_N)
+                               doc_rows, doc_ptr, after_full, end, T, S, qk_scale,
+                               True, CAUSAL, DOC_MASK, INPUT_PRECISION, BLOCK_N)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # rows that attend no key: O = 0, LSE = -inf
     o = acc / l_safe[:, None]
@@ -215,9 +263,9 @@ def _bwd_dkdv_inner(
     q_ptrs, do_ptrs,  # (BLOCK_M, BLOCK_D) pointers at query row 0 of one query head
     lse_ptr, delta_ptr,  # LSE and delta of that head's row 0
     stride_qt, stride_dot,
-    offs_m, cols, d_mask,
+    offs_m, cols, d_mask, doc_cols, doc_ptr,
     m_start, m_end, T, S, qk_scale,
-    MASKED: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+    MASKED: tl.constexpr, DOC_MASK: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     q_ptrs += m_start * stride_qt
     do_ptrs += m_start * stride_dot
@@ -232,7 +280,10 @@ def _bwd_dkdv_inner(
         qk_t = tl.dot(k, tl.trans(q), input_precision=INPUT_PRECISION)  # (BLOCK_N, BLOCK_M)
         p_t = tl.math.exp2(tl.fma(qk_t, qk_scale, -lse[None, :]))
         if MASKED:  # selected after exp2: a row with LSE = -inf gives inf here and is dropped, never NaN
-            p_t = tl.where(cols[:, None] <= rows[None, :] + (S - T), p_t, 0.0)
+            visible_t = cols[:, None] <= rows[None, :] + (S - T)
+            if DOC_MASK:
+                visible_t = visible_t & (doc_cols[:, None] == tl.load(doc_ptr + rows, mask=rows < T, other=-1)[None, :])
+            p_t = tl.where(visible_t, p_t, 0.0)
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=INPUT_PRECISION)
         dp_t = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)  # (BLOCK_N, BLOCK_M)
         ds_t = p_t * (dp_t - delta[None, :])
@@ -246,6 +297,7 @@ def _bwd_dkdv_inner(
 def _bwd_dkdv_kernel(
     # pointers
     Q, K, V, DO, LSE, DELTA, DK, DV,
+    DOC, DOC_START, DOC_END,  # (B, T) int32, as in the forward
     # strides: batch, head, sequence, head dim
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
@@ -257,8 +309,8 @@ def _bwd_dkdv_kernel(
     H, GROUP, T, S,
     sm_scale, qk_scale,  # softmax_scale, and softmax_scale * log2(e)
     # meta-parameters
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, DOC_MASK: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     start_n = tl.program_id(0) * BLOCK_N
     off_hkv = tl.program_id(1)
@@ -278,17 +330,29 @@ def _bwd_dkdv_kernel(
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
     m_start, full_start = _q_block_range(start_n, T, S, CAUSAL, BLOCK_M, BLOCK_N)
+    doc_ptr = DOC + off_b.to(tl.int64) * T
+    doc_cols = cols
+    full_hi = T
+    q_hi = T
+    if DOC_MASK:  # rows past the keys' document see none of them; mask-free only within one document
+        doc_cols = tl.load(doc_ptr + cols, mask=cols < S, other=-2)
+        full_hi, q_hi = _doc_q_range(doc_ptr, DOC_END + off_b.to(tl.int64) * T, start_n, S, full_start,
+                                     BLOCK_M, BLOCK_N)
     for g in range(GROUP):  # GQA: the kv head's query heads, summed in a fixed order
         off_h = off_hkv * GROUP + g
         q_ptrs = _tile_ptrs(Q, off_b, off_h, stride_qb, stride_qh, offs_m, stride_qt, offs_d, stride_qd)
         do_ptrs = _tile_ptrs(DO, off_b, off_h, stride_dob, stride_doh, offs_m, stride_dot, offs_d, stride_dod)
         row0 = (off_b * H + off_h).to(tl.int64) * T
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, LSE + row0, DELTA + row0, stride_qt, stride_dot,
-                                 offs_m, cols, d_mask, m_start, full_start, T, S, qk_scale,
-                                 True, INPUT_PRECISION, BLOCK_M)
+                                 offs_m, cols, d_mask, doc_cols, doc_ptr, m_start, full_start, T, S, qk_scale,
+                                 True, DOC_MASK, INPUT_PRECISION, BLOCK_M)
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, LSE + row0, DELTA + row0, stride_qt, stride_dot,
-                                 offs_m, cols, d_mask, full_start, T, T, S, qk_scale,
-                                 False, INPUT_PRECISION, BLOCK_M)
+                                 offs_m, cols, d_mask, doc_cols, doc_ptr, full_start, full_hi, T, S, qk_scale,
+                                 False, DOC_MASK, INPUT_PRECISION, BLOCK_M)
+        if DOC_MASK:
+            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, LSE + row0, DELTA + row0, stride_qt,
+                                     stride_dot, offs_m, cols, d_mask, doc_cols, doc_ptr, full_hi, q_hi, T, S,
+                                     qk_scale, True, DOC_MASK, INPUT_PRECISION, BLOCK_M)
 
     dk *= sm_scale  # dS is the gradient of the scaled scores: dK = scale * dS^T Q
     tl.store(_tile_ptrs(DK, off_b, off_hkv, stride_dkb, stride_dkh, cols, stride_dkn, offs_d, stride_dkd),
@@ -302,9 +366,10 @@ def _bwd_dq_inner(
     dq, q, do, lse, delta,  # (BLOCK_M, BLOCK_D) fp32 accumulator; resident Q, dO; LSE (log2 units), delta
     k_ptrs, v_ptrs,  # (BLOCK_N, BLOCK_D) pointers at key 0 of this kv head
     stride_kn, stride_vn,
-    rows, offs_n, d_mask,
+    rows, offs_n, d_mask, doc_rows, doc_ptr,
     n_start, n_end, T, S, qk_scale,
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOC_MASK: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     k_ptrs += n_start * stride_kn
     v_ptrs += n_start * stride_vn
@@ -318,7 +383,7 @@ def _bwd_dq_inner(
         qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)  # (BLOCK_M, BLOCK_N)
         p = tl.math.exp2(tl.fma(qk, qk_scale, -lse[:, None]))
         if MASKED:  # selected after exp2, as in the dK/dV kernel
-            p = tl.where(_visible(rows, cols, T, S, CAUSAL), p, 0.0)
+            p = tl.where(_visible(rows, cols, T, S, doc_rows, doc_ptr, CAUSAL, DOC_MASK), p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)  # (BLOCK_M, BLOCK_N)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=INPUT_PRECISION)
@@ -331,6 +396,7 @@ def _bwd_dq_inner(
 def _bwd_dq_kernel(
     # pointers
     Q, K, V, DO, LSE, DELTA, DQ,
+    DOC, DOC_START, DOC_END,  # (B, T) int32, as in the forward
     # strides: batch, head, sequence, head dim
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
@@ -341,8 +407,8 @@ def _bwd_dq_kernel(
     H, GROUP, T, S,
     sm_scale, qk_scale,  # softmax_scale, and softmax_scale * log2(e)
     # meta-parameters
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, DOC_MASK: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M  # longest rows first
     off_h = tl.program_id(1)
@@ -367,10 +433,24 @@ def _bwd_dq_kernel(
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     full_end, end = _kv_block_range(start_m, T, S, CAUSAL, BLOCK_M, BLOCK_N)
+    doc_ptr = DOC + off_b.to(tl.int64) * T
+    doc_rows = rows
+    full_lo = 0
+    after_full = full_end
+    if DOC_MASK:  # the forward's three ranges
+        doc_rows = tl.load(doc_ptr + rows, mask=rows < T, other=-1)
+        lo, full_lo = _doc_kv_range(doc_ptr, DOC_START + off_b.to(tl.int64) * T, start_m, T, full_end,
+                                    BLOCK_M, BLOCK_N)
+        dq = _bwd_dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, rows, offs_n, d_mask,
+                           doc_rows, doc_ptr, lo, tl.minimum(full_lo, full_end), T, S, qk_scale,
+                           True, CAUSAL, DOC_MASK, INPUT_PRECISION, BLOCK_N)
+        after_full = tl.maximum(lo, full_end)
     dq = _bwd_dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, rows, offs_n, d_mask,
-                       0, full_end, T, S, qk_scale, False, CAUSAL, INPUT_PRECISION, BLOCK_N)
+                       doc_rows, doc_ptr, full_lo, full_end, T, S, qk_scale,
+                       False, CAUSAL, DOC_MASK, INPUT_PRECISION, BLOCK_N)
     dq = _bwd_dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, rows, offs_n, d_mask,
-                       full_end, end, T, S, qk_scale, True, CAUSAL, INPUT_PRECISION, BLOCK_N)
+                       doc_rows, doc_ptr, after_full, end, T, S, qk_scale,
+                       True, CAUSAL, DOC_MASK, INPUT_PRECISION, BLOCK_N)
 
     dq *= sm_scale
     tl.store(_tile_ptrs(DQ, off_b, off_h, stride_dqb, stride_dqh, rows, stride_dqt, offs_d, stride_dqd),
@@ -437,12 +517,13 @@ def _interpreted_bf16(q):
     return q.dtype == torch.bfloat16 and (q.device.type == "cpu" or isinstance(_fwd_kernel, InterpretedFunction))
 
 
-def _meta(q, k, causal):
+def _meta(q, k, causal, docs):
     """(tuning key, constexprs) of a call: a new sequence length retunes only past a power of two."""
     D, T, S = q.shape[3], q.shape[2], k.shape[2]
     block_d = max(16, triton.next_power_of_2(D))
-    key = (q.device.index, q.dtype, block_d, causal, triton.next_power_of_2(T), triton.next_power_of_2(S))
-    constexprs = {"HEAD_DIM": D, "BLOCK_D": block_d, "CAUSAL": causal,
+    doc_mask = docs is not None
+    key = (q.device.index, q.dtype, block_d, causal, doc_mask, triton.next_power_of_2(T), triton.next_power_of_2(S))
+    constexprs = {"HEAD_DIM": D, "BLOCK_D": block_d, "CAUSAL": causal, "DOC_MASK": doc_mask,
                   "INPUT_PRECISION": "ieee" if q.dtype == torch.float32 else "tf32"}  # tf32 only matters for fp32
     return key, constexprs
 
@@ -451,46 +532,79 @@ def _softmax_scale(q, softmax_scale):
     return q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
 
 
-def flash_attn_forward(q, k, v, causal=True, softmax_scale=None):
+def documents(doc_ids):
+    """(doc, start, end), each (B, T) int32: a token's document id, and the index of its document's
+    first token and one past its last, from doc_ids (B, T) that never decrease along T."""
+    B, T = doc_ids.shape
+    doc = doc_ids.to(torch.int32).contiguous()
+    pos = torch.arange(T, dtype=torch.int32, device=doc.device).expand(B, T)
+    first = torch.ones_like(doc, dtype=torch.bool)
+    first[:, 1:] = doc[:, 1:] != doc[:, :-1]
+    last = torch.ones_like(first)
+    last[:, :-1] = first[:, 1:]
+    start = torch.cummax(torch.where(first, pos, 0), dim=1).values
+    end = torch.cummin(torch.where(last, pos + 1, T).flip(1), dim=1).values.flip(1)
+    return doc, start.contiguous(), end.contiguous()
+
+
+def _check_docs(q, k, doc_ids):
+    (B, _, T, _), S = q.shape, k.shape[2]
+    if not isinstance(doc_ids, torch.Tensor) or doc_ids.shape != (B, T) or doc_ids.device != q.device:
+        got = tuple(doc_ids.shape) if isinstance(doc_ids, torch.Tensor) else type(doc_ids).__name__
+        raise ValueError(f"flash_attention: doc_ids must be a (batch, seq_len) = ({B}, {T}) tensor on {q.device}, "
+                         f"got {got}")
+    if S != T or doc_ids.is_floating_point():
+        raise ValueError("flash_attention: doc_ids needs self-attention (seq_len of q equal to k's) and integer ids")
+
+
+def flash_attn_forward(q, k, v, causal=True, softmax_scale=None, doc_ids=None):
     """(o (B, H, T, D) in q's dtype, lse (B, H, T) fp32 in natural log), without autograd."""
     _check_inputs(q, k, v)
-    return _forward(q, k, v, causal, _softmax_scale(q, softmax_scale))
+    if doc_ids is not None:
+        _check_docs(q, k, doc_ids)
+    return _forward(q, k, v, causal, _softmax_scale(q, softmax_scale), None if doc_ids is None else documents(doc_ids))
 
 
-def _forward(q, k, v, causal, scale):
+def _forward(q, k, v, causal, scale, docs):
     if _interpreted_bf16(q):
-        o, lse = _forward(q.float(), k.float(), v.float(), causal, scale)
+        o, lse = _forward(q.float(), k.float(), v.float(), causal, scale, docs)
         return o.to(torch.bfloat16), lse
     (B, H, T, D), (H_kv, S) = q.shape, k.shape[1:3]
     o = _empty_bhtd(B, H, T, D, q)
     lse = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
-    key, constexprs = _meta(q, k, causal)
+    key, constexprs = _meta(q, k, causal, docs)
     with on_device(q):
         _FWD(lambda c: (triton.cdiv(T, c["BLOCK_M"]), H, B),
-             (q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
+             (q, k, v, o, lse, *(docs or (lse,) * 3), *q.stride(), *k.stride(), *v.stride(), *o.stride(),
               H, H // H_kv, T, S, scale * _LOG2E.value), key, **constexprs)
     return o, lse
 
 
-def flash_attn_backward(do, q, k, v, o, lse, causal=True, softmax_scale=None):
+def flash_attn_backward(do, q, k, v, o, lse, causal=True, softmax_scale=None, doc_ids=None):
     """(dq, dk, dv), shaped and typed like q, k, v, from the forward's o and lse; deterministic."""
-    scale = _softmax_scale(q, softmax_scale)
+    docs = None if doc_ids is None else documents(doc_ids)
+    return _backward_launch(do, q, k, v, o, lse, causal, _softmax_scale(q, softmax_scale), docs)
+
+
+def _backward_launch(do, q, k, v, o, lse, causal, scale, docs):
     if _interpreted_bf16(q):
-        grads = flash_attn_backward(do.float(), q.float(), k.float(), v.float(), o.float(), lse, causal, scale)
+        grads = _backward_launch(do.float(), q.float(), k.float(), v.float(), o.float(), lse, causal, scale, docs)
         return tuple(g.to(torch.bfloat16) for g in grads)
     (B, H, T, D), (H_kv, S) = q.shape, k.shape[1:3]
-    key, constexprs = _meta(q, k, causal)
+    key, constexprs = _meta(q, k, causal, docs)
     delta = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
     dq, dk, dv = _empty_bhtd(B, H, T, D, q), _empty_bhtd(B, H_kv, S, D, k), _empty_bhtd(B, H_kv, S, D, v)
+    docs = docs or (delta,) * 3  # unread without documents
     strides = (*q.stride(), *k.stride(), *v.stride(), *do.stride())
     sizes = (H, H // H_kv, T, S, scale, scale * _LOG2E.value)
     with on_device(q):
         _PREPROCESS(lambda c: (triton.cdiv(T, c["BLOCK_M"]), H, B), (o, do, delta, *o.stride(), *do.stride(), H, T),
                     key, HEAD_DIM=D, BLOCK_D=constexprs["BLOCK_D"])
         _DKDV(lambda c: (triton.cdiv(S, c["BLOCK_N"]), H_kv, B),
-              (q, k, v, do, lse, delta, dk, dv, *strides, *dk.stride(), *dv.stride(), *sizes), key, **constexprs)
+              (q, k, v, do, lse, delta, dk, dv, *docs, *strides, *dk.stride(), *dv.stride(), *sizes), key,
+              **constexprs)
         _DQ(lambda c: (triton.cdiv(T, c["BLOCK_M"]), H, B),
-            (q, k, v, do, lse, delta, dq, *strides, *dq.stride(), *sizes), key, **constexprs)
+            (q, k, v, do, lse, delta, dq, *docs, *strides, *dq.stride(), *sizes), key, **constexprs)
     return dq, dk, dv
 
 
@@ -506,13 +620,13 @@ def flash_attn_backward(do, q, k, v, o, lse, causal=True, softmax_scale=None):
 
 @torch.library.custom_op("kernels::flash_attn_fwd", mutates_args=())
 def _flash_attn_fwd_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, doc_ids: Optional[torch.Tensor]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _forward(q, k, v, causal, scale)
+    return _forward(q, k, v, causal, scale, None if doc_ids is None else documents(doc_ids))
 
 
 @_flash_attn_fwd_op.register_fake
-def _(q, k, v, causal, scale):
+def _(q, k, v, causal, scale, doc_ids):
     _check_inputs(q, k, v)
     B, H, T, D = q.shape
     return _empty_bhtd(B, H, T, D, q), q.new_empty((B, H, T), dtype=torch.float32)
@@ -521,28 +635,28 @@ def _(q, k, v, causal, scale):
 @torch.library.custom_op("kernels::flash_attn_bwd", mutates_args=())
 def _flash_attn_bwd_op(
     do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
-    causal: bool, scale: float,
+    causal: bool, scale: float, doc_ids: Optional[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return flash_attn_backward(do, q, k, v, o, lse, causal, scale)
+    return flash_attn_backward(do, q, k, v, o, lse, causal, scale, doc_ids)
 
 
 @_flash_attn_bwd_op.register_fake
-def _(do, q, k, v, o, lse, causal, scale):
+def _(do, q, k, v, o, lse, causal, scale, doc_ids):
     (B, H, T, D), (H_kv, S) = q.shape, k.shape[1:3]
     return _empty_bhtd(B, H, T, D, q), _empty_bhtd(B, H_kv, S, D, k), _empty_bhtd(B, H_kv, S, D, v)
 
 
 def _save_for_backward(ctx, inputs, output):
-    q, k, v, causal, scale = inputs
+    q, k, v, causal, scale, doc_ids = inputs
     o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse)
+    ctx.save_for_backward(q, k, v, o, lse, doc_ids)
     ctx.causal, ctx.scale = causal, scale
 
 
 def _backward(ctx, do, dlse):  # dlse: LSE is an output for the backward only, never differentiated
-    q, k, v, o, lse = ctx.saved_tensors
-    dq, dk, dv = _flash_attn_bwd_op(do, q, k, v, o, lse, ctx.causal, ctx.scale)
-    return dq, dk, dv, None, None
+    q, k, v, o, lse, doc_ids = ctx.saved_tensors
+    dq, dk, dv = _flash_attn_bwd_op(do, q, k, v, o, lse, ctx.causal, ctx.scale, doc_ids)
+    return dq, dk, dv, None, None, None
 
 
 _flash_attn_fwd_op.register_autograd(_backward, setup_context=_save_for_backward)
@@ -552,31 +666,37 @@ class FlashAttentionFunction(torch.autograd.Function):
     """Eager autograd wrapper: the launchers without the custom-op dispatch (see above)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale):
-        o, lse = _forward(q, k, v, causal, scale)
-        _save_for_backward(ctx, (q, k, v, causal, scale), (o, lse))
+    def forward(ctx, q, k, v, causal, scale, doc_ids):
+        docs = None if doc_ids is None else documents(doc_ids)
+        o, lse = _forward(q, k, v, causal, scale, docs)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.causal, ctx.scale, ctx.docs = causal, scale, docs
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
-        return *flash_attn_backward(do, q, k, v, o, lse, ctx.causal, ctx.scale), None, None
+        return *_backward_launch(do, q, k, v, o, lse, ctx.causal, ctx.scale, ctx.docs), None, None, None
 
 
-def flash_attention(q, k, v, causal=True, softmax_scale=None):
-    """softmax(softmax_scale * q k^T, causal mask) v for q (B, H, T, D) and k, v (B, H_kv, S, D).
+def flash_attention(q, k, v, causal=True, softmax_scale=None, doc_ids=None):
+    """softmax(softmax_scale * q k^T, mask) v for q (B, H, T, D) and k, v (B, H_kv, S, D).
 
-    Returns (B, H, T, D) in q's dtype; softmax_scale defaults to 1 / sqrt(D). Under
-    torch.autocast, q, k and v are first cast to the autocast dtype, as autocast does for
+    Returns (B, H, T, D) in q's dtype; softmax_scale defaults to 1 / sqrt(D). doc_ids (B, T),
+    integer ids that never decrease along the sequence (packed documents, T == S): query i then
+    attends key j only within its own document, and the tiles of other documents are skipped.
+    Under torch.autocast, q, k and v are first cast to the autocast dtype, as autocast does for
     scaled_dot_product_attention.
     """
     if isinstance(q, torch.Tensor) and torch.is_autocast_enabled(q.device.type):
         dtype = torch.get_autocast_dtype(q.device.type)
         q, k, v = (t.to(dtype) if isinstance(t, torch.Tensor) else t for t in (q, k, v))
     _check_inputs(q, k, v)
+    if doc_ids is not None:
+        _check_docs(q, k, doc_ids)
     scale = _softmax_scale(q, softmax_scale)
     # the custom op where something watches the dispatcher: torch.compile, and modes such as
     # selective activation checkpointing, which must see the attention as one op to keep it
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
-        return _flash_attn_fwd_op(q, k, v, bool(causal), scale)[0]
-    return FlashAttentionFunction.apply(q, k, v, bool(causal), scale)
+        return _flash_attn_fwd_op(q, k, v, bool(causal), scale, doc_ids)[0]
+    return FlashAttentionFunction.apply(q, k, v, bool(causal), scale, doc_ids)

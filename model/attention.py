@@ -1,7 +1,8 @@
 """The attention swap point: one signature, a name -> function map, nothing else.
 
-Every implementation takes q, k, v of shape (B, H, T, D) and returns causal attention of the same
-shape and dtype. The GPT model calls `get_attention(name)` once and never branches on the name.
+Every implementation takes q, k, v of shape (B, H, T, D), and optionally doc_ids (B, T) of packed
+documents, and returns causal attention of the same shape and dtype, within each document when
+doc_ids is given. The GPT model calls `get_attention(name)` once and never branches on the name.
 """
 
 import math
@@ -15,28 +16,40 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from configs.schema import AttnName
 from kernels import flash_attention
 
-AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+AttentionFn = Callable[..., torch.Tensor]  # (q, k, v, doc_ids=None) -> (B, H, T, D)
 
 
-def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def hidden_keys(doc_ids: torch.Tensor | None, T: int, device: torch.device) -> torch.Tensor:
+    """(B or 1, 1, T, T) bool: True where query i may not see key j (the future, another document)."""
+    future = torch.ones(T, T, dtype=torch.bool, device=device).triu(1)[None, None]
+    if doc_ids is None:
+        return future
+    return future | (doc_ids[:, None, :, None] != doc_ids[:, None, None, :])
+
+
+def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None = None
+                    ) -> torch.Tensor:
     """Textbook attention: materialises the (B, H, T, T) scores in the input dtype."""
-    T = q.size(-2)
     scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.size(-1)))  # (B, H, T, T)
-    future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
-    scores = scores.masked_fill(future, float("-inf"))
+    scores = scores.masked_fill(hidden_keys(doc_ids, q.size(-2), q.device), float("-inf"))
     # softmax in (at least) fp32: bf16 exp/sum would lose the many small probabilities
     probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(q.dtype, torch.float32)).to(q.dtype)
     return probs @ v  # (B, H, T, D)
 
 
-def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """PyTorch's fused attention; which backend runs is torch's choice unless pinned (sdpa_backend)."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+    """PyTorch's fused attention; which backend runs is torch's choice unless pinned (sdpa_backend).
+    With documents it gets a dense (B, 1, T, T) mask, which its flash and cuDNN kernels do not take."""
+    if doc_ids is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=~hidden_keys(doc_ids, q.size(-2), q.device))
 
 
-def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Our FlashAttention-2 Triton kernels (kernels/flash_attn.py)."""
-    return flash_attention(q, k, v, causal=True)
+def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None = None
+                     ) -> torch.Tensor:
+    """Our FlashAttention-2 Triton kernels (kernels/flash_attn.py); with documents, block-sparse."""
+    return flash_attention(q, k, v, causal=True, doc_ids=doc_ids)
 
 
 ATTENTIONS: dict[str, AttentionFn] = {  # one entry per configs.schema.AttnName

@@ -12,9 +12,17 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from configs.schema import ModelConfig
+from data.tokenizer import EOT
 from kernels import attention_flops
 from kernels.cross_entropy import full_cross_entropy, linear_cross_entropy
 from model.attention import ATTENTION_OPS, AttentionFn, get_attention
+
+
+def document_ids(idx: torch.Tensor) -> torch.Tensor:
+    """(B, T) int32 id of each token's document: an end-of-text token ends its document, so the
+    tokens after it start the next one (the count of end-of-text tokens before each position)."""
+    eot = (idx == EOT).to(torch.int32)
+    return torch.cumsum(eot, dim=1, dtype=torch.int32) - eot
 
 
 def padded_vocab(vocab_size: int) -> int:
@@ -53,13 +61,13 @@ class CausalSelfAttention(nn.Module):
         self.rotary = rotary
         self.dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         B, T, C = x.shape
         # (B, T, 3, H, D) -> three (B, H, T, D) strided views; the kernels take strides, no copy
         q, k, v = self.qkv(x).view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4)
         if self.rotary is not None:
             q, k = self.rotary(q), self.rotary(k)
-        y = self.attention(q, k, v)  # (B, H, T, D)
+        y = self.attention(q, k, v, doc_ids=doc_ids)  # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, C)
         return self.dropout(self.proj(y))
 
@@ -84,16 +92,17 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
+    def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x), doc_ids)
         return x + self.mlp(self.ln2(x))
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: ModelConfig, attn: str, ac: str = "none"):
-        """attn: a name in model/attention.py; ac: activation checkpointing per block, none | selective | full."""
+    def __init__(self, cfg: ModelConfig, attn: str, ac: str = "none", doc_mask: bool = False):
+        """attn: a name in model/attention.py; ac: activation checkpointing per block, none | selective |
+        full; doc_mask: attend within packed documents, each ended by the end-of-text token."""
         super().__init__()
-        self.cfg, self.ac = cfg, ac
+        self.cfg, self.ac, self.doc_mask = cfg, ac, doc_mask
         self.vocab_size = padded_vocab(cfg.vocab_size)
         attention = get_attention(attn)
         head_dim = cfg.d_model // cfg.n_head
@@ -143,9 +152,13 @@ class GPT(nn.Module):
         if self.pos_emb is not None:
             x = x + self.pos_emb(torch.arange(T, device=idx.device))
         x = self.drop(x)
+        doc_ids = document_ids(idx) if self.doc_mask else None
         recompute = self.ac != "none" and self.training and torch.is_grad_enabled()
         for block in self.blocks:
-            x = checkpoint(block, x, use_reentrant=False, context_fn=self._ac_context) if recompute else block(x)
+            if recompute:
+                x = checkpoint(block, x, doc_ids, use_reentrant=False, context_fn=self._ac_context)
+            else:
+                x = block(x, doc_ids)
         x = self.ln_f(x)
         if targets is not None and self.cfg.loss == "chunked":
             loss = linear_cross_entropy(x.view(B * T, -1), self.head.weight, targets.view(-1), self.cfg.loss_chunk,

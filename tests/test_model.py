@@ -13,7 +13,8 @@ import torch
 
 from configs.schema import ModelConfig
 from model import ATTENTIONS, GPT, get_attention
-from model.gpt import Rotary
+from data.tokenizer import EOT
+from model.gpt import Rotary, document_ids
 
 
 def tiny_config(**overrides) -> ModelConfig:
@@ -141,3 +142,52 @@ def test_rotary_angles_are_exact_at_a_million_positions():
     angles = positions.double()[:, None] * freqs
     assert (rotary.cos[positions].double() - angles.cos()).abs().max() < 1e-6
     assert (rotary.sin[positions].double() - angles.sin()).abs().max() < 1e-6
+
+
+def _packed(lengths, seed):
+    """(1, T) tokens of consecutive documents of the given lengths, each ended by end-of-text."""
+    gen = torch.Generator().manual_seed(seed)
+    docs = [torch.cat([torch.randint(0, 50256, (n - 1,), generator=gen), torch.tensor([EOT])]) for n in lengths]
+    return torch.cat(docs)[None], docs
+
+
+def test_document_ids_follow_the_end_of_text_tokens():
+    idx, _ = _packed([3, 1, 4], seed=0)
+    assert document_ids(idx).tolist() == [[0, 0, 0, 1, 2, 2, 2, 2]]
+
+
+def test_every_attention_masks_documents_alike():
+    # fp32: naive's dense mask, SDPA's attn_mask and the Triton kernels' block-sparse mask
+    cfg = tiny_config(n_layer=2, n_head=2, d_model=32, max_seq_len=64)
+    idx, _ = _packed([5, 1, 20, 13, 9], seed=1)
+    targets = torch.roll(idx, -1, dims=1)
+    results = {}
+    for attn in ("naive", "sdpa", "triton"):
+        torch.manual_seed(0)
+        results[attn] = logits_and_grads(GPT(cfg, attn, doc_mask=True), idx, targets)
+    torch.manual_seed(0)
+    unmasked = logits_and_grads(GPT(cfg, "sdpa"), idx, targets)
+    assert not torch.allclose(unmasked[0], results["sdpa"][0], rtol=1e-3, atol=1e-4)  # the mask matters here
+    for attn in ("naive", "triton"):
+        torch.testing.assert_close(results[attn][0], results["sdpa"][0], rtol=1e-4, atol=1e-5)
+        for name, grad in results[attn][1].items():
+            torch.testing.assert_close(grad, results["sdpa"][1][name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("attn", ["naive", "sdpa", "triton"])
+def test_a_packed_document_scores_as_if_it_were_alone(attn):
+    # with RoPE, attention within a document depends on relative positions only: each document's
+    # token losses in a packed sequence equal those of the document run on its own
+    cfg = tiny_config(n_layer=2, n_head=2, d_model=32, max_seq_len=64, pos_emb="rope", loss="full")
+    torch.manual_seed(0)
+    # float64 where the attention takes it (exact to rounding); the Triton kernels take fp32
+    dtype, tol = (torch.float32, 1e-5) if attn == "triton" else (torch.float64, 1e-9)
+    model = GPT(cfg, attn, doc_mask=True).to(dtype)
+    idx, docs = _packed([9, 1, 17, 12], seed=2)
+    with torch.no_grad():
+        packed = model(idx)[0][0]  # (T, V)
+        start = 0
+        for doc in docs:
+            alone = model(doc[None])[0][0]
+            torch.testing.assert_close(packed[start:start + len(doc)], alone, rtol=tol, atol=tol)
+            start += len(doc)

@@ -65,8 +65,19 @@ def test_fp32_loss_curves_of_all_attentions_agree(data_root, tmp_path):
     assert run_info(run)["group"] == "equivalence"
 
 
+def test_fp32_loss_curves_agree_with_documents_masked(short_docs, tmp_path):
+    # windows of 32 tokens over documents of 3-21 tokens: every attention masks several per window
+    cfg = compose_equivalence(TINY + short_docs + ["data.doc_mask=true", "max_steps=10", "attns=[sdpa,naive,triton]",
+                                                   "wandb.mode=disabled"])
+    result = equivalence.check(cfg, tmp_path)
+    assert result["mode"] == "strict" and result["verdict"] == "AGREE", result["stats"]
+    unmasked = equivalence.check(compose_equivalence(TINY + short_docs + ["max_steps=10", "attns=[sdpa,naive]",
+                                                                          "wandb.mode=disabled"]), tmp_path / "plain")
+    assert unmasked["curves"]["sdpa"] != result["curves"]["sdpa"]  # the mask changed the training
+
+
 def test_a_wrong_softmax_scale_is_caught(data_root, tmp_path, monkeypatch):
-    def unscaled_attention(q, k, v):  # the classic bug: scores not divided by sqrt(head_dim)
+    def unscaled_attention(q, k, v, doc_ids=None):  # the classic bug: scores not divided by sqrt(head_dim)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1.0)
 
     monkeypatch.setitem(attention.ATTENTIONS, "naive", unscaled_attention)
