@@ -261,8 +261,11 @@ def setup(cfg: DictConfig, run_dir: Path) -> Run:
     if cfg.resume:
         path = checkpoint_path(hydra.utils.to_absolute_path(cfg.resume))
         ckpt = load_checkpoint(path)
-        run_dir = path.parent  # metrics, W&B and checkpoints continue in the original run's dir
         changes = check_resume(ckpt, plain(cfg), world, path)
+        if ckpt["step"] >= cfg.max_steps:
+            raise ConfigError(f"resume={cfg.resume}: that run already finished at step {ckpt['step']}; "
+                              f"raise max_steps above {ckpt['step']} to train it further")
+        run_dir = path.parent  # metrics, W&B and checkpoints continue in the original run's dir
         if rank == 0:
             print(f"resuming {run_dir} at step {ckpt['step']}" + (f"; changed: {changes}" if changes else ""))
     if rank == 0:
@@ -292,12 +295,11 @@ def setup(cfg: DictConfig, run_dir: Path) -> Run:
         try:
             info["sdpa_backend"] = probe_sdpa_backend(cfg.batch_size, cfg.seq_len, cfg.model.n_head,
                                                       cfg.model.d_model // cfg.model.n_head, dtype, device,
-                                                      cfg.attn.sdpa_backend)
+                                                      cfg.attn.sdpa_backend, cfg.data.doc_mask)
         except RuntimeError as e:
             raise ConfigError(f"attn.sdpa_backend={cfg.attn.sdpa_backend}: torch has no such kernel for these "
                               f"inputs on {device.type} ({str(e).splitlines()[0][:120]}): choose another or null")
-    model = raw_model
-    run = Run(cfg=cfg, run_dir=Path(run_dir), rank=rank, world=world, device=device, model=model,
+    run = Run(cfg=cfg, run_dir=Path(run_dir), rank=rank, world=world, device=device, model=raw_model,
               raw_model=raw_model, optimizer=make_optimizer(raw_model, cfg), train_loader=train_loader,
               val_loader=val_loader, val_start=val_loader.state_dict() if val_loader else {}, info=info,
               meter=Meter(info["tokens_per_step"], raw_model.flops_per_token(cfg.seq_len), device, world),
@@ -305,9 +307,6 @@ def setup(cfg: DictConfig, run_dir: Path) -> Run:
     if ckpt is not None:
         load_state_dict(run, ckpt)
         run.saved_step = run.step
-        if run.step >= cfg.max_steps:
-            raise ConfigError(f"resume={cfg.resume}: that run already finished at step {run.step}; "
-                              f"raise max_steps above {run.step} to train it further")
     if world > 1:
         torch.manual_seed(cfg.seed + rank)  # same initial weights everywhere, but each rank its own dropout
     if cfg.compile:
@@ -455,7 +454,8 @@ def finish(run: Run, status: str, message: str | None) -> dict:
     cfg = run.cfg
     if message and run.master:
         print(message, file=sys.stderr)
-        run.log.log({"step": run.step, "event": status, status: 1, "message": message})
+        with contextlib.suppress(OSError):  # a full disk said its line already; the record may not fit
+            run.log.log({"step": run.step, "event": status, status: 1, "message": message})
     history = run.meter.history
     summary = {"status": status, "message": message, "steps": run.step,
                "best_val_loss": run.best_val if run.last_val is not None else None, "final_val_loss": run.last_val,
@@ -465,7 +465,8 @@ def finish(run: Run, status: str, message: str | None) -> dict:
         if status == "ok" and cfg.sample_tokens > 0:
             summary["sample"] = sample(run.raw_model, cfg, run.device)
             print(f"--- sample ---\n{summary['sample']}\n--------------")
-        atomic_write(run.run_dir / "summary.json", json_line(summary).encode())
+        with contextlib.suppress(DiskFullError):
+            atomic_write(run.run_dir / "summary.json", json_line(summary).encode())
         run.log.finish(summary)
         print("summary: " + ", ".join(f"{k}={v}" for k, v in summary.items() if k not in ("sample", "message")))
     if run.world > 1:
@@ -488,6 +489,9 @@ def main(cfg: DictConfig) -> float | None:
     hc = HydraConfig.get()
     try:
         summary = train(cfg, Path(hc.runtime.output_dir))
+    except DiskFullError as e:  # preparing data or a cache before training started
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
     except (ConfigError, DatasetError, CheckpointError) as e:
         if hc.mode == RunMode.RUN:
             print(f"error: {e}", file=sys.stderr)

@@ -23,7 +23,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from configs.validate import ConfigError, validate
-from data.checkpoint import checkpoint_path
+from data.checkpoint import CheckpointError, checkpoint_path
 
 CONFIGS = Path(__file__).resolve().parent
 RUN_FILES = ("metrics.jsonl", "ckpt.pt", "summary.json")  # what makes a dir a run's
@@ -121,11 +121,16 @@ def preflight(argv: list[str]) -> list[str]:
     task = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])
     try:
         validate(task, int(os.environ.get("WORLD_SIZE", "1")))
-        if task.resume:  # the original run's dir; Hydra records nothing new there
-            return [f"hydra.run.dir={checkpoint_path(task.resume).resolve().parent}", "hydra.output_subdir=null"]
+        if task.resume:  # the original run's dir, held from here on; Hydra records nothing new there
+            ckpt = checkpoint_path(task.resume).resolve()
+            if not ckpt.is_file():
+                raise CheckpointError(f"resume={task.resume}: no checkpoint at {ckpt}: pass a run dir holding "
+                                      "ckpt.pt or a .pt file")
+            claim_run_dir(ckpt.parent, fresh=False)
+            return [f"hydra.run.dir={ckpt.parent}", "hydra.output_subdir=null"]
         explicit = any(re.match(r"\+*hydra\.run\.dir=", arg) for arg in argv)
         run_dir = Path(cfg.hydra.run.dir) if explicit else _claim_new(Path(cfg.hydra.run.dir))
         claim_run_dir(run_dir, fresh=True)
-    except ConfigError as e:
+    except (ConfigError, CheckpointError) as e:
         _exit(str(e))
     return [f"hydra.run.dir={run_dir}"]

@@ -7,10 +7,14 @@ line names the key, the value and what is allowed.
 
 import math
 import re
+from dataclasses import MISSING, fields
+from enum import Enum
 
+from omegaconf import MISSING as OMEGACONF_MISSING
 from omegaconf import DictConfig, OmegaConf
 
 from configs.runtime import resolve_device
+from configs.schema import AttnConfig, DataConfig, ModelConfig, OptimConfig, TrainConfig, WandbConfig
 from data.tokenizer import VOCAB_SIZE
 from kernels import MAX_HEAD_DIM
 
@@ -114,16 +118,27 @@ def _flat(d: dict, prefix: str = "") -> dict:
     return out
 
 
+def _schema_defaults() -> dict:
+    """Every key's default, flat: what a checkpoint written before the key existed ran with."""
+    groups = {"attn": AttnConfig, "model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "wandb": WandbConfig}
+    flat = {}
+    for prefix, cls in (("", TrainConfig), *((f"{g}.", c) for g, c in groups.items())):
+        for f in fields(cls):
+            value = f.default_factory() if f.default_factory is not MISSING else f.default
+            if f.name not in groups and value not in (MISSING, OMEGACONF_MISSING):
+                flat[prefix + f.name] = value.value if isinstance(value, Enum) else value
+    return flat
+
+
 def check_resume(ckpt: dict, now: dict, world: int, path) -> str:
     """The settings that differ between a checkpoint and this run, as 'key old -> new, ...' (empty if
     none); ConfigError if one of them would not continue the same run."""
-    before, after = _flat(ckpt["config"]), _flat(now)
+    before, after = {**_schema_defaults(), **_flat(ckpt["config"])}, _flat(now)
     # the batch is global: batch_size is per process, batch_tokens a way to set it
     for flat, ranks in ((before, ckpt["world_size"]), (after, world)):
         flat["global batch_size"] = flat.pop("batch_size") * ranks
         flat.pop("batch_tokens")
-    changed = {k: (before.get(k), after.get(k)) for k in sorted(before.keys() | after.keys())
-               if before.get(k) != after.get(k)}
+    changed = {k: (before.get(k), after[k]) for k in sorted(after) if before.get(k) != after[k]}
     refused = {k: v for k, v in changed.items() if not k.startswith(RESUMABLE)}
     text = lambda d: ", ".join(f"{k} {old} -> {new}" for k, (old, new) in d.items())
     if refused:

@@ -43,7 +43,7 @@ def _loss_and_grad_rows(
         total = total * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), 0)
         m = m_new
     lse = m + tl.log(total)
-    z_y = tl.load(ptr + tl.where(valid, y, 0)).to(tl.float32)
+    z_y = tl.load(ptr + tl.where(valid & (y >= 0) & (y < V), y, 0)).to(tl.float32)  # never read out of the row
     tl.store(LOSS + row, tl.where(valid, lse - z_y + z_loss * lse * lse, 0.0))
     if GRAD:
         scale = tl.where(valid, 1.0 / tl.load(N_VALID).to(tl.float32), 0.0)
@@ -66,10 +66,10 @@ def _chunk_eager(logits, yc, vc, n, z_loss, grad):
     if z_loss:
         g.mul_(1 + 2 * z_loss * lse[:, None])
     g.scatter_add_(1, y_safe, torch.full_like(y_safe, -1, dtype=g.dtype))
-    return loss, g.mul_((vc / n)[:, None])  # the mean over valid targets; ignored rows get 0
+    return loss, g.mul_((vc.to(g.dtype) / n)[:, None])  # the mean over valid targets; ignored rows get 0
 
 
-# one config: rows of a 50k vocabulary in 4096-wide blocks; small blocks in the CPU interpreter
+# one config, so never benchmarked (the kernel overwrites its input); small blocks in the CPU interpreter
 _ROWS = Launcher(_loss_and_grad_rows, [triton.Config({"BLOCK_V": 4096}, num_warps=8)], triton.Config({"BLOCK_V": 32}))
 
 
@@ -88,7 +88,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # x (N, d), weight (V, d), targets (N,)
         valid = targets != ignore_index
         n = valid.sum().clamp(min=1)  # a tensor: no host sync
-        acc = torch.promote_types(x.dtype, torch.float32)  # sums: fp32 (float64 for float64)
+        acc = torch.promote_types(x.dtype, torch.float32)  # sums: fp32 (float64 for float64, on the CPU path)
         dx = torch.empty_like(x) if want_dx else None
         dw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if want_dw else None
         loss = torch.zeros((), dtype=acc, device=x.device)

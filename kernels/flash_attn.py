@@ -533,22 +533,24 @@ def _softmax_scale(q, softmax_scale):
 
 
 def documents(doc_ids):
-    """(doc, start, end), each (B, T) int32: a token's document id, and the index of its document's
-    first token and one past its last, from doc_ids (B, T) that never decrease along T."""
+    """(doc, start, end), each (B, T) int32: for every token, an id of its document and the index of
+    the document's first token and one past its last. A document is a run of equal doc_ids; its id
+    here is its start index, so any ids (repeated further on, or colliding in int32) mask as they skip."""
     B, T = doc_ids.shape
-    doc = doc_ids.to(torch.int32).contiguous()
-    pos = torch.arange(T, dtype=torch.int32, device=doc.device).expand(B, T)
-    first = torch.ones_like(doc, dtype=torch.bool)
-    first[:, 1:] = doc[:, 1:] != doc[:, :-1]
+    pos = torch.arange(T, dtype=torch.int32, device=doc_ids.device).expand(B, T)
+    first = torch.ones_like(doc_ids, dtype=torch.bool)
+    first[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
     last = torch.ones_like(first)
     last[:, :-1] = first[:, 1:]
-    start = torch.cummax(torch.where(first, pos, 0), dim=1).values
-    end = torch.cummin(torch.where(last, pos + 1, T).flip(1), dim=1).values.flip(1)
-    return doc, start.contiguous(), end.contiguous()
+    start = torch.cummax(torch.where(first, pos, 0), dim=1).values.contiguous()
+    end = torch.cummin(torch.where(last, pos + 1, T).flip(1), dim=1).values.flip(1).contiguous()
+    return start, start, end
 
 
-def _check_docs(q, k, doc_ids):
+def _check_docs(q, k, doc_ids, causal):
     (B, _, T, _), S = q.shape, k.shape[2]
+    if not causal:
+        raise ValueError("flash_attention: doc_ids needs causal=True (documents are masked within causal attention)")
     if not isinstance(doc_ids, torch.Tensor) or doc_ids.shape != (B, T) or doc_ids.device != q.device:
         got = tuple(doc_ids.shape) if isinstance(doc_ids, torch.Tensor) else type(doc_ids).__name__
         raise ValueError(f"flash_attention: doc_ids must be a (batch, seq_len) = ({B}, {T}) tensor on {q.device}, "
@@ -561,7 +563,7 @@ def flash_attn_forward(q, k, v, causal=True, softmax_scale=None, doc_ids=None):
     """(o (B, H, T, D) in q's dtype, lse (B, H, T) fp32 in natural log), without autograd."""
     _check_inputs(q, k, v)
     if doc_ids is not None:
-        _check_docs(q, k, doc_ids)
+        _check_docs(q, k, doc_ids, causal)
     return _forward(q, k, v, causal, _softmax_scale(q, softmax_scale), None if doc_ids is None else documents(doc_ids))
 
 
@@ -682,9 +684,9 @@ class FlashAttentionFunction(torch.autograd.Function):
 def flash_attention(q, k, v, causal=True, softmax_scale=None, doc_ids=None):
     """softmax(softmax_scale * q k^T, mask) v for q (B, H, T, D) and k, v (B, H_kv, S, D).
 
-    Returns (B, H, T, D) in q's dtype; softmax_scale defaults to 1 / sqrt(D). doc_ids (B, T),
-    integer ids that never decrease along the sequence (packed documents, T == S): query i then
-    attends key j only within its own document, and the tiles of other documents are skipped.
+    Returns (B, H, T, D) in q's dtype; softmax_scale defaults to 1 / sqrt(D). doc_ids (B, T) of
+    packed documents (a document is a run of equal ids; causal, T == S): query i then attends key j
+    only within its own document, and the tiles of other documents are skipped.
     Under torch.autocast, q, k and v are first cast to the autocast dtype, as autocast does for
     scaled_dot_product_attention.
     """
@@ -693,7 +695,7 @@ def flash_attention(q, k, v, causal=True, softmax_scale=None, doc_ids=None):
         q, k, v = (t.to(dtype) if isinstance(t, torch.Tensor) else t for t in (q, k, v))
     _check_inputs(q, k, v)
     if doc_ids is not None:
-        _check_docs(q, k, doc_ids)
+        _check_docs(q, k, doc_ids, causal)
     scale = _softmax_scale(q, softmax_scale)
     # the custom op where something watches the dispatcher: torch.compile, and modes such as
     # selective activation checkpointing, which must see the attention as one op to keep it

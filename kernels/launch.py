@@ -88,7 +88,8 @@ class Launcher:
         configs = self.candidates(constexprs, itemsize)
         if len(configs) == 1 or not autotuning():
             return configs[0]
-        # every kernel here writes each output element exactly once: benchmarking cannot corrupt them
+        # a tuned kernel writes each output element once, from inputs it does not write: benchmarking
+        # cannot corrupt them (an in-place kernel gets one config, and never reaches this loop)
         timings = {}
         for config in configs:
             try:

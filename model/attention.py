@@ -87,17 +87,21 @@ def sdpa_backend(name: str | None) -> AbstractContextManager:
     return nullcontext() if name is None else sdpa_kernel(SDPA_BACKENDS[name])
 
 
-def sdpa_backend_in_use(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str | None = None) -> str:
+def sdpa_backend_in_use(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str | None = None,
+                        masked: bool = False) -> str:
     """The SDPA backend (a key of SDPA_BACKENDS) torch dispatches these inputs to, pinned to
-    `backend` if given; RuntimeError if that backend cannot run them."""
+    `backend` if given, as sdpa_attention calls it (masked: with the dense document mask);
+    RuntimeError if that backend cannot run them."""
+    B, _, T, _ = q.shape
+    mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=q.device).expand(B, 1, T, T) if masked else None
     with sdpa_backend(backend):
         # torch's own dispatcher choice (private API: there is no public one); same rules as the real call
-        choice = SDPBackend(torch._fused_sdp_choice(q, k, v, None, 0.0, True))
+        choice = SDPBackend(torch._fused_sdp_choice(q, k, v, mask, 0.0, not masked))
     return next(name for name, b in SDPA_BACKENDS.items() if b == choice)
 
 
 def probe_sdpa_backend(batch: int, seq_len: int, n_head: int, head_dim: int, dtype: torch.dtype,
-                       device: torch.device, backend: str | None = None) -> str:
+                       device: torch.device, backend: str | None = None, masked: bool = False) -> str:
     """sdpa_backend_in_use for the model's own inputs: strided views of one (B, T, 3, H, D) projection."""
     qkv = torch.empty(batch, seq_len, 3, n_head, head_dim, device=device, dtype=dtype)
-    return sdpa_backend_in_use(*qkv.permute(2, 0, 3, 1, 4), backend=backend)
+    return sdpa_backend_in_use(*qkv.permute(2, 0, 3, 1, 4), backend=backend, masked=masked)

@@ -100,7 +100,8 @@ def main():
     p.add_argument("--acs", default="none,selective,full")
     p.add_argument("--min", type=int, default=8192)
     p.add_argument("--max", type=int, default=1048576)
-    p.add_argument("--out", type=Path, default=Path("bench") / "long_context")
+    p.add_argument("--out", type=Path, default=Path("bench") / f"long_context_{time.strftime('%Y-%m-%d_%H-%M-%S')}",
+                   help="a new folder: each rung trains into a run dir of its own there")
     p.add_argument("--from-csv", type=Path, help="no training: table and plot of the rows in this CSV")
     p.add_argument("--title", default="", help="with --from-csv: where the rows were measured")
     p.add_argument("overrides", nargs="*", help="more train.py overrides, e.g. model.loss_chunk=2048")
@@ -115,7 +116,6 @@ def main():
         return
     if not torch.cuda.is_available():
         sys.exit("long_context needs a CUDA GPU")
-    train.register_configs()
     rows = []
     for attn in attns:
         for ac in acs:

@@ -1,6 +1,7 @@
 """What every test file shares: the environment, the markers, and Shakespeare prepared once.
 
-- FLASH_ATTENTION_AUTOTUNE=0 for the whole suite (subprocesses inherit it): benchmarking every
+- FLASH_ATTENTION_AUTOTUNE=0 and a fixed BLAS thread count for the whole suite (subprocesses
+  inherit them). Autotuning: benchmarking every
   block config for every new test shape would take most of a GPU run; correctness cannot depend
   on it, and test_gpu_every_tuning_config_is_correct runs each config instead.
 - Markers: `gpu` tests need CUDA and are skipped, with that reason, where there is none; `slow`
@@ -14,10 +15,14 @@ import json
 import os
 import random
 
-import pytest
-import torch
-
 os.environ["FLASH_ATTENTION_AUTOTUNE"] = "0"
+# a fixed thread count for the BLAS (subprocesses too): one that adapts it to the machine's load
+# sums in another order from run to run, and the bit-for-bit resume tests would depend on the load
+os.environ.setdefault("MKL_DYNAMIC", "FALSE")
+os.environ.setdefault("OMP_DYNAMIC", "FALSE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from data.prepare import prepare  # noqa: E402
 from tests.helpers import compose  # noqa: E402

@@ -1,12 +1,12 @@
 """Helpers the test files share: composing configs as train.py does, a CPU-sized model, reading a run's outputs."""
 
-import json
 from pathlib import Path
 
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 
 from configs.store import register_configs
+from data.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
@@ -23,7 +23,7 @@ def compose(overrides: list[str], config_name: str = "config", schema: type | No
 
 
 def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return read_metrics(Path(run_dir) / "metrics.jsonl")
 
 
 def wandb_file(run_dir: Path) -> Path:

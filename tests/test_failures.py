@@ -40,15 +40,20 @@ def command(data_root, *overrides) -> list[str]:
     return [sys.executable, str(REPO / "train.py"), *BASE, f"data.root={data_root}", *overrides]
 
 
+# one CPU thread: a BLAS that adapts its thread count to the machine's load would otherwise sum in
+# another order from one process to the next, and "bit for bit" would depend on the load
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
 def start(cmd, cwd: Path, log: Path) -> subprocess.Popen:
     # SIGINT as a terminal's Ctrl-C delivers it (a background test process may have it ignored)
     out = open(log, "w")
-    return subprocess.Popen(cmd, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, text=True,
+    return subprocess.Popen(cmd, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, text=True, env=ENV,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
-def run(cmd, cwd: Path, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=600, **kwargs)
+def run(cmd, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=600, env={**ENV, **(env or {})})
 
 
 def curve(run_dir: Path) -> list[tuple]:
@@ -210,7 +215,7 @@ def test_a_full_disk_during_a_save_keeps_the_last_checkpoint(data_root, tmp_path
     script = ('mount -t tmpfs -o size=30m tmpfs "$1" && shift && "$@"; echo "rc=$?"; '
               f'"{sys.executable}" -c "$CHECK"')
     done = run(["unshare", "-rm", "sh", "-c", script, "sh", str(disk), *cmd], REPO,
-               env={**os.environ, "CHECK": check})
+               env={"CHECK": check})
     out = done.stdout.strip().splitlines()
     assert "rc=1" in out, done.stdout[-2000:] + done.stderr[-2000:]
     message = [line for line in done.stderr.splitlines() if "disk full" in line]
@@ -242,7 +247,7 @@ BAD_VALUES = [
     ("wandb.mode=on", "wandb.mode"), ("attn.sdpa_backend=fast", "attn.sdpa_backend"),
     ("model.n_layers=4", "model.n_layers"), ("data=nosuchdata", "nosuchdata"), ("attn=flash", "attn/flash"),
     ("seq_len", "seq_len"), ("model.loss_chunk=0", "model.loss_chunk"), ("model.z_loss=-1", "model.z_loss"),
-    ("model.loss=fused", "model.loss"), ("ac=some", "ac"),
+    ("model.loss=fused", "model.loss"), ("ac=some", "ac"), ("resume=nowhere/run", "resume=nowhere/run"),
 ]
 
 
@@ -266,7 +271,7 @@ def test_the_command_line_says_it_in_one_line_too(data_root, tmp_path):
 
 def test_an_online_dataset_without_the_hub_is_one_line_and_leaves_nothing(tmp_path):
     done = run([sys.executable, str(REPO / "train.py"), *TINY, "data=tinystories", f"data.root={tmp_path / 'data'}"],
-               tmp_path, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+               tmp_path, env={"HF_HUB_OFFLINE": "1"})
     assert done.returncode == 2
     line = stderr_line_after_logging(done)
     assert "cannot reach" in line and "python -m data.prepare tinystories" in line

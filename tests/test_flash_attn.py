@@ -249,10 +249,21 @@ def test_tiles_of_other_documents_are_skipped_not_masked():
         assert torch.isfinite(got[:, :, :64]).all() and torch.allclose(got[:, :, :64].double(), want[:, :, :64], atol=1e-5)
 
 
+def test_a_document_is_a_run_of_equal_ids():
+    # ids that come back later, or that collide once cast to int32, still mean consecutive runs
+    q, k, v, _ = _make_inputs("runs", 1, 2, 2, 96, 96, 16, F32, "bthd")
+    runs = _doc_ids([[40, 30, 26]])
+    expected = flash_attention(q, k, v, doc_ids=runs)
+    for ids in (torch.tensor([[0] * 40 + [1] * 30 + [0] * 26]), runs * 2**32 + 3 * 10**9):
+        assert torch.equal(flash_attention(q, k, v, doc_ids=ids), expected)
+
+
 def test_document_ids_must_fit_the_inputs():
     q = torch.randn(1, 2, 8, 16)
     with pytest.raises(ValueError, match=r"doc_ids must be a \(batch, seq_len\) = \(1, 8\) tensor"):
         flash_attention(q, q, q, doc_ids=torch.zeros(1, 9, dtype=torch.long))
+    with pytest.raises(ValueError, match="doc_ids needs causal=True"):
+        flash_attention(q, q, q, causal=False, doc_ids=torch.zeros(1, 8, dtype=torch.long))
     with pytest.raises(ValueError, match="doc_ids needs self-attention"):
         flash_attention(q, torch.randn(1, 2, 9, 16), torch.randn(1, 2, 9, 16), doc_ids=torch.zeros(1, 8, dtype=torch.long))
 
