@@ -1,9 +1,9 @@
 """What every test file shares: the environment, the markers, and Shakespeare prepared once.
 
 - FLASH_ATTENTION_AUTOTUNE=0 and a fixed BLAS thread count for the whole suite (subprocesses
-  inherit them). Autotuning: benchmarking every
-  block config for every new test shape would take most of a GPU run; correctness cannot depend
-  on it, and test_gpu_every_tuning_config_is_correct runs each config instead.
+  inherit them). Benchmarking every block config for every new test shape would take most of a
+  GPU run; correctness cannot depend on it, and test_gpu_every_tuning_config_is_correct runs
+  each config instead.
 - Markers: `gpu` tests need CUDA and are skipped, with that reason, where there is none; `slow`
   tests start processes or train for tens of steps (`-m "not slow"` leaves them out while iterating).
 - `data_root`: the real Shakespeare dataset, prepared once per session into a temp dir;
