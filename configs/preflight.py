@@ -23,10 +23,10 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from configs.validate import ConfigError, validate
-from data.checkpoint import CheckpointError, checkpoint_path
+from data.checkpoint import CHECKPOINT_NAME, CheckpointError, checkpoint_path, require_checkpoint
 
 CONFIGS = Path(__file__).resolve().parent
-RUN_FILES = ("metrics.jsonl", "ckpt.pt", "summary.json")  # what makes a dir a run's
+RUN_FILES = ("metrics.jsonl", CHECKPOINT_NAME, "summary.json")  # what makes a dir a run's
 _locks: dict[Path, int] = {}  # run dirs this process holds, -> the open lock file
 _created: set[Path] = set()  # run dirs this process made
 
@@ -123,9 +123,10 @@ def preflight(argv: list[str]) -> list[str]:
         validate(task, int(os.environ.get("WORLD_SIZE", "1")))
         if task.resume:  # the original run's dir, held from here on; Hydra records nothing new there
             ckpt = checkpoint_path(task.resume).resolve()
-            if not ckpt.is_file():
-                raise CheckpointError(f"resume={task.resume}: no checkpoint at {ckpt}: pass a run dir holding "
-                                      "ckpt.pt or a .pt file")
+            try:
+                require_checkpoint(ckpt)
+            except CheckpointError as e:
+                raise CheckpointError(f"resume={task.resume}: {e}") from None
             claim_run_dir(ckpt.parent, fresh=False)
             return [f"hydra.run.dir={ckpt.parent}", "hydra.output_subdir=null"]
         explicit = any(re.match(r"\+*hydra\.run\.dir=", arg) for arg in argv)

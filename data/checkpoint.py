@@ -69,10 +69,15 @@ def save_checkpoint(path: Path, state: dict) -> None:
     atomic_write(path, lambda f: torch.save(state, f))
 
 
-def load_checkpoint(path: Path) -> dict:
-    """The state save_checkpoint wrote to path, after checking its digest."""
+def require_checkpoint(path: Path) -> None:
+    """CheckpointError, saying what to pass instead, unless path is a file."""
     if not path.is_file():
         raise CheckpointError(f"no checkpoint at {path}: pass a run dir holding {CHECKPOINT_NAME} or a .pt file")
+
+
+def load_checkpoint(path: Path) -> dict:
+    """The state save_checkpoint wrote to path, after checking its digest."""
+    require_checkpoint(path)
     damaged = f"checkpoint {path} is damaged"
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
