@@ -26,6 +26,7 @@ import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
+from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
@@ -40,6 +41,7 @@ from data.metrics import json_line, read_metrics, steady
 from data.prepare import prepare_on_node
 from model import GPT
 from model.attention import probe_sdpa_backend, sdpa_backend
+from model.context_parallel import ContextParallel
 
 register_configs()
 
@@ -104,6 +106,17 @@ def setup_distributed(cfg: DictConfig) -> tuple[int, int, int, torch.device]:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None)
     return rank, world, local_rank, device
+
+
+def context_parallel(cfg: DictConfig, rank: int, world: int, device: torch.device) -> tuple[ContextParallel | None, int]:
+    """(this rank's context-parallel group or None, its data-parallel rank): the processes form a
+    (world / cp) x cp grid; the cp ranks of a row split each of its sequences (ring attention),
+    the rows are data-parallel (each its own batch; DDP averages gradients over all processes)."""
+    cp = cfg.parallel.cp
+    if cp == 1:
+        return None, rank
+    mesh = init_device_mesh(device.type, (world // cp, cp), mesh_dim_names=("dp", "cp"))
+    return ContextParallel.of(mesh.get_group("cp")), mesh.get_local_rank("dp")
 
 
 # -----------------------------------------------------------------------------
@@ -212,6 +225,7 @@ class Run:
     run_dir: Path
     rank: int
     world: int
+    dp: int  # data-parallel processes: world / parallel.cp
     device: torch.device
     model: torch.nn.Module  # what the loop calls: compiled and/or wrapped in DDP
     raw_model: GPT  # what a checkpoint holds
@@ -239,7 +253,8 @@ def state_dict(run: Run) -> dict:
             "loader": run.train_loader.state_dict(), "best_val_loss": run.best_val,
             "rng": {"cpu": torch.get_rng_state(),
                     "cuda": torch.cuda.get_rng_state(run.device) if run.device.type == "cuda" else None},
-            "config": plain(run.cfg), "world_size": run.world, "wandb_id": run.log.run.id if run.log else None}
+            "config": plain(run.cfg), "world_size": run.world, "data_parallel": run.dp,
+            "wandb_id": run.log.run.id if run.log else None}
 
 
 def load_state_dict(run: Run, state: dict) -> None:
@@ -257,11 +272,12 @@ def setup(cfg: DictConfig, run_dir: Path) -> Run:
     rank, world, local_rank, device = setup_distributed(cfg)
     validate(cfg, world)
     cfg.batch_size = batch_size_per_process(cfg, world)
+    dp = world // cfg.parallel.cp
     ckpt = None
     if cfg.resume:
         path = checkpoint_path(hydra.utils.to_absolute_path(cfg.resume))
         ckpt = load_checkpoint(path)
-        changes = check_resume(ckpt, plain(cfg), world, path)
+        changes = check_resume(ckpt, plain(cfg), dp, path)
         if ckpt["step"] >= cfg.max_steps:
             raise ConfigError(f"resume={cfg.resume}: that run already finished at step {ckpt['step']}; "
                               f"raise max_steps above {ckpt['step']} to train it further")
@@ -280,15 +296,16 @@ def setup(cfg: DictConfig, run_dir: Path) -> Run:
         torch.cuda.reset_peak_memory_stats(device)
 
     dataset_dir = prepare_on_node(cfg.data, local_rank, dist.barrier if world > 1 else lambda: None)
-    # each rank takes its own slice of one global batch (data/loader.py)
+    cp, dp_rank = context_parallel(cfg, rank, world, device)
+    # each data-parallel rank takes its own slice of one global batch (data/loader.py)
     data_seed = cfg.seed if cfg.data_seed is None else cfg.data_seed
-    train_loader = TokenWindows(dataset_dir, "train", cfg.seq_len, cfg.batch_size, device, data_seed, rank, world)
-    val_loader = (TokenWindows(dataset_dir, "val", cfg.seq_len, cfg.batch_size, device, cfg.seed, rank, world)
+    train_loader = TokenWindows(dataset_dir, "train", cfg.seq_len, cfg.batch_size, device, data_seed, dp_rank, dp)
+    val_loader = (TokenWindows(dataset_dir, "val", cfg.seq_len, cfg.batch_size, device, cfg.seed, dp_rank, dp)
                   if cfg.eval_steps else None)
 
-    raw_model = GPT(cfg.model, cfg.attn.name, cfg.ac, cfg.data.doc_mask).to(device)
-    info = {"params": raw_model.num_params(), "tokens_per_step": cfg.batch_size * cfg.seq_len * cfg.grad_accum * world,
-            "world_size": world, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+    raw_model = GPT(cfg.model, cfg.attn.name, cfg.ac, cfg.data.doc_mask, cp).to(device)
+    info = {"params": raw_model.num_params(), "tokens_per_step": cfg.batch_size * cfg.seq_len * cfg.grad_accum * dp,
+            "world_size": world, "cp": cfg.parallel.cp, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "torch": torch.__version__, "triton": triton_version()}
     if cfg.attn.name == "sdpa":
         dtype = torch.bfloat16 if uses_bf16(cfg.dtype, device) else torch.float32
@@ -299,7 +316,7 @@ def setup(cfg: DictConfig, run_dir: Path) -> Run:
         except RuntimeError as e:
             raise ConfigError(f"attn.sdpa_backend={cfg.attn.sdpa_backend}: torch has no such kernel for these "
                               f"inputs on {device.type} ({str(e).splitlines()[0][:120]}): choose another or null")
-    run = Run(cfg=cfg, run_dir=Path(run_dir), rank=rank, world=world, device=device, model=raw_model,
+    run = Run(cfg=cfg, run_dir=Path(run_dir), rank=rank, world=world, dp=dp, device=device, model=raw_model,
               raw_model=raw_model, optimizer=make_optimizer(raw_model, cfg), train_loader=train_loader,
               val_loader=val_loader, val_start=val_loader.state_dict() if val_loader else {}, info=info,
               meter=Meter(info["tokens_per_step"], raw_model.flops_per_token(cfg.seq_len), device, world),

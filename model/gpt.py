@@ -16,6 +16,7 @@ from data.tokenizer import EOT
 from kernels import attention_flops
 from kernels.cross_entropy import full_cross_entropy, linear_cross_entropy
 from model.attention import ATTENTION_OPS, AttentionFn, get_attention
+from model.context_parallel import ContextParallel
 
 
 def document_ids(idx: torch.Tensor) -> torch.Tensor:
@@ -42,9 +43,10 @@ class Rotary(nn.Module):
         self.register_buffer("cos", angles.cos().float(), persistent=False)
         self.register_buffer("sin", angles.sin().float(), persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
+        """pos (T,): the tokens' positions in the sequence, if not 0..T-1 (a context-parallel shard)."""
         T = x.size(-2)
-        cos, sin = self.cos[:T], self.sin[:T]
+        cos, sin = (self.cos[:T], self.sin[:T]) if pos is None else (self.cos[pos], self.sin[pos])
         # rotate in fp32: bf16 angles at long positions lose the low-frequency pairs' precision
         x1, x2 = x[..., 0::2].float(), x[..., 1::2].float()  # (B, H, T, D/2) each: consecutive pairs
         return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2).to(x.dtype)
@@ -61,13 +63,15 @@ class CausalSelfAttention(nn.Module):
         self.rotary = rotary
         self.dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None, cp: ContextParallel | None = None,
+                pos: torch.Tensor | None = None) -> torch.Tensor:
+        """x (B, T, C); with cp, T is this rank's shard of the sequence and pos its positions."""
         B, T, C = x.shape
         # (B, T, 3, H, D) -> three (B, H, T, D) strided views; the kernels take strides, no copy
         q, k, v = self.qkv(x).view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4)
         if self.rotary is not None:
-            q, k = self.rotary(q), self.rotary(k)
-        y = self.attention(q, k, v, doc_ids=doc_ids)  # (B, H, T, D)
+            q, k = self.rotary(q, pos), self.rotary(k, pos)
+        y = self.attention(q, k, v, doc_ids=doc_ids) if cp is None else cp.attention(q, k, v)  # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, C)
         return self.dropout(self.proj(y))
 
@@ -92,17 +96,20 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x), doc_ids)
+    def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None, cp: ContextParallel | None = None,
+                pos: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x), doc_ids, cp, pos)
         return x + self.mlp(self.ln2(x))
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: ModelConfig, attn: str, ac: str = "none", doc_mask: bool = False):
+    def __init__(self, cfg: ModelConfig, attn: str, ac: str = "none", doc_mask: bool = False,
+                 cp: ContextParallel | None = None):
         """attn: a name in model/attention.py; ac: activation checkpointing per block, none | selective |
-        full; doc_mask: attend within packed documents, each ended by the end-of-text token."""
+        full; doc_mask: attend within packed documents, each ended by the end-of-text token; cp: split
+        every sequence over these ranks in forward(idx, targets) (ring attention; generate() does not)."""
         super().__init__()
-        self.cfg, self.ac, self.doc_mask = cfg, ac, doc_mask
+        self.cfg, self.ac, self.doc_mask, self.cp = cfg, ac, doc_mask, cp
         self.vocab_size = padded_vocab(cfg.vocab_size)
         attention = get_attention(attn)
         head_dim = cfg.d_model // cfg.n_head
@@ -144,21 +151,30 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         """idx (B, T) token ids -> (logits (B, T, V), None); with targets (B, T), (logits, mean loss),
-        where model.loss=chunked returns no logits: it never makes them (kernels/cross_entropy.py)."""
+        where model.loss=chunked returns no logits: it never makes them (kernels/cross_entropy.py).
+        With cp every rank of it passes the same idx and targets and gets the logits of its shard
+        (cp.shard) and the mean loss over its shard's tokens."""
+        return self._forward(idx, targets, self.cp)
+
+    def _forward(self, idx: torch.Tensor, targets: torch.Tensor | None, cp: ContextParallel | None):
+        if idx.size(1) > self.cfg.max_seq_len:
+            raise ValueError(f"sequence of {idx.size(1)} tokens exceeds model.max_seq_len {self.cfg.max_seq_len}")
+        pos = None
+        if cp is not None:
+            pos = cp.positions(idx.size(1), idx.device)
+            idx, targets = cp.shard(idx), None if targets is None else cp.shard(targets)
         B, T = idx.shape
-        if T > self.cfg.max_seq_len:
-            raise ValueError(f"sequence of {T} tokens exceeds model.max_seq_len {self.cfg.max_seq_len}")
         x = self.tok_emb(idx)  # (B, T, C)
         if self.pos_emb is not None:
-            x = x + self.pos_emb(torch.arange(T, device=idx.device))
+            x = x + self.pos_emb(torch.arange(T, device=idx.device) if pos is None else pos)
         x = self.drop(x)
         doc_ids = document_ids(idx) if self.doc_mask else None
         recompute = self.ac != "none" and self.training and torch.is_grad_enabled()
         for block in self.blocks:
             if recompute:
-                x = checkpoint(block, x, doc_ids, use_reentrant=False, context_fn=self._ac_context)
+                x = checkpoint(block, x, doc_ids, cp, pos, use_reentrant=False, context_fn=self._ac_context)
             else:
-                x = block(x, doc_ids)
+                x = block(x, doc_ids, cp, pos)
         x = self.ln_f(x)
         if targets is not None and self.cfg.loss == "chunked":
             loss = linear_cross_entropy(x.view(B * T, -1), self.head.weight, targets.view(-1), self.cfg.loss_chunk,
@@ -184,7 +200,7 @@ class GPT(nn.Module):
         """Extends idx (B, T) by max_new_tokens sampled tokens (no KV cache: recomputes the window)."""
         for _ in range(max_new_tokens):
             window = idx[:, -self.cfg.max_seq_len:]
-            logits, _ = self(window)
+            logits, _ = self._forward(window, None, cp=None)  # one process samples: never sharded
             logits = logits[:, -1, : self.cfg.vocab_size].float() / temperature  # drop padded ids
             if top_k is not None:
                 kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]

@@ -46,7 +46,7 @@ def test_two_processes_write_one_run_and_match_one_process(data_root, tmp_path):
 
 def test_world_size_must_divide_the_global_batch():
     cfg = compose(TINY + ["batch_tokens=256"])  # 8 sequences of 32
-    with pytest.raises(ConfigError, match="batch_tokens=256: must be a multiple of seq_len x processes = 32 x 3"):
+    with pytest.raises(ConfigError, match="batch_tokens=256: must be a multiple of seq_len x data-parallel processes = 32 x 3"):
         validate(cfg, world=3)
     validate(cfg, world=2)
     assert batch_size_per_process(cfg, world=2) == 4

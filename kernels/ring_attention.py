@@ -1,0 +1,173 @@
+"""Ring attention: causal attention over one sequence split across the ranks of a process group.
+
+Each of the N ranks holds T/N tokens of q, k and v, never the whole sequence; the K/V shards travel around the ring (rank r sends to r + 1, receives from r - 1) while each rank runs
+our FlashAttention kernels on the block in hand, and the next transfer is in flight during that
+compute. Partial outputs are merged in fp32 from their LSEs (the forward returns
+LSE = log sum exp, so softmax over the union of two key sets is a weighted sum of the two
+partial outputs). The backward runs the ring again: with the final O and LSE every block's
+gradients are exact pieces of the whole (P = exp(s - LSE) and delta = rowsum(dO · O) are the
+global ones); dQ stays home, dK/dV accumulate in fp32 and travel with their K/V back to the
+rank that owns them. Every sum is taken in a fixed order: the backward is bit-identical run to
+run, like the kernels'.
+
+Layout, zigzag (load-balanced, as in ring-flash-attention and torchtitan's context parallel):
+the T tokens are cut into 2N chunks of c = T / (2N); rank r holds chunks r and 2N-1-r, in that
+order (model/context_parallel.py shards and reorders). Then every step costs the same work on
+every rank, c·2c query-key pairs or a causal 2c·2c block:
+  step 0, own K/V:   local causal attention (chunk order follows global order);
+  K/V of rank j < r: all 2c local queries attend chunk j (the first half of that K/V), no mask;
+  K/V of rank j > r: the local later chunk 2N-1-r attends all 2c keys, no mask;
+every other pair is in the future and skipped, not masked.
+"""
+
+import torch
+import torch.distributed as dist
+
+from kernels.flash_attn import flash_attention, flash_attn_backward, flash_attn_forward
+
+
+class _Transfer:
+    """Tensors on their way one rank along the ring: keeps the sent ones alive until done."""
+
+    def __init__(self, sent: tuple[torch.Tensor, ...], received: list[torch.Tensor], requests: list):
+        self.sent, self.received, self.requests = sent, received, requests
+
+    def wait(self) -> list[torch.Tensor]:
+        for request in self.requests:
+            request.wait()
+        return self.received
+
+
+class _Ring:
+    """Asynchronous shifts of tensors one rank along the ring of a process group."""
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+        self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
+        self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
+
+    def shift(self, *tensors: torch.Tensor) -> _Transfer:
+        """Starts sending tensors to the next rank and receiving as many from the previous one;
+        batched, so that NCCL pairs every send with its receive whatever the order of the ranks."""
+        received = [torch.empty_like(t) for t in tensors]
+        ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in tensors]
+        ops += [dist.P2POp(dist.irecv, t, self.prev, self.group) for t in received]
+        return _Transfer(tensors, received, dist.batch_isend_irecv(ops))
+
+
+def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
+    """out (fp32, ..., T, D) and lse (..., T) become the softmax over both key sets, in place."""
+    merged = torch.logaddexp(lse, block_lse)
+    out.mul_(torch.exp(lse - merged).unsqueeze(-1)).add_(block_out.float() * torch.exp(block_lse - merged).unsqueeze(-1))
+    lse.copy_(merged)
+
+
+def _ring_forward(q, k, v, scale, ring):
+    """(o in q's dtype, lse fp32 (B, H, 2c)) of this rank's queries over the whole sequence."""
+    c = q.shape[2] // 2
+    kv = (k.contiguous(), v.contiguous())  # P2P sends whole buffers
+    out = lse = None
+    for step in range(ring.size):
+        if step < ring.size - 1:
+            incoming = ring.shift(*kv)
+        j = (ring.rank - step) % ring.size  # whose K/V is in hand
+        if step == 0:
+            o, lse = flash_attn_forward(q, *kv, causal=True, softmax_scale=scale)
+            out = o.float()
+        elif j < ring.rank:
+            o, block_lse = flash_attn_forward(q, kv[0][:, :, :c], kv[1][:, :, :c], causal=False, softmax_scale=scale)
+            _merge(out, lse, o, block_lse)
+        else:
+            o, block_lse = flash_attn_forward(q[:, :, c:], *kv, causal=False, softmax_scale=scale)
+            _merge(out[:, :, c:], lse[:, :, c:], o, block_lse)
+        if step < ring.size - 1:
+            kv = tuple(incoming.wait())
+    return out.to(q.dtype), lse
+
+
+def _ring_backward(do, q, k, v, o, lse, scale, ring):
+    """(dq, dk, dv) of this rank's shards, typed like q, k, v."""
+    c = q.shape[2] // 2
+    late = slice(c, None)  # the rows of the later chunk 2N-1-r
+    lse_late = lse[:, :, late].contiguous()  # the kernels read LSE as a dense (B, H, T)
+    dq = torch.zeros_like(q, dtype=torch.float32)
+    kv = (k.contiguous(), v.contiguous())
+    dkv = passing = None  # the fp32 dK/dV of the K/V in hand, as accumulated by the ranks before
+    for step in range(ring.size):
+        if step < ring.size - 1:
+            incoming = ring.shift(*kv)
+        j = (ring.rank - step) % ring.size
+        if step == 0:
+            dq_b, dk_b, dv_b = flash_attn_backward(do, q, *kv, o, lse, causal=True, softmax_scale=scale)
+            dq += dq_b
+            keys = slice(None)
+        elif j < ring.rank:
+            dq_b, dk_b, dv_b = flash_attn_backward(do, q, kv[0][:, :, :c], kv[1][:, :, :c], o, lse, causal=False,
+                                                   softmax_scale=scale)
+            dq += dq_b
+            keys = slice(None, c)
+        else:
+            dq_b, dk_b, dv_b = flash_attn_backward(do[:, :, late], q[:, :, late], *kv, o[:, :, late], lse_late,
+                                                   causal=False, softmax_scale=scale)
+            dq[:, :, late] += dq_b
+            keys = slice(None)
+        if step == 0:
+            dkv = [torch.zeros_like(t, dtype=torch.float32) for t in kv]
+        else:
+            dkv = passing.wait()  # sent by the previous rank after its last step: overlapped with ours
+        dkv[0][:, :, keys] += dk_b
+        dkv[1][:, :, keys] += dv_b
+        passing = ring.shift(*dkv)  # on to the next holder; after the last step, to the owner
+        if step < ring.size - 1:
+            kv = tuple(incoming.wait())
+    dkv = passing.wait()
+    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
+
+class RingAttentionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, scale, ring):
+        o, lse = _ring_forward(q, k, v, scale, ring)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.scale, ctx.ring = scale, ring
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        return *_ring_backward(do, q, k, v, o, lse, ctx.scale, ctx.ring), None, None
+
+
+def _prepare(q, k, v, group, softmax_scale):
+    if q.shape[2] % 2 or q.shape[2] != k.shape[2]:
+        raise ValueError(f"ring_attention: q {tuple(q.shape)} and k {tuple(k.shape)} must hold the same even number "
+                         "of tokens: two zigzag chunks of the sequence")
+    return (q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)), _Ring(group)
+
+
+def ring_attn_forward(q, k, v, group: dist.ProcessGroup, softmax_scale=None):
+    """(o, lse) of this rank's queries, as flash_attn_forward gives for those rows; no autograd."""
+    return _ring_forward(q, k, v, *_prepare(q, k, v, group, softmax_scale))
+
+
+def ring_attn_backward(do, q, k, v, o, lse, group: dist.ProcessGroup, softmax_scale=None):
+    """(dq, dk, dv) of this rank's shards from ring_attn_forward's o and lse; deterministic."""
+    return _ring_backward(do, q, k, v, o, lse, *_prepare(q, k, v, group, softmax_scale))
+
+
+@torch.compiler.disable  # point-to-point communication inside: compiled models call it eagerly
+def ring_attention(q, k, v, group: dist.ProcessGroup, softmax_scale=None):
+    """Causal attention of a sequence held zigzag-sharded over `group` (see the module docstring).
+
+    q (B, H, 2c, D) and k, v (B, H_kv, 2c, D) are this rank's chunks r and 2N-1-r of the whole
+    sequence's q, k and v, in that order; returns this rank's (B, H, 2c, D) of the output, equal
+    to those rows of flash_attention over the whole sequence. Every rank of the group must call
+    it, in the same order. With one rank it is flash_attention.
+    """
+    if isinstance(q, torch.Tensor) and torch.is_autocast_enabled(q.device.type):
+        dtype = torch.get_autocast_dtype(q.device.type)
+        q, k, v = (t.to(dtype) for t in (q, k, v))
+    if dist.get_world_size(group) == 1:
+        return flash_attention(q, k, v, causal=True, softmax_scale=softmax_scale)
+    return RingAttentionFunction.apply(q, k, v, *_prepare(q, k, v, group, softmax_scale))

@@ -1,0 +1,93 @@
+"""Context-parallel scaling: one long sequence per step on 1, 2, 4 ... GPUs of one host.
+
+For each seq_len and GPU count N, trains experiment=long_context (GPT-2-small shape, RoPE,
+chunked loss, bf16, attn=triton) for --steps steps: N = 1 as a plain process, N > 1 under
+torchrun with parallel.cp=N (ring attention, every sequence split over the N GPUs). Prints and
+writes (context_parallel.csv and .md in --out) tokens/s, the time of one step, the peak memory of
+the fullest GPU, and the scaling efficiency against one GPU on the same sequence:
+tokens/s(N) / (N x tokens/s(1)). Autotuning is off, as in scripts/long_context.py.
+
+    python scripts/context_parallel.py --gpus 1,2,4 --seq-lens 65536,131072
+    python scripts/context_parallel.py --gpus 4 --seq-lens 1048576 --steps 1 ac=full
+"""
+
+import argparse
+import csv
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+FIELDS = ["gpus", "seq_len", "status", "tokens_per_s", "step_s", "peak_mem_alloc_gib", "efficiency", "wall_s"]
+
+
+def run(gpus: int, seq_len: int, steps: int, out: Path, overrides: list[str]) -> dict:
+    run_dir = out / f"gpus{gpus}_T{seq_len}"
+    args = ["experiment=long_context", "attn=triton", f"seq_len={seq_len}", f"max_steps={steps}",
+            "wandb.mode=disabled", f"hydra.run.dir={run_dir}", *overrides]
+    launcher = ([sys.executable] if gpus == 1 else
+                [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}"])
+    cmd = [*launcher, str(REPO / "train.py"), *args] + ([f"parallel.cp={gpus}"] if gpus > 1 else [])
+    env = {**os.environ, "FLASH_ATTENTION_AUTOTUNE": "0", "PYTHONPATH": str(REPO)}
+    start = time.perf_counter()
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    row = {"gpus": gpus, "seq_len": seq_len, "wall_s": wall}
+    summary_path = run_dir / "summary.json"
+    if not summary_path.exists():
+        print(done.stderr[-2000:], file=sys.stderr)
+        oom = "out of memory" in done.stderr.lower()
+        return {**row, "status": "oom" if oom else f"failed (exit {done.returncode})"}
+    summary = json.loads(summary_path.read_text())
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    last = [r for r in records if "tokens_per_s" in r][-1]  # a step's time, even with one step
+    tok_s = summary["mean_tokens_per_s"]
+    return {**row, "status": summary["status"], "tokens_per_s": tok_s, "step_s": seq_len / last["tokens_per_s"],
+            "peak_mem_alloc_gib": summary["peak_mem_alloc_gib"]}
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| GPUs | seq_len | tokens/s | s per step | peak allocated GiB (fullest GPU) | efficiency vs 1 GPU |",
+             "|--:|--:|--:|--:|--:|--:|"]
+    for r in rows:
+        if r["status"] != "ok":
+            lines.append(f"| {r['gpus']} | {r['seq_len']:,} | {r['status']} | | | |")
+            continue
+        eff = f"{r['efficiency']:.2f}" if r.get("efficiency") is not None else "—"
+        mem = "—" if r["peak_mem_alloc_gib"] is None else f"{r['peak_mem_alloc_gib']:.1f}"  # None on the CPU
+        lines.append(f"| {r['gpus']} | {r['seq_len']:,} | {r['tokens_per_s']:,.0f} | {r['step_s']:.2f} | {mem} | {eff} |")
+    return "\n".join(lines)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--gpus", default="1,2,4", help="comma list of GPU counts (1: no context parallelism)")
+    p.add_argument("--seq-lens", default="131072", help="comma list of seq_len, one sequence per step")
+    p.add_argument("--steps", type=int, default=4, help="training steps per run; tokens/s leaves out the first")
+    p.add_argument("--out", type=Path, default=Path("bench") / f"context_parallel_{time.strftime('%Y-%m-%d_%H-%M-%S')}")
+    p.add_argument("overrides", nargs="*", help="more train.py overrides, e.g. ac=full")
+    args = p.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for seq_len in map(int, args.seq_lens.split(",")):
+        for gpus in map(int, args.gpus.split(",")):
+            row = run(gpus, seq_len, args.steps, args.out, args.overrides)
+            one = next((r for r in rows if (r["gpus"], r["seq_len"], r["status"]) == (1, seq_len, "ok")), None)
+            if one and row["status"] == "ok":
+                row["efficiency"] = row["tokens_per_s"] / (gpus * one["tokens_per_s"])
+            rows.append(row)
+            print(table([row]).splitlines()[-1], flush=True)
+    with open(args.out / "context_parallel.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=FIELDS, extrasaction="ignore", restval="")
+        writer.writeheader()
+        writer.writerows(rows)
+    md = table(rows)
+    (args.out / "context_parallel.md").write_text(md + "\n")
+    print("\n" + md)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""Context parallelism on the CPU: gloo, Triton's interpreter, fp32, real processes under torchrun.
+
+Ring attention over zigzag shards must give what attention over the whole sequence gives (the
+float64 reference, with test_flash_attn.py's error bound), and a training run that splits every
+sequence over 2 or 4 processes must log the losses and gradient norms of one process that trains
+on the same batches, to fp32 rounding.
+    .venv/bin/python -m pytest tests/test_context_parallel.py -q
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import train as train_module
+from configs.validate import ConfigError, batch_size_per_process, validate
+from model.context_parallel import ContextParallel, unshard
+from tests.helpers import REPO, TINY, compose, metrics
+from tests.ring_worker import inputs
+from tests.test_flash_attn import _assert_within_reference_error, _dense, _error_scales
+
+
+def _torchrun(n: int, args: list[str], cwd) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", *args]
+    done = subprocess.run(cmd, cwd=cwd, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_shard_and_unshard_are_inverse_and_positions_are_global():
+    x = torch.arange(2 * 24).view(2, 24)
+    shards = [ContextParallel(None, r, 3).shard(x) for r in range(3)]
+    assert shards[0][0].tolist() == [0, 1, 2, 3, 20, 21, 22, 23]  # chunks 0 and 5 of six
+    assert torch.equal(unshard(shards), x)
+    positions = [ContextParallel(None, r, 3).positions(24, torch.device("cpu")) for r in range(3)]
+    assert all(torch.equal(p, s[0]) for p, s in zip(positions, shards, strict=True))
+
+
+def _check_ring(tmp_path, n, T, H, H_kv, D, device="cpu"):
+    _torchrun(n, [str(REPO / "tests" / "ring_worker.py"), str(tmp_path), str(T), str(H), str(H_kv), str(D), device],
+              tmp_path)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(n)]
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    q, k, v, do = inputs(T, H, H_kv, D, dtype)
+    ref64 = _dense(q, k, v, do, True, torch.float64)
+    ref_lowp = _dense(q, k, v, do, True, dtype)
+    scales = _error_scales(q, k, v, do, True)
+    n_terms = (T, T, T, T * H // H_kv, T * H // H_kv)
+    for i, name in enumerate(("o", "lse", "dq", "dk", "dv")):
+        got = unshard([r[name] for r in ranks], dim=2)
+        _assert_within_reference_error(name, got, ref64[i], ref_lowp[i], dtype, n_terms[i], scales[i])
+        if name != "lse":  # autograd runs the same calls
+            assert torch.equal(unshard([r[f"{name}_autograd"] for r in ranks], dim=2), got), name
+    assert all(r["deterministic"] for r in ranks)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("n", "T", "H", "H_kv", "D"), [(2, 24, 4, 2, 16), (3, 18, 2, 2, 32), (4, 40, 4, 1, 16)],
+                         ids=["2-ranks-gqa", "3-ranks-chunks-of-3", "4-ranks-mqa-chunks-of-5"])
+def test_ring_attention_matches_whole_sequence_attention(tmp_path, n, T, H, H_kv, D):
+    _check_ring(tmp_path, n, T, H, H_kv, D)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL: one rank per GPU)")
+@pytest.mark.parametrize(("T", "H", "H_kv", "D"), [(4 * 300, 4, 2, 64), (4 * 129, 2, 2, 128)])
+def test_ring_attention_on_gpus_matches_whole_sequence_attention(tmp_path, T, H, H_kv, D):
+    _check_ring(tmp_path, 2, T, H, H_kv, D, "cuda")
+
+
+def test_a_shard_must_hold_two_equal_chunks():
+    from kernels.ring_attention import ring_attn_forward
+
+    q = torch.randn(1, 2, 5, 16)
+    with pytest.raises(ValueError, match=r"must hold the same even number of tokens: two zigzag chunks"):
+        ring_attn_forward(q, q, q, group=None)
+
+
+CP_RUN = TINY + ["attn=triton", "model.n_layer=2", "batch_tokens=128", "max_steps=3", "log_interval=1",
+                 "eval_interval=0", "wandb.mode=disabled", "ckpt_interval=-1"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("n", "cp", "extra"), [(2, 2, ["model.pos_emb=rope", "ac=selective"]), (4, 2, ["ac=full"]),
+                                                (4, 4, [])], ids=["cp2-rope-selective-ac", "dp2-cp2-full-ac", "cp4"])
+def test_context_parallel_training_matches_one_process(data_root, tmp_path, n, cp, extra):
+    common = CP_RUN + [f"data.root={data_root}"] + extra
+    _torchrun(n, [str(REPO / "train.py"), *common, f"parallel.cp={cp}", f"hydra.run.dir={tmp_path / 'cp'}"], tmp_path)
+    summary = json.loads((tmp_path / "cp" / "summary.json").read_text())
+    assert (summary["world_size"], summary["cp"], summary["tokens_per_step"]) == (n, cp, 128)
+    train_module.train(compose(common), tmp_path / "single")
+    single, split = metrics(tmp_path / "single"), metrics(tmp_path / "cp")
+    assert len(single) == len(split) == 4  # three steps and the final validation
+    for a, b in zip(single, split, strict=True):
+        for key in ("loss", "grad_norm", "val_loss"):
+            if key in a:  # fp32: the same sums, split over ranks and merged by LSE, round differently
+                assert b[key] == pytest.approx(a[key], rel=1e-5, abs=0), (a["step"], key)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL: one rank per GPU)")
+def test_context_parallel_training_on_two_gpus_matches_one(data_root, tmp_path):
+    common = TINY[:-1] + ["attn=triton", "model.pos_emb=rope", "seq_len=512", "model.max_seq_len=512",
+                          "batch_tokens=2048", "max_steps=3", "log_interval=1", "eval_interval=0",
+                          "wandb.mode=disabled", "ckpt_interval=-1", f"data.root={data_root}"]
+    _torchrun(2, [str(REPO / "train.py"), *common, "parallel.cp=2", f"hydra.run.dir={tmp_path / 'cp'}"], tmp_path)
+    train_module.train(compose(common), tmp_path / "single")
+    single, split = metrics(tmp_path / "single"), metrics(tmp_path / "cp")
+    for a, b in zip(single, split, strict=True):  # bf16 autocast: the same math, rounded differently
+        for key in ("loss", "val_loss"):
+            if key in a:
+                assert b[key] == pytest.approx(a[key], rel=2e-2), (a["step"], key)
+
+
+@pytest.mark.parametrize(("overrides", "world", "message"), [
+    (["parallel.cp=2"], 1, r"parallel.cp=2: must divide the number of processes, 1: run under torchrun "
+                           r"--nproc_per_node=<a multiple of 2>"),
+    (["parallel.cp=2", "attn=naive"], 2, r"parallel.cp=2: needs attn=triton .*attn=naive cannot split"),
+    (["parallel.cp=2", "attn=triton", "seq_len=30"], 2, r"seq_len=30: must be a multiple of 2 x parallel.cp = 4"),
+    (["parallel.cp=2", "attn=triton", "data.doc_mask=true"], 2, r"data.doc_mask=True: is not supported with "
+                                                                r"parallel.cp > 1"),
+    (["parallel.cp=0"], 1, r"parallel.cp=0: must be at least 1"),
+    (["parallel.cp=2", "attn=triton", "batch_tokens=32"], 4, r"batch_tokens=32: must be a multiple of seq_len x "
+                                                             r"data-parallel processes = 32 x 2"),
+])
+def test_context_parallel_config_errors(overrides, world, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(compose(TINY + overrides), world)
+
+
+def test_the_ranks_of_one_sequence_share_its_batch():
+    cfg = compose(TINY + ["attn=triton", "parallel.cp=2", "batch_tokens=128"])
+    validate(cfg, world=4)
+    assert batch_size_per_process(cfg, world=4) == 2  # 2 data-parallel rows of 2 sequences
