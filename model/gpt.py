@@ -4,7 +4,9 @@ The attention function comes from model/attention.py by name; this file never kn
 """
 
 import contextlib
+import functools
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -66,12 +68,23 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None, cp: ContextParallel | None = None,
                 pos: torch.Tensor | None = None) -> torch.Tensor:
         """x (B, T, C); with cp, T is this rank's shard of the sequence and pos its positions."""
+        if cp is not None:
+            return self._sharded(x, cp, pos)
+        return self._attend(x, functools.partial(self.attention, doc_ids=doc_ids), pos)
+
+    # the ring communicates, so a compiled model runs this block eagerly; a graph break inside it
+    # (strided q, k, v views crossing it) fails in torch 2.13's AOT view replay, one around it does not
+    @torch.compiler.disable
+    def _sharded(self, x: torch.Tensor, cp: ContextParallel, pos: torch.Tensor) -> torch.Tensor:
+        return self._attend(x, cp.attention, pos)
+
+    def _attend(self, x: torch.Tensor, attention: Callable, pos: torch.Tensor | None) -> torch.Tensor:
         B, T, C = x.shape
         # (B, T, 3, H, D) -> three (B, H, T, D) strided views; the kernels take strides, no copy
         q, k, v = self.qkv(x).view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4)
         if self.rotary is not None:
             q, k = self.rotary(q, pos), self.rotary(k, pos)
-        y = self.attention(q, k, v, doc_ids=doc_ids) if cp is None else cp.attention(q, k, v)  # (B, H, T, D)
+        y = attention(q, k, v)  # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, C)
         return self.dropout(self.proj(y))
 

