@@ -26,6 +26,9 @@ class ContextParallel:
 
     def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """This rank's two chunks of x along dim (the sequence), in order: (..., T / N, ...)."""
+        if x.size(dim) % (2 * self.size):
+            raise ValueError(f"context parallelism over {self.size} ranks needs a sequence length divisible by "
+                             f"{2 * self.size} (two equal chunks per rank), got {x.size(dim)}")
         chunks = x.chunk(2 * self.size, dim)
         return torch.cat((chunks[self.rank], chunks[2 * self.size - 1 - self.rank]), dim)
 

@@ -200,7 +200,8 @@ class GPT(nn.Module):
 
     def _ac_context(self):
         """Activation checkpointing of a block: full recomputes it all in the backward; selective
-        keeps what the attention kernels returned (output and LSE) and recomputes the rest."""
+        keeps what the attention kernels returned (output and LSE) and recomputes the rest; with
+        context parallelism the ring is not one such op, so selective recomputes it too."""
         if self.ac == "full":
             return contextlib.nullcontext(), contextlib.nullcontext()
         return create_selective_checkpoint_contexts(

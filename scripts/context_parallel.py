@@ -45,7 +45,8 @@ def run(gpus: int, seq_len: int, steps: int, out: Path, overrides: list[str]) ->
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     last = [r for r in records if "tokens_per_s" in r][-1]  # a step's time, even with one step
     tok_s = summary["mean_tokens_per_s"]
-    return {**row, "status": summary["status"], "tokens_per_s": tok_s, "step_s": seq_len / last["tokens_per_s"],
+    return {**row, "status": summary["status"], "tokens_per_s": tok_s,
+            "step_s": summary["tokens_per_step"] / last["tokens_per_s"],
             "peak_mem_alloc_gib": summary["peak_mem_alloc_gib"]}
 
 
@@ -74,12 +75,12 @@ def main():
     rows = []
     for seq_len in map(int, args.seq_lens.split(",")):
         for gpus in map(int, args.gpus.split(",")):
-            row = run(gpus, seq_len, args.steps, args.out, args.overrides)
-            one = next((r for r in rows if (r["gpus"], r["seq_len"], r["status"]) == (1, seq_len, "ok")), None)
-            if one and row["status"] == "ok":
-                row["efficiency"] = row["tokens_per_s"] / (gpus * one["tokens_per_s"])
-            rows.append(row)
-            print(table([row]).splitlines()[-1], flush=True)
+            rows.append(run(gpus, seq_len, args.steps, args.out, args.overrides))
+            print(table(rows[-1:]).splitlines()[-1], flush=True)
+    for row in rows:  # against one GPU on the same sequence, wherever it came in --gpus
+        one = next((r for r in rows if (r["gpus"], r["seq_len"], r["status"]) == (1, row["seq_len"], "ok")), None)
+        if one and row["status"] == "ok" and row["gpus"] > 1:
+            row["efficiency"] = row["tokens_per_s"] / (row["gpus"] * one["tokens_per_s"])
     with open(args.out / "context_parallel.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=FIELDS, extrasaction="ignore", restval="")
         writer.writeheader()

@@ -37,6 +37,8 @@ def test_shard_and_unshard_are_inverse_and_positions_are_global():
     assert torch.equal(unshard(shards), x)
     positions = [ContextParallel(None, r, 3).positions(24, torch.device("cpu")) for r in range(3)]
     assert all(torch.equal(p, s[0]) for p, s in zip(positions, shards, strict=True))
+    with pytest.raises(ValueError, match="needs a sequence length divisible by 6 .* got 25"):
+        ContextParallel(None, 0, 3).shard(torch.zeros(1, 25))
 
 
 def _check_ring(tmp_path, n, T, H, H_kv, D, device="cpu"):
