@@ -89,7 +89,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         valid = targets != ignore_index
         n = valid.sum().clamp(min=1)  # a tensor: no host sync
         acc = torch.promote_types(x.dtype, torch.float32)  # sums: fp32 (float64 for float64, on the CPU path)
-        dx = torch.empty_like(x) if want_dx else None
+        dx_chunks = []  # concatenated at the end: writing them into slices of one dX tensor gave a dX
+        # of zeros under torch.compile on torch 2.11 (H100 test run); costs one more N x d copy
         dw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if want_dw else None
         loss = torch.zeros((), dtype=acc, device=x.device)
         for start in range(0, x.shape[0], chunk):
@@ -103,9 +104,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if grad is not None:
                 grad = grad.to(logits.dtype)
                 if want_dx:
-                    dx[start:start + chunk] = grad @ weight
+                    dx_chunks.append(grad @ weight)
                 if want_dw:
                     dw += grad.T @ xc
+        dx = torch.cat(dx_chunks) if want_dx else None
         ctx.save_for_backward(dx, dw)
         ctx.weight_dtype = weight.dtype
         return (loss / n).to(acc)
@@ -127,8 +129,7 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.T
         raise ValueError(f"chunk must be at least 1, got {chunk}")
     use_kernel = x.is_cuda if kernel is None else kernel
     # the gradients are computed in the forward, so it is told here which will be wanted (none under
-    # no_grad, where they would be wasted): under torch.compile on torch 2.11, reading
-    # ctx.needs_input_grad there instead gave a dX of zeros (H100 test run)
+    # no_grad, where they would be wasted), not read from ctx.needs_input_grad in the forward
     grad = torch.is_grad_enabled()
     return _LinearCrossEntropy.apply(x, weight, targets, int(chunk), int(ignore_index), float(z_loss), use_kernel,
                                      grad and x.requires_grad, grad and weight.requires_grad)
