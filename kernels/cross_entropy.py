@@ -89,8 +89,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         valid = targets != ignore_index
         n = valid.sum().clamp(min=1)  # a tensor: no host sync
         acc = torch.promote_types(x.dtype, torch.float32)  # sums: fp32 (float64 for float64, on the CPU path)
-        dx_chunks = []  # concatenated at the end: writing them into slices of one dX tensor gave a dX
-        # of zeros under torch.compile on torch 2.11 (H100 test run); costs one more N x d copy
+        dx = torch.empty_like(x) if want_dx else None
         dw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if want_dw else None
         loss = torch.zeros((), dtype=acc, device=x.device)
         for start in range(0, x.shape[0], chunk):
@@ -104,10 +103,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if grad is not None:
                 grad = grad.to(logits.dtype)
                 if want_dx:
-                    dx_chunks.append(grad @ weight)
+                    dx[start:start + chunk] = grad @ weight
                 if want_dw:
                     dw += grad.T @ xc
-        dx = torch.cat(dx_chunks) if want_dx else None
         ctx.save_for_backward(dx, dw)
         ctx.weight_dtype = weight.dtype
         return (loss / n).to(acc)
@@ -119,6 +117,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 None if dw is None else (dw * grad_loss).to(ctx.weight_dtype), *[None] * 7)
 
 
+# eager even in a compiled model: traced by torch.compile on torch 2.11, the gradients this Function
+# saves in its forward came back as zeros (dX and dW; H100 test run); one graph break at the loss
+@torch.compiler.disable
 def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int = 4096,
                          ignore_index: int = IGNORE_INDEX, z_loss: float = 0.0, kernel: bool | None = None
                          ) -> torch.Tensor:
