@@ -26,7 +26,11 @@ import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
@@ -117,6 +121,21 @@ def context_parallel(cfg: DictConfig, rank: int, world: int, device: torch.devic
         return None, rank
     mesh = init_device_mesh(device.type, (world // cp, cp), mesh_dim_names=("dp", "cp"))
     return ContextParallel.of(mesh.get_group("cp")), mesh.get_local_rank("dp")
+
+
+def shard_model(model: GPT, world: int, device: torch.device) -> None:
+    """FSDP2 in place: each block, then the rest (embedding, tied head, final norm), sharded over all
+    processes; a block's weights are gathered for its forward and backward, its gradients
+    reduce-scattered (averaged over all processes, as DDP does)."""
+    mesh = init_device_mesh(device.type, (world,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+# checkpoints hold whole tensors whatever the sharding: gathered to rank 0 (on the CPU) to save,
+# and every rank loads the whole checkpoint and keeps its shard
+_WHOLE = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
 # -----------------------------------------------------------------------------
@@ -226,6 +245,7 @@ class Run:
     rank: int
     world: int
     dp: int  # data-parallel processes: world / parallel.cp
+    sharded: bool  # FSDP2 (parallel.dp=fsdp under torchrun): state dicts are collective
     device: torch.device
     model: torch.nn.Module  # what the loop calls: compiled and/or wrapped in DDP
     raw_model: GPT  # what a checkpoint holds
@@ -248,8 +268,14 @@ class Run:
 
 
 def state_dict(run: Run) -> dict:
-    """Everything a checkpoint holds; load_state_dict below restores exactly this."""
-    return {"step": run.step, "model": run.raw_model.state_dict(), "optimizer": run.optimizer.state_dict(),
+    """Everything a checkpoint holds; load_state_dict below restores exactly this. Sharded, every rank
+    must call it, and rank 0's holds the weights and optimizer state."""
+    if run.sharded:
+        model = get_model_state_dict(run.raw_model, options=_WHOLE)
+        optimizer = get_optimizer_state_dict(run.raw_model, run.optimizer, options=_WHOLE)
+    else:
+        model, optimizer = run.raw_model.state_dict(), run.optimizer.state_dict()
+    return {"step": run.step, "model": model, "optimizer": optimizer,
             "loader": run.train_loader.state_dict(), "best_val_loss": run.best_val,
             "rng": {"cpu": torch.get_rng_state(),
                     "cuda": torch.cuda.get_rng_state(run.device) if run.device.type == "cuda" else None},
@@ -259,8 +285,13 @@ def state_dict(run: Run) -> dict:
 
 def load_state_dict(run: Run, state: dict) -> None:
     run.step, run.best_val = state["step"], state["best_val_loss"]
-    run.raw_model.load_state_dict(state["model"])
-    run.optimizer.load_state_dict(state["optimizer"])
+    if run.sharded:
+        whole = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(run.raw_model, state["model"], options=whole)
+        set_optimizer_state_dict(run.raw_model, run.optimizer, state["optimizer"], options=whole)
+    else:
+        run.raw_model.load_state_dict(state["model"])
+        run.optimizer.load_state_dict(state["optimizer"])
     run.train_loader.load_state_dict(state["loader"])
     torch.set_rng_state(state["rng"]["cpu"])
     if run.device.type == "cuda" and state["rng"]["cuda"] is not None:
@@ -316,10 +347,14 @@ def setup(cfg: DictConfig, run_dir: Path) -> Run:
         except RuntimeError as e:
             raise ConfigError(f"attn.sdpa_backend={cfg.attn.sdpa_backend}: torch has no such kernel for these "
                               f"inputs on {device.type} ({str(e).splitlines()[0][:120]}): choose another or null")
-    run = Run(cfg=cfg, run_dir=Path(run_dir), rank=rank, world=world, dp=dp, device=device, model=raw_model,
-              raw_model=raw_model, optimizer=make_optimizer(raw_model, cfg), train_loader=train_loader,
+    flops_per_token = raw_model.flops_per_token(cfg.seq_len)
+    sharded = dist.is_initialized() and cfg.parallel.dp == "fsdp"
+    if sharded:  # before the optimizer: it holds the shards
+        shard_model(raw_model, world, device)
+    run = Run(cfg=cfg, run_dir=Path(run_dir), rank=rank, world=world, dp=dp, sharded=sharded, device=device,
+              model=raw_model, raw_model=raw_model, optimizer=make_optimizer(raw_model, cfg), train_loader=train_loader,
               val_loader=val_loader, val_start=val_loader.state_dict() if val_loader else {}, info=info,
-              meter=Meter(info["tokens_per_step"], raw_model.flops_per_token(cfg.seq_len), device, world),
+              meter=Meter(info["tokens_per_step"], flops_per_token, device, world),
               first_bad_step=torch.zeros((), dtype=torch.long, device=device))
     if ckpt is not None:
         load_state_dict(run, ckpt)
@@ -328,7 +363,7 @@ def setup(cfg: DictConfig, run_dir: Path) -> Run:
         torch.manual_seed(cfg.seed + rank)  # same initial weights everywhere, but each rank its own dropout
     if cfg.compile:
         run.model = torch.compile(run.model)
-    if world > 1:
+    if world > 1 and not sharded:
         # gradients live in the all-reduce buckets: no copy in and out of them after backward
         run.model = DDP(run.model, device_ids=[device.index] if device.type == "cuda" else None,
                         gradient_as_bucket_view=True)
@@ -352,8 +387,11 @@ def train_step(run: Run) -> tuple[torch.Tensor, torch.Tensor, float]:
         group["lr"] = lr
     loss_sum = torch.zeros((), device=run.device)
     for micro in range(cfg.grad_accum):
-        if run.world > 1:  # all-reduce gradients only on the last micro-step
-            run.model.require_backward_grad_sync = micro == cfg.grad_accum - 1
+        last = micro == cfg.grad_accum - 1  # reduce gradients over the processes only on the last micro-step
+        if run.sharded:
+            run.raw_model.set_requires_gradient_sync(last)
+        elif run.world > 1:
+            run.model.require_backward_grad_sync = last
         x, y = run.train_loader.next_batch()
         with autocast(cfg.dtype, run.device), sdpa_backend(cfg.attn.sdpa_backend):
             _, loss = run.model(x, y)
@@ -361,6 +399,8 @@ def train_step(run: Run) -> tuple[torch.Tensor, torch.Tensor, float]:
         loss_sum += loss.detach()
     clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
     grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), clip)
+    if isinstance(grad_norm, DTensor):  # sharded gradients: the norm over all shards
+        grad_norm = grad_norm.full_tensor()
     # a non-finite gradient never reaches the weights: the fused AdamW skips the whole update on
     # the device (no host sync); the loop stops at its next sync point (check_finite)
     bad = ~torch.isfinite(grad_norm)
@@ -400,8 +440,9 @@ def evaluate(run: Run) -> float:
 def save(run: Run) -> None:
     """Checkpoints the run (rank 0; every rank's loader holds the same state, so rank 0's serves all)."""
     check_finite(run)
+    state = state_dict(run) if run.master or run.sharded else None  # sharded: every rank gathers
     if run.master:
-        save_checkpoint(run.run_dir / CHECKPOINT_NAME, state_dict(run))
+        save_checkpoint(run.run_dir / CHECKPOINT_NAME, state)
     run.saved_step = run.step
 
 
@@ -478,9 +519,10 @@ def finish(run: Run, status: str, message: str | None) -> dict:
                "best_val_loss": run.best_val if run.last_val is not None else None, "final_val_loss": run.last_val,
                "final_loss": history[-1]["loss"] if history else None, **run.meter.summary(),
                "attn": str(cfg.attn.name), "seq_len": cfg.seq_len, **run.info}
+    if status == "ok" and cfg.sample_tokens > 0 and (run.master or run.sharded):  # sharded: every rank's
+        summary["sample"] = sample(run.raw_model, cfg, run.device)  # forward gathers the weights with the others
     if run.master:
-        if status == "ok" and cfg.sample_tokens > 0:
-            summary["sample"] = sample(run.raw_model, cfg, run.device)
+        if "sample" in summary:
             print(f"--- sample ---\n{summary['sample']}\n--------------")
         with contextlib.suppress(DiskFullError):
             atomic_write(run.run_dir / "summary.json", json_line(summary).encode())

@@ -125,10 +125,16 @@ class WandbConfig:
     tags: list[str] = field(default_factory=list)
 
 
+class DataParallel(StrEnum):
+    ddp = "ddp"  # DistributedDataParallel: every process holds the whole model and AdamW state
+    fsdp = "fsdp"  # FSDP2 (fully_shard): parameters, gradients and AdamW state sharded over the processes
+
+
 @dataclass
 class ParallelConfig:  # under torchrun: processes = data-parallel ranks x cp
     # context parallelism: split each sequence over this many ranks (ring attention, attn=triton)
     cp: int = 1
+    dp: DataParallel = DataParallel.ddp  # how every process keeps the weights (with cp > 1 too)
 
 
 @dataclass

@@ -6,6 +6,7 @@ line names the key, the value and what is allowed.
 """
 
 import math
+import os
 import re
 from dataclasses import MISSING, fields
 from enum import Enum
@@ -98,6 +99,9 @@ def validate(cfg: DictConfig, world: int = 1) -> None:
 
 
 def _context_parallel(cfg: DictConfig, world: int) -> None:
+    if cfg.parallel.dp == "fsdp" and "RANK" not in os.environ:
+        _fail("parallel.dp", "fsdp", "shards the model over torchrun's processes: launch with torchrun "
+                                     "(--nproc_per_node=1 on one GPU)")
     cp = cfg.parallel.cp
     if world % cp:
         _fail("parallel.cp", cp, f"must divide the number of processes, {world}: run under torchrun "
@@ -129,7 +133,7 @@ def batch_size_per_process(cfg: DictConfig, world: int) -> int:
 # would make a different run.
 RESUMABLE = ("max_steps", "log_interval", "eval_interval", "eval_steps", "ckpt_interval", "sample_tokens",
              "sample_prompt", "wandb.", "compile", "ac", "device", "resume", "attn.", "model.loss", "data.root",
-             "optim.lr", "optim.min_lr_ratio", "optim.warmup_steps", "optim.grad_clip", "parallel.")
+             "optim.lr", "optim.min_lr_ratio", "optim.warmup_steps", "optim.grad_clip", "parallel.cp")
 
 
 def _flat(d: dict, prefix: str = "") -> dict:

@@ -162,14 +162,13 @@ class GPT(nn.Module):
         attention = attention_flops(1, self.cfg.n_head, seq_len, seq_len, head_dim, causal=True) / seq_len
         return 6 * self.num_params(matmul_only=True) + 3 * self.cfg.n_layer * attention
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, split: bool = True):
         """idx (B, T) token ids -> (logits (B, T, V), None); with targets (B, T), (logits, mean loss),
         where model.loss=chunked returns no logits: it never makes them (kernels/cross_entropy.py).
         With cp every rank of it passes the same idx and targets and gets the logits of its shard
-        (cp.shard) and the mean loss over its shard's tokens."""
-        return self._forward(idx, targets, self.cp)
-
-    def _forward(self, idx: torch.Tensor, targets: torch.Tensor | None, cp: ContextParallel | None):
+        (cp.shard) and the mean loss over its shard's tokens; split=False runs the whole sequence in
+        this process alone (generate())."""
+        cp = self.cp if split else None
         if idx.size(1) > self.cfg.max_seq_len:
             raise ValueError(f"sequence of {idx.size(1)} tokens exceeds model.max_seq_len {self.cfg.max_seq_len}")
         pos = None
@@ -214,7 +213,7 @@ class GPT(nn.Module):
         """Extends idx (B, T) by max_new_tokens sampled tokens (no KV cache: recomputes the window)."""
         for _ in range(max_new_tokens):
             window = idx[:, -self.cfg.max_seq_len:]
-            logits, _ = self._forward(window, None, cp=None)  # one process samples: never sharded
+            logits, _ = self(window, split=False)
             logits = logits[:, -1, : self.cfg.vocab_size].float() / temperature  # drop padded ids
             if top_k is not None:
                 kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
