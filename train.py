@@ -336,7 +336,7 @@ def setup(cfg: DictConfig, run_dir: Path) -> Run:
 
     raw_model = GPT(cfg.model, cfg.attn.name, cfg.ac, cfg.data.doc_mask, cp).to(device)
     info = {"params": raw_model.num_params(), "tokens_per_step": cfg.batch_size * cfg.seq_len * cfg.grad_accum * dp,
-            "world_size": world, "cp": cfg.parallel.cp, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "world_size": world, "cp": cfg.parallel.cp, "dp": str(cfg.parallel.dp), "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "torch": torch.__version__, "triton": triton_version()}
     if cfg.attn.name == "sdpa":
         dtype = torch.bfloat16 if uses_bf16(cfg.dtype, device) else torch.float32
@@ -480,6 +480,8 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
             if cfg.eval_steps and ((cfg.eval_interval and run.step % cfg.eval_interval == 0) or last):
                 with run.meter.paused():
                     run.last_val = evaluate(run)
+                    if run.sharded:  # a forward without backward leaves the root's weights gathered
+                        run.raw_model.reshard()
                 run.best_val = min(run.best_val, run.last_val)
                 if run.master:
                     run.log.log({"step": run.step, "val_loss": run.last_val})
@@ -519,8 +521,13 @@ def finish(run: Run, status: str, message: str | None) -> dict:
                "best_val_loss": run.best_val if run.last_val is not None else None, "final_val_loss": run.last_val,
                "final_loss": history[-1]["loss"] if history else None, **run.meter.summary(),
                "attn": str(cfg.attn.name), "seq_len": cfg.seq_len, **run.info}
-    if status == "ok" and cfg.sample_tokens > 0 and (run.master or run.sharded):  # sharded: every rank's
-        summary["sample"] = sample(run.raw_model, cfg, run.device)  # forward gathers the weights with the others
+    ok = status == "ok"
+    if run.sharded:  # every rank's forward gathers weights with the others: all sample, or none (a rank-0 save failed)
+        flag = torch.tensor(int(ok), device=run.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        ok = bool(flag.item())
+    if ok and cfg.sample_tokens > 0 and (run.master or run.sharded):
+        summary["sample"] = sample(run.raw_model, cfg, run.device)
     if run.master:
         if "sample" in summary:
             print(f"--- sample ---\n{summary['sample']}\n--------------")
@@ -529,6 +536,10 @@ def finish(run: Run, status: str, message: str | None) -> dict:
         run.log.finish(summary)
         print("summary: " + ", ".join(f"{k}={v}" for k, v in summary.items() if k not in ("sample", "message")))
     if run.world > 1:
+        if dist.get_backend() == "gloo":
+            # gloo's worker threads free a finished collective's tensors under the GIL; a process group
+            # destroyed before that (its destructor joins them with the GIL held) hangs: let them finish
+            time.sleep(0.1)
         dist.destroy_process_group()
     return summary
 

@@ -62,8 +62,8 @@ def test_more_processes_than_gpus_is_refused(monkeypatch):
         train_module.setup_distributed(compose(TINY[:-1]))
 
 
-FSDP_RUN = TINY + ["attn=triton", "model.n_layer=2", "batch_tokens=128", "log_interval=1", "eval_interval=0",
-                   "wandb.mode=disabled", "ckpt_interval=3", "parallel.dp=fsdp"]
+FSDP_RUN = TINY + ["attn=triton", "model.n_layer=2", "batch_tokens=128", "log_interval=1", "eval_interval=2",
+                   "wandb.mode=disabled", "ckpt_interval=3", "parallel.dp=fsdp", "sample_tokens=4"]
 
 
 def _torchrun(n: int, args: list[str], cwd) -> None:
@@ -82,6 +82,7 @@ def test_sharded_runs_match_one_process_and_resume_exactly(data_root, tmp_path, 
     _torchrun(2, common + ["max_steps=3", f"hydra.run.dir={tmp_path / 'cut'}"], tmp_path)
     _torchrun(2, common + ["max_steps=5", f"resume={tmp_path / 'cut'}"], tmp_path)
     whole, resumed = metrics(tmp_path / "whole"), metrics(tmp_path / "cut")
+    assert json.loads((tmp_path / "whole" / "summary.json").read_text())["sample"]  # every rank sampled
     # the checkpoint gathers whole tensors and every rank keeps its shard again: the same run, bit for bit
     values = lambda records: [(r["step"], r.get("loss"), r.get("grad_norm"), r.get("val_loss")) for r in records
                               if r["step"] > 3]
