@@ -336,7 +336,8 @@ def setup(cfg: DictConfig, run_dir: Path) -> Run:
 
     raw_model = GPT(cfg.model, cfg.attn.name, cfg.ac, cfg.data.doc_mask, cp).to(device)
     info = {"params": raw_model.num_params(), "tokens_per_step": cfg.batch_size * cfg.seq_len * cfg.grad_accum * dp,
-            "world_size": world, "cp": cfg.parallel.cp, "dp": str(cfg.parallel.dp), "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "world_size": world, "cp": cfg.parallel.cp, "dp": str(cfg.parallel.dp),
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "torch": torch.__version__, "triton": triton_version()}
     if cfg.attn.name == "sdpa":
         dtype = torch.bfloat16 if uses_bf16(cfg.dtype, device) else torch.float32
