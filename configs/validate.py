@@ -49,7 +49,7 @@ def validate(cfg: DictConfig, world: int = 1) -> None:
     _at_least(cfg, "eval_interval eval_steps optim.warmup_steps sample_tokens", 0)
     _at_least(cfg, "ckpt_interval", -1)
     _at_least(cfg, "seed data_seed", 0)
-    _context_parallel(cfg, world)
+    _parallel(cfg, world)
     dp = world // cfg.parallel.cp
     if cfg.batch_tokens is not None and cfg.batch_tokens % (cfg.seq_len * dp):
         _fail("batch_tokens", cfg.batch_tokens, f"must be a multiple of seq_len x data-parallel processes = "
@@ -98,7 +98,7 @@ def validate(cfg: DictConfig, world: int = 1) -> None:
         _fail("device", cfg.device, str(e))
 
 
-def _context_parallel(cfg: DictConfig, world: int) -> None:
+def _parallel(cfg: DictConfig, world: int) -> None:
     if cfg.parallel.dp == "fsdp" and "RANK" not in os.environ:
         _fail("parallel.dp", "fsdp", "shards the model over torchrun's processes: launch with torchrun "
                                      "(--nproc_per_node=1 on one GPU)")

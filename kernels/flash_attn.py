@@ -681,6 +681,14 @@ class FlashAttentionFunction(torch.autograd.Function):
         return *_backward_launch(do, q, k, v, o, lse, ctx.causal, ctx.scale, ctx.docs), None, None, None
 
 
+def autocast_inputs(q, k, v):
+    """q, k, v cast to the autocast dtype if autocast is on, as autocast does for SDPA."""
+    if isinstance(q, torch.Tensor) and torch.is_autocast_enabled(q.device.type):
+        dtype = torch.get_autocast_dtype(q.device.type)
+        q, k, v = (t.to(dtype) if isinstance(t, torch.Tensor) else t for t in (q, k, v))
+    return q, k, v
+
+
 def flash_attention(q, k, v, causal=True, softmax_scale=None, doc_ids=None):
     """softmax(softmax_scale * q k^T, mask) v for q (B, H, T, D) and k, v (B, H_kv, S, D).
 
@@ -690,9 +698,7 @@ def flash_attention(q, k, v, causal=True, softmax_scale=None, doc_ids=None):
     Under torch.autocast, q, k and v are first cast to the autocast dtype, as autocast does for
     scaled_dot_product_attention.
     """
-    if isinstance(q, torch.Tensor) and torch.is_autocast_enabled(q.device.type):
-        dtype = torch.get_autocast_dtype(q.device.type)
-        q, k, v = (t.to(dtype) if isinstance(t, torch.Tensor) else t for t in (q, k, v))
+    q, k, v = autocast_inputs(q, k, v)
     _check_inputs(q, k, v)
     if doc_ids is not None:
         _check_docs(q, k, doc_ids, causal)

@@ -23,7 +23,7 @@ every other pair is in the future and skipped, not masked.
 import torch
 import torch.distributed as dist
 
-from kernels.flash_attn import flash_attention, flash_attn_backward, flash_attn_forward
+from kernels.flash_attn import _softmax_scale, autocast_inputs, flash_attention, flash_attn_backward, flash_attn_forward
 
 
 class _Transfer:
@@ -63,6 +63,16 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_
     lse.copy_(merged)
 
 
+def _block(ring: _Ring, step: int, c: int) -> tuple[slice, slice, bool]:
+    """(query rows, key rows, causal) of this rank's work at a ring step (module docstring)."""
+    j = (ring.rank - step) % ring.size  # whose K/V is in hand
+    if step == 0:
+        return slice(None), slice(None), True
+    if j < ring.rank:
+        return slice(None), slice(None, c), False  # every query, the earlier chunk of rank j
+    return slice(c, None), slice(None), False  # the later chunk's queries, both of rank j's chunks
+
+
 def _ring_forward(q, k, v, scale, ring):
     """(o in q's dtype, lse fp32 (B, H, 2c)) of this rank's queries over the whole sequence."""
     c = q.shape[2] // 2
@@ -71,16 +81,13 @@ def _ring_forward(q, k, v, scale, ring):
     for step in range(ring.size):
         if step < ring.size - 1:
             incoming = ring.shift(*kv)
-        j = (ring.rank - step) % ring.size  # whose K/V is in hand
+        rows, keys, causal = _block(ring, step, c)
+        o, block_lse = flash_attn_forward(q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys], causal=causal,
+                                          softmax_scale=scale)
         if step == 0:
-            o, lse = flash_attn_forward(q, *kv, causal=True, softmax_scale=scale)
-            out = o.float()
-        elif j < ring.rank:
-            o, block_lse = flash_attn_forward(q, kv[0][:, :, :c], kv[1][:, :, :c], causal=False, softmax_scale=scale)
-            _merge(out, lse, o, block_lse)
+            out, lse = o.float(), block_lse
         else:
-            o, block_lse = flash_attn_forward(q[:, :, c:], *kv, causal=False, softmax_scale=scale)
-            _merge(out[:, :, c:], lse[:, :, c:], o, block_lse)
+            _merge(out[:, :, rows], lse[:, :, rows], o, block_lse)
         if step < ring.size - 1:
             kv = tuple(incoming.wait())
     return out.to(q.dtype), lse
@@ -89,29 +96,18 @@ def _ring_forward(q, k, v, scale, ring):
 def _ring_backward(do, q, k, v, o, lse, scale, ring):
     """(dq, dk, dv) of this rank's shards, typed like q, k, v."""
     c = q.shape[2] // 2
-    late = slice(c, None)  # the rows of the later chunk 2N-1-r
-    lse_late = lse[:, :, late].contiguous()  # the kernels read LSE as a dense (B, H, T)
+    # the kernels read LSE as a dense (B, H, T): the later chunk's rows copied once
+    lse_of = {None: lse, c: lse[:, :, c:].contiguous()}
     dq = torch.zeros_like(q, dtype=torch.float32)
     kv = (k.contiguous(), v.contiguous())
     dkv = passing = None  # the fp32 dK/dV of the K/V in hand, as accumulated by the ranks before
     for step in range(ring.size):
         if step < ring.size - 1:
             incoming = ring.shift(*kv)
-        j = (ring.rank - step) % ring.size
-        if step == 0:
-            dq_b, dk_b, dv_b = flash_attn_backward(do, q, *kv, o, lse, causal=True, softmax_scale=scale)
-            dq += dq_b
-            keys = slice(None)
-        elif j < ring.rank:
-            dq_b, dk_b, dv_b = flash_attn_backward(do, q, kv[0][:, :, :c], kv[1][:, :, :c], o, lse, causal=False,
-                                                   softmax_scale=scale)
-            dq += dq_b
-            keys = slice(None, c)
-        else:
-            dq_b, dk_b, dv_b = flash_attn_backward(do[:, :, late], q[:, :, late], *kv, o[:, :, late], lse_late,
-                                                   causal=False, softmax_scale=scale)
-            dq[:, :, late] += dq_b
-            keys = slice(None)
+        rows, keys, causal = _block(ring, step, c)
+        dq_b, dk_b, dv_b = flash_attn_backward(do[:, :, rows], q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys],
+                                               o[:, :, rows], lse_of[rows.start], causal=causal, softmax_scale=scale)
+        dq[:, :, rows] += dq_b
         if step == 0:
             dkv = [torch.zeros_like(t, dtype=torch.float32) for t in kv]
         else:
@@ -143,7 +139,7 @@ def _prepare(q, k, v, group, softmax_scale):
     if q.shape[2] % 2 or q.shape[2] != k.shape[2]:
         raise ValueError(f"ring_attention: q {tuple(q.shape)} and k {tuple(k.shape)} must hold the same even number "
                          "of tokens: two zigzag chunks of the sequence")
-    return (q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)), _Ring(group)
+    return _softmax_scale(q, softmax_scale), _Ring(group)
 
 
 def ring_attn_forward(q, k, v, group: dist.ProcessGroup, softmax_scale=None):
@@ -165,9 +161,7 @@ def ring_attention(q, k, v, group: dist.ProcessGroup, softmax_scale=None):
     to those rows of flash_attention over the whole sequence. Every rank of the group must call
     it, in the same order. With one rank it is flash_attention.
     """
-    if isinstance(q, torch.Tensor) and torch.is_autocast_enabled(q.device.type):
-        dtype = torch.get_autocast_dtype(q.device.type)
-        q, k, v = (t.to(dtype) for t in (q, k, v))
+    q, k, v = autocast_inputs(q, k, v)
     if dist.get_world_size(group) == 1:
         return flash_attention(q, k, v, causal=True, softmax_scale=softmax_scale)
     return RingAttentionFunction.apply(q, k, v, *_prepare(q, k, v, group, softmax_scale))

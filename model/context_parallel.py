@@ -34,9 +34,7 @@ class ContextParallel:
 
     def positions(self, seq_len: int, device: torch.device) -> torch.Tensor:
         """(seq_len / N,) int64: the global positions of this rank's tokens."""
-        c = seq_len // (2 * self.size)
-        local = torch.arange(c, device=device)
-        return torch.cat((self.rank * c + local, (2 * self.size - 1 - self.rank) * c + local))
+        return self.shard(torch.arange(seq_len, device=device), dim=0)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return ring_attention(q, k, v, self.group)

@@ -21,6 +21,10 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # scripts/ sits beside the packages
+
+from data.metrics import read_metrics  # noqa: E402
+
 FIELDS = ["gpus", "seq_len", "status", "tokens_per_s", "step_s", "peak_mem_alloc_gib", "efficiency", "wall_s"]
 
 
@@ -42,8 +46,7 @@ def run(gpus: int, seq_len: int, steps: int, out: Path, overrides: list[str]) ->
         oom = "out of memory" in done.stderr.lower()
         return {**row, "status": "oom" if oom else f"failed (exit {done.returncode})"}
     summary = json.loads(summary_path.read_text())
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    last = [r for r in records if "tokens_per_s" in r][-1]  # a step's time, even with one step
+    last = [r for r in read_metrics(run_dir / "metrics.jsonl") if "tokens_per_s" in r][-1]  # a step, even the only one
     tok_s = summary["mean_tokens_per_s"]
     return {**row, "status": summary["status"], "tokens_per_s": tok_s,
             "step_s": summary["tokens_per_step"] / last["tokens_per_s"],

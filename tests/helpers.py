@@ -1,5 +1,8 @@
 """Helpers the test files share: composing configs as train.py does, a CPU-sized model, reading a run's outputs."""
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 from hydra import compose as hydra_compose
@@ -30,3 +33,12 @@ def wandb_file(run_dir: Path) -> Path:
     files = sorted(Path(run_dir).glob("wandb/offline-run-*/run-*.wandb"))
     assert files, f"no offline W&B run under {run_dir}"
     return files[-1]
+
+
+def torchrun(n: int, args: list[str], cwd: Path, timeout: int = 900) -> None:
+    """Runs `torchrun --standalone --nproc_per_node=n ARGS` (a script and its arguments) in cwd, with the
+    repo importable; fails the test with the end of stderr if it does not exit 0."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", *args]
+    done = subprocess.run(cmd, cwd=cwd, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+                          timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]

@@ -8,9 +8,6 @@ on the same batches, to fp32 rounding.
 """
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -18,16 +15,9 @@ import torch
 import train as train_module
 from configs.validate import ConfigError, batch_size_per_process, validate
 from model.context_parallel import ContextParallel, unshard
-from tests.helpers import REPO, TINY, compose, metrics
+from tests.helpers import REPO, TINY, compose, metrics, torchrun
 from tests.ring_worker import inputs
 from tests.test_flash_attn import _assert_within_reference_error, _dense, _error_scales
-
-
-def _torchrun(n: int, args: list[str], cwd) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", *args]
-    done = subprocess.run(cmd, cwd=cwd, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
-                          timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
 
 
 def test_shard_and_unshard_are_inverse_and_positions_are_global():
@@ -42,7 +32,7 @@ def test_shard_and_unshard_are_inverse_and_positions_are_global():
 
 
 def _check_ring(tmp_path, n, T, H, H_kv, D, device="cpu"):
-    _torchrun(n, [str(REPO / "tests" / "ring_worker.py"), str(tmp_path), str(T), str(H), str(H_kv), str(D), device],
+    torchrun(n, [str(REPO / "tests" / "ring_worker.py"), str(tmp_path), str(T), str(H), str(H_kv), str(D), device],
               tmp_path)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(n)]
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
@@ -91,7 +81,7 @@ CP_RUN = TINY + ["attn=triton", "model.n_layer=2", "batch_tokens=128", "max_step
                          ids=["cp2-rope-selective-ac", "dp2-cp2-full-ac", "cp4", "cp2-compiled"])
 def test_context_parallel_training_matches_one_process(data_root, tmp_path, n, cp, extra):
     common = CP_RUN + [f"data.root={data_root}"] + extra
-    _torchrun(n, [str(REPO / "train.py"), *common, f"parallel.cp={cp}", f"hydra.run.dir={tmp_path / 'cp'}"], tmp_path)
+    torchrun(n, [str(REPO / "train.py"), *common, f"parallel.cp={cp}", f"hydra.run.dir={tmp_path / 'cp'}"], tmp_path)
     summary = json.loads((tmp_path / "cp" / "summary.json").read_text())
     assert (summary["world_size"], summary["cp"], summary["tokens_per_step"]) == (n, cp, 128)
     train_module.train(compose(common), tmp_path / "single")
@@ -110,7 +100,7 @@ def test_context_parallel_training_on_two_gpus_matches_one(data_root, tmp_path):
     common = TINY[:-1] + ["attn=triton", "model.pos_emb=rope", "seq_len=512", "model.max_seq_len=512",
                           "batch_tokens=2048", "max_steps=3", "log_interval=1", "eval_interval=0",
                           "wandb.mode=disabled", "ckpt_interval=-1", f"data.root={data_root}"]
-    _torchrun(2, [str(REPO / "train.py"), *common, "parallel.cp=2", f"hydra.run.dir={tmp_path / 'cp'}"], tmp_path)
+    torchrun(2, [str(REPO / "train.py"), *common, "parallel.cp=2", f"hydra.run.dir={tmp_path / 'cp'}"], tmp_path)
     train_module.train(compose(common), tmp_path / "single")
     single, split = metrics(tmp_path / "single"), metrics(tmp_path / "cp")
     for a, b in zip(single, split, strict=True):  # bf16 autocast: the same math, rounded differently

@@ -7,16 +7,13 @@ of a single process that trains on the same global batch.
 """
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import train as train_module
 from configs.validate import ConfigError, batch_size_per_process, validate
-from tests.helpers import REPO, TINY, compose, metrics
+from tests.helpers import REPO, TINY, compose, metrics, torchrun
 
 
 @pytest.mark.slow
@@ -25,10 +22,7 @@ def test_two_processes_write_one_run_and_match_one_process(data_root, tmp_path):
                      "eval_interval=0", "wandb.mode=offline"]
     workdir, run_dir = tmp_path / "cwd", tmp_path / "ddp"
     workdir.mkdir()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(REPO / "train.py"), *common, f"hydra.run.dir={run_dir}"]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    subprocess.run(cmd, cwd=workdir, env=env, check=True, capture_output=True, timeout=600)
+    torchrun(2, [str(REPO / "train.py"), *common, f"hydra.run.dir={run_dir}"], workdir, timeout=600)
     assert list(workdir.iterdir()) == []  # no rank made a Hydra dir of its own
     assert len(list(run_dir.glob("wandb/offline-run-*"))) == 1
     ddp = [r for r in metrics(run_dir) if "loss" in r]
@@ -66,21 +60,13 @@ FSDP_RUN = TINY + ["attn=triton", "model.n_layer=2", "batch_tokens=128", "log_in
                    "wandb.mode=disabled", "ckpt_interval=3", "parallel.dp=fsdp", "sample_tokens=4"]
 
 
-def _torchrun(n: int, args: list[str], cwd) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
-           str(REPO / "train.py"), *args]
-    done = subprocess.run(cmd, cwd=cwd, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("extra", [[], ["parallel.cp=2"]], ids=["fsdp", "fsdp-cp2"])
 def test_sharded_runs_match_one_process_and_resume_exactly(data_root, tmp_path, extra):
     common = FSDP_RUN + [f"data.root={data_root}"] + extra
-    _torchrun(2, common + ["max_steps=5", f"hydra.run.dir={tmp_path / 'whole'}"], tmp_path)
-    _torchrun(2, common + ["max_steps=3", f"hydra.run.dir={tmp_path / 'cut'}"], tmp_path)
-    _torchrun(2, common + ["max_steps=5", f"resume={tmp_path / 'cut'}"], tmp_path)
+    torchrun(2, [str(REPO / "train.py"), *common, "max_steps=5", f"hydra.run.dir={tmp_path / 'whole'}"], tmp_path, timeout=600)
+    torchrun(2, [str(REPO / "train.py"), *common, "max_steps=3", f"hydra.run.dir={tmp_path / 'cut'}"], tmp_path, timeout=600)
+    torchrun(2, [str(REPO / "train.py"), *common, "max_steps=5", f"resume={tmp_path / 'cut'}"], tmp_path, timeout=600)
     whole, resumed = metrics(tmp_path / "whole"), metrics(tmp_path / "cut")
     assert json.loads((tmp_path / "whole" / "summary.json").read_text())["sample"]  # every rank sampled
     # the checkpoint gathers whole tensors and every rank keeps its shard again: the same run, bit for bit
@@ -103,7 +89,7 @@ def test_sharded_run_on_one_gpu_trains(data_root, tmp_path):
     args = TINY[:-1] + ["attn=triton", "max_steps=3", "log_interval=1", "eval_interval=0", "wandb.mode=disabled",
                         "ckpt_interval=-1", "sample_tokens=4", "parallel.dp=fsdp", f"data.root={data_root}",
                         f"hydra.run.dir={tmp_path / 'run'}"]
-    _torchrun(1, args, tmp_path)
+    torchrun(1, [str(REPO / "train.py"), *args], tmp_path, timeout=600)
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["status"] == "ok" and summary["sample"]
 
