@@ -21,14 +21,18 @@ blocks that straddle the diagonal or the end of the keys.
 Packed documents (doc_ids (B, T), T == S): query i attends key j only in its own document. A
 query block starts at the tile of its first row's document, a key block stops at the end of its
 last key's document, so tiles of other documents are skipped, not masked; only tiles that cross
-a document boundary or the diagonal are masked. Differs from Triton's tutorial 06: masked pointer
-loads instead of TMA (any strides and sizes), GQA, a separate dQ kernel, K not pre-scaled.
+a document boundary or the diagonal are masked. On Hopper and newer GPUs the streamed tiles arrive
+through TMA descriptors, built once per program, where the inputs allow (contiguous head dim,
+16-byte aligned strides); elsewhere through masked pointer loads, for any strides and sizes.
+Differs from Triton's tutorial 06: GQA, any strides, a separate dQ kernel, K not pre-scaled.
 CPU tensors run in Triton's interpreter (kernels/interpreter.py), whose bf16 tl.dot is wrong:
 there bf16 is computed in fp32 and rounded. kernels/flash_ref.py is the same algorithm in
 PyTorch; kernels/launch.py picks block sizes per shape (kernels/tuning.py lists them).
 """
 
+import functools
 import math
+import os
 from typing import Optional
 
 import torch
@@ -53,6 +57,30 @@ def _tile_ptrs(base, off_b, off_h, stride_b, stride_h, rows, stride_t, offs_d, s
     are int64: B * H * T * D can pass 2**31."""
     base += off_b.to(tl.int64) * stride_b + off_h.to(tl.int64) * stride_h
     return base + rows[:, None] * stride_t + offs_d[None, :] * stride_d
+
+
+@triton.jit
+def _stream_src(base, off_b, off_h, stride_b, stride_h, n_rows, stride_t, stride_d,
+                HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr, TMA: tl.constexpr):
+    """Where _load_tile reads one head's streamed (BLOCK_ROWS, BLOCK_D) tiles of a (B, H, T, D)
+    tensor: a TMA descriptor of its (n_rows, HEAD_DIM) matrix (head dim contiguous; reads past
+    either end return zeros), or pointers at its row 0."""
+    if TMA:
+        base += off_b.to(tl.int64) * stride_b + off_h.to(tl.int64) * stride_h
+        return tl.make_tensor_descriptor(base, shape=[n_rows, HEAD_DIM], strides=[stride_t, 1],
+                                         block_shape=[BLOCK_ROWS, BLOCK_D])
+    else:
+        return _tile_ptrs(base, off_b, off_h, stride_b, stride_h, tl.arange(0, BLOCK_ROWS), stride_t,
+                          tl.arange(0, BLOCK_D), stride_d)
+
+
+@triton.jit
+def _load_tile(src, row, ptr_mask, TMA: tl.constexpr):
+    """The streamed tile at `row`: through its descriptor (TMA) or its pointers and mask."""
+    if TMA:
+        return src.load([row, 0])
+    else:
+        return tl.load(src, mask=ptr_mask, other=0.0)
 
 
 @triton.jit
@@ -133,21 +161,22 @@ def _doc_q_range(DOC, DOC_END, start_n, S, full_start, BLOCK_M: tl.constexpr, BL
 @triton.jit
 def _fwd_inner(
     acc, l_i, m_i, q,  # running (BLOCK_M, BLOCK_D) output, row sum, row max (log2 units); Q tile
-    k_ptrs, v_ptrs,  # (BLOCK_N, BLOCK_D) pointers at key 0 of this kv head
+    k_src, v_src,  # TMA descriptors of this kv head's K and V, or (BLOCK_N, BLOCK_D) pointers at its key 0
     stride_kn, stride_vn,
     rows, offs_n, d_mask, doc_rows, doc_ptr,
     n_start, n_end, T, S, qk_scale,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOC_MASK: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, TMA: tl.constexpr,
 ):
-    k_ptrs += n_start * stride_kn
-    v_ptrs += n_start * stride_vn
+    if not TMA:
+        k_src += n_start * stride_kn
+        v_src += n_start * stride_vn
     for start_n in range(n_start, n_end, BLOCK_N):
         cols = start_n + offs_n
         kv_mask = d_mask[None, :]
         if MASKED:
             kv_mask = kv_mask & (cols[:, None] < S)
-        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+        k = _load_tile(k_src, start_n, kv_mask, TMA)
         qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)  # (BLOCK_M, BLOCK_N)
         if MASKED:
             qk = tl.where(_visible(rows, cols, T, S, doc_rows, doc_ptr, CAUSAL, DOC_MASK), qk, float("-inf"))
@@ -158,11 +187,12 @@ def _fwd_inner(
         p = tl.math.exp2(tl.fma(qk, qk_scale, -m_sub[:, None]))  # explicit fma: one op per score
         alpha = tl.math.exp2(m_i - m_sub)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+        v = _load_tile(v_src, start_n, kv_mask, TMA)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=INPUT_PRECISION)
         m_i = m_new
-        k_ptrs += BLOCK_N * stride_kn
-        v_ptrs += BLOCK_N * stride_vn
+        if not TMA:
+            k_src += BLOCK_N * stride_kn
+            v_src += BLOCK_N * stride_vn
     return acc, l_i, m_i
 
 
@@ -181,7 +211,7 @@ def _fwd_kernel(
     qk_scale,  # softmax_scale * log2(e)
     # meta-parameters
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, DOC_MASK: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # the longest causal rows start first, so that short ones fill the tail of the launch
     start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
@@ -197,8 +227,10 @@ def _fwd_kernel(
 
     q = tl.load(_tile_ptrs(Q, off_b, off_h, stride_qb, stride_qh, rows, stride_qt, offs_d, stride_qd),
                 mask=row_mask, other=0.0)  # (BLOCK_M, BLOCK_D)
-    k_ptrs = _tile_ptrs(K, off_b, off_hkv, stride_kb, stride_kh, offs_n, stride_kn, offs_d, stride_kd)
-    v_ptrs = _tile_ptrs(V, off_b, off_hkv, stride_vb, stride_vh, offs_n, stride_vn, offs_d, stride_vd)
+    k_src = _stream_src(K, off_b, off_hkv, stride_kb, stride_kh, S, stride_kn, stride_kd, HEAD_DIM, BLOCK_N,
+                        BLOCK_D, TMA)
+    v_src = _stream_src(V, off_b, off_hkv, stride_vb, stride_vh, S, stride_vn, stride_vd, HEAD_DIM, BLOCK_N,
+                        BLOCK_D, TMA)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -212,16 +244,16 @@ def _fwd_kernel(
         doc_rows = tl.load(doc_ptr + rows, mask=rows < T, other=-1)
         lo, full_lo = _doc_kv_range(doc_ptr, DOC_START + off_b.to(tl.int64) * T, start_m, T, full_end,
                                     BLOCK_M, BLOCK_N)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, rows, offs_n, d_mask,
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, rows, offs_n, d_mask,
                                    doc_rows, doc_ptr, lo, tl.minimum(full_lo, full_end), T, S, qk_scale,
-                                   True, CAUSAL, DOC_MASK, INPUT_PRECISION, BLOCK_N)
+                                   True, CAUSAL, DOC_MASK, INPUT_PRECISION, BLOCK_N, TMA)
         after_full = tl.maximum(lo, full_end)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, rows, offs_n, d_mask,
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, rows, offs_n, d_mask,
                                doc_rows, doc_ptr, full_lo, full_end, T, S, qk_scale,
-                               False, CAUSAL, DOC_MASK, INPUT_PRECISION, BLOCK_N)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, rows, offs_n, d_mask,
+                               False, CAUSAL, DOC_MASK, INPUT_PRECISION, BLOCK_N, TMA)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, rows, offs_n, d_mask,
                                doc_rows, doc_ptr, after_full, end, T, S, qk_scale,
-                               True, CAUSAL, DOC_MASK, INPUT_PRECISION, BLOCK_N)
+                               True, CAUSAL, DOC_MASK, INPUT_PRECISION, BLOCK_N, TMA)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # rows that attend no key: O = 0, LSE = -inf
     o = acc / l_safe[:, None]
@@ -260,21 +292,23 @@ def _bwd_preprocess_kernel(
 @triton.jit
 def _bwd_dkdv_inner(
     dk, dv, k, v,  # (BLOCK_N, BLOCK_D) fp32 accumulators; resident K and V tiles
-    q_ptrs, do_ptrs,  # (BLOCK_M, BLOCK_D) pointers at query row 0 of one query head
+    q_src, do_src,  # descriptors of one query head's Q and dO, or (BLOCK_M, BLOCK_D) pointers at its row 0
     lse_ptr, delta_ptr,  # LSE and delta of that head's row 0
     stride_qt, stride_dot,
     offs_m, cols, d_mask, doc_cols, doc_ptr,
     m_start, m_end, T, S, qk_scale,
     MASKED: tl.constexpr, DOC_MASK: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+    TMA: tl.constexpr,
 ):
-    q_ptrs += m_start * stride_qt
-    do_ptrs += m_start * stride_dot
+    if not TMA:
+        q_src += m_start * stride_qt
+        do_src += m_start * stride_dot
     for start_m in range(m_start, m_end, BLOCK_M):
         rows = start_m + offs_m
         # rows past T load as zeros with LSE = delta = 0: their P is 1, but dO = 0, so they add 0
         q_mask = (rows[:, None] < T) & d_mask[None, :]
-        q = tl.load(q_ptrs, mask=q_mask, other=0.0)
-        do = tl.load(do_ptrs, mask=q_mask, other=0.0)
+        q = _load_tile(q_src, start_m, q_mask, TMA)
+        do = _load_tile(do_src, start_m, q_mask, TMA)
         lse = tl.load(lse_ptr + rows, mask=rows < T, other=0.0) * _LOG2E
         delta = tl.load(delta_ptr + rows, mask=rows < T, other=0.0)
         qk_t = tl.dot(k, tl.trans(q), input_precision=INPUT_PRECISION)  # (BLOCK_N, BLOCK_M)
@@ -288,8 +322,9 @@ def _bwd_dkdv_inner(
         dp_t = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)  # (BLOCK_N, BLOCK_M)
         ds_t = p_t * (dp_t - delta[None, :])
         dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=INPUT_PRECISION)
-        q_ptrs += BLOCK_M * stride_qt
-        do_ptrs += BLOCK_M * stride_dot
+        if not TMA:
+            q_src += BLOCK_M * stride_qt
+            do_src += BLOCK_M * stride_dot
     return dk, dv
 
 
@@ -310,7 +345,7 @@ def _bwd_dkdv_kernel(
     sm_scale, qk_scale,  # softmax_scale, and softmax_scale * log2(e)
     # meta-parameters
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, DOC_MASK: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     start_n = tl.program_id(0) * BLOCK_N
     off_hkv = tl.program_id(1)
@@ -340,19 +375,21 @@ def _bwd_dkdv_kernel(
                                      BLOCK_M, BLOCK_N)
     for g in range(GROUP):  # GQA: the kv head's query heads, summed in a fixed order
         off_h = off_hkv * GROUP + g
-        q_ptrs = _tile_ptrs(Q, off_b, off_h, stride_qb, stride_qh, offs_m, stride_qt, offs_d, stride_qd)
-        do_ptrs = _tile_ptrs(DO, off_b, off_h, stride_dob, stride_doh, offs_m, stride_dot, offs_d, stride_dod)
+        q_src = _stream_src(Q, off_b, off_h, stride_qb, stride_qh, T, stride_qt, stride_qd, HEAD_DIM, BLOCK_M, BLOCK_D,
+                            TMA)
+        do_src = _stream_src(DO, off_b, off_h, stride_dob, stride_doh, T, stride_dot, stride_dod, HEAD_DIM, BLOCK_M,
+                             BLOCK_D, TMA)
         row0 = (off_b * H + off_h).to(tl.int64) * T
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, LSE + row0, DELTA + row0, stride_qt, stride_dot,
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, LSE + row0, DELTA + row0, stride_qt, stride_dot,
                                  offs_m, cols, d_mask, doc_cols, doc_ptr, m_start, full_start, T, S, qk_scale,
-                                 True, DOC_MASK, INPUT_PRECISION, BLOCK_M)
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, LSE + row0, DELTA + row0, stride_qt, stride_dot,
+                                 True, DOC_MASK, INPUT_PRECISION, BLOCK_M, TMA)
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, LSE + row0, DELTA + row0, stride_qt, stride_dot,
                                  offs_m, cols, d_mask, doc_cols, doc_ptr, full_start, full_hi, T, S, qk_scale,
-                                 False, DOC_MASK, INPUT_PRECISION, BLOCK_M)
+                                 False, DOC_MASK, INPUT_PRECISION, BLOCK_M, TMA)
         if DOC_MASK:
-            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, LSE + row0, DELTA + row0, stride_qt,
+            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, LSE + row0, DELTA + row0, stride_qt,
                                      stride_dot, offs_m, cols, d_mask, doc_cols, doc_ptr, full_hi, q_hi, T, S,
-                                     qk_scale, True, DOC_MASK, INPUT_PRECISION, BLOCK_M)
+                                     qk_scale, True, DOC_MASK, INPUT_PRECISION, BLOCK_M, TMA)
 
     dk *= sm_scale  # dS is the gradient of the scaled scores: dK = scale * dS^T Q
     tl.store(_tile_ptrs(DK, off_b, off_hkv, stride_dkb, stride_dkh, cols, stride_dkn, offs_d, stride_dkd),
@@ -364,22 +401,23 @@ def _bwd_dkdv_kernel(
 @triton.jit
 def _bwd_dq_inner(
     dq, q, do, lse, delta,  # (BLOCK_M, BLOCK_D) fp32 accumulator; resident Q, dO; LSE (log2 units), delta
-    k_ptrs, v_ptrs,  # (BLOCK_N, BLOCK_D) pointers at key 0 of this kv head
+    k_src, v_src,  # as in _fwd_inner
     stride_kn, stride_vn,
     rows, offs_n, d_mask, doc_rows, doc_ptr,
     n_start, n_end, T, S, qk_scale,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOC_MASK: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, TMA: tl.constexpr,
 ):
-    k_ptrs += n_start * stride_kn
-    v_ptrs += n_start * stride_vn
+    if not TMA:
+        k_src += n_start * stride_kn
+        v_src += n_start * stride_vn
     for start_n in range(n_start, n_end, BLOCK_N):
         cols = start_n + offs_n
         kv_mask = d_mask[None, :]
         if MASKED:
             kv_mask = kv_mask & (cols[:, None] < S)
-        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+        k = _load_tile(k_src, start_n, kv_mask, TMA)
+        v = _load_tile(v_src, start_n, kv_mask, TMA)
         qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)  # (BLOCK_M, BLOCK_N)
         p = tl.math.exp2(tl.fma(qk, qk_scale, -lse[:, None]))
         if MASKED:  # selected after exp2, as in the dK/dV kernel
@@ -387,8 +425,9 @@ def _bwd_dq_inner(
         dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)  # (BLOCK_M, BLOCK_N)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=INPUT_PRECISION)
-        k_ptrs += BLOCK_N * stride_kn
-        v_ptrs += BLOCK_N * stride_vn
+        if not TMA:
+            k_src += BLOCK_N * stride_kn
+            v_src += BLOCK_N * stride_vn
     return dq
 
 
@@ -408,7 +447,7 @@ def _bwd_dq_kernel(
     sm_scale, qk_scale,  # softmax_scale, and softmax_scale * log2(e)
     # meta-parameters
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, DOC_MASK: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M  # longest rows first
     off_h = tl.program_id(1)
@@ -428,8 +467,10 @@ def _bwd_dq_kernel(
     row0 = (off_b * H + off_h).to(tl.int64) * T
     lse = tl.load(LSE + row0 + rows, mask=rows < T, other=0.0) * _LOG2E
     delta = tl.load(DELTA + row0 + rows, mask=rows < T, other=0.0)
-    k_ptrs = _tile_ptrs(K, off_b, off_hkv, stride_kb, stride_kh, offs_n, stride_kn, offs_d, stride_kd)
-    v_ptrs = _tile_ptrs(V, off_b, off_hkv, stride_vb, stride_vh, offs_n, stride_vn, offs_d, stride_vd)
+    k_src = _stream_src(K, off_b, off_hkv, stride_kb, stride_kh, S, stride_kn, stride_kd, HEAD_DIM, BLOCK_N,
+                        BLOCK_D, TMA)
+    v_src = _stream_src(V, off_b, off_hkv, stride_vb, stride_vh, S, stride_vn, stride_vd, HEAD_DIM, BLOCK_N,
+                        BLOCK_D, TMA)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     full_end, end = _kv_block_range(start_m, T, S, CAUSAL, BLOCK_M, BLOCK_N)
@@ -441,16 +482,16 @@ def _bwd_dq_kernel(
         doc_rows = tl.load(doc_ptr + rows, mask=rows < T, other=-1)
         lo, full_lo = _doc_kv_range(doc_ptr, DOC_START + off_b.to(tl.int64) * T, start_m, T, full_end,
                                     BLOCK_M, BLOCK_N)
-        dq = _bwd_dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, rows, offs_n, d_mask,
+        dq = _bwd_dq_inner(dq, q, do, lse, delta, k_src, v_src, stride_kn, stride_vn, rows, offs_n, d_mask,
                            doc_rows, doc_ptr, lo, tl.minimum(full_lo, full_end), T, S, qk_scale,
-                           True, CAUSAL, DOC_MASK, INPUT_PRECISION, BLOCK_N)
+                           True, CAUSAL, DOC_MASK, INPUT_PRECISION, BLOCK_N, TMA)
         after_full = tl.maximum(lo, full_end)
-    dq = _bwd_dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, rows, offs_n, d_mask,
+    dq = _bwd_dq_inner(dq, q, do, lse, delta, k_src, v_src, stride_kn, stride_vn, rows, offs_n, d_mask,
                        doc_rows, doc_ptr, full_lo, full_end, T, S, qk_scale,
-                       False, CAUSAL, DOC_MASK, INPUT_PRECISION, BLOCK_N)
-    dq = _bwd_dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, rows, offs_n, d_mask,
+                       False, CAUSAL, DOC_MASK, INPUT_PRECISION, BLOCK_N, TMA)
+    dq = _bwd_dq_inner(dq, q, do, lse, delta, k_src, v_src, stride_kn, stride_vn, rows, offs_n, d_mask,
                        doc_rows, doc_ptr, after_full, end, T, S, qk_scale,
-                       True, CAUSAL, DOC_MASK, INPUT_PRECISION, BLOCK_N)
+                       True, CAUSAL, DOC_MASK, INPUT_PRECISION, BLOCK_N, TMA)
 
     dq *= sm_scale
     tl.store(_tile_ptrs(DQ, off_b, off_h, stride_dqb, stride_dqh, rows, stride_dqt, offs_d, stride_dqd),
@@ -517,15 +558,35 @@ def _interpreted_bf16(q):
     return q.dtype == torch.bfloat16 and (q.device.type == "cpu" or isinstance(_fwd_kernel, InterpretedFunction))
 
 
-def _meta(q, k, causal, docs):
+def _meta(q, k, causal, docs, tma):
     """(tuning key, constexprs) of a call: a new sequence length retunes only past a power of two."""
     D, T, S = q.shape[3], q.shape[2], k.shape[2]
     block_d = max(16, triton.next_power_of_2(D))
     doc_mask = docs is not None
-    key = (q.device.index, q.dtype, block_d, causal, doc_mask, triton.next_power_of_2(T), triton.next_power_of_2(S))
+    key = (q.device.index, q.dtype, block_d, causal, doc_mask, tma, triton.next_power_of_2(T),
+           triton.next_power_of_2(S))
     constexprs = {"HEAD_DIM": D, "BLOCK_D": block_d, "CAUSAL": causal, "DOC_MASK": doc_mask,
-                  "INPUT_PRECISION": "ieee" if q.dtype == torch.float32 else "tf32"}  # tf32 only matters for fp32
+                  "INPUT_PRECISION": "ieee" if q.dtype == torch.float32 else "tf32",  # tf32 only matters for fp32
+                  "TMA": tma}
     return key, constexprs
+
+
+@functools.cache
+def _has_tma(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def _tma(*streamed: torch.Tensor) -> bool:
+    """Whether the kernels read these streamed (B, H, T, D) inputs through TMA descriptors: compiled
+    for a Hopper or newer GPU, with the head dim contiguous and the base and every other stride
+    16-byte aligned (TMA's requirements); FLASH_ATTENTION_TMA=0 turns it off (for comparison)."""
+    t = streamed[0]
+    if not t.is_cuda or isinstance(_fwd_kernel, InterpretedFunction) or not _has_tma(t.device.index):
+        return False
+    if os.environ.get("FLASH_ATTENTION_TMA", "1") == "0":
+        return False
+    return all(x.stride(3) == 1 and x.data_ptr() % 16 == 0
+               and all(s * x.element_size() % 16 == 0 for s in x.stride()[:3]) for x in streamed)
 
 
 def _softmax_scale(q, softmax_scale):
@@ -574,7 +635,7 @@ def _forward(q, k, v, causal, scale, docs):
     (B, H, T, D), (H_kv, S) = q.shape, k.shape[1:3]
     o = _empty_bhtd(B, H, T, D, q)
     lse = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
-    key, constexprs = _meta(q, k, causal, docs)
+    key, constexprs = _meta(q, k, causal, docs, _tma(k, v))
     with on_device(q):
         _FWD(lambda c: (triton.cdiv(T, c["BLOCK_M"]), H, B),
              (q, k, v, o, lse, *(docs or (lse,) * 3), *q.stride(), *k.stride(), *v.stride(), *o.stride(),
@@ -593,7 +654,7 @@ def _backward_launch(do, q, k, v, o, lse, causal, scale, docs):
         grads = _backward_launch(do.float(), q.float(), k.float(), v.float(), o.float(), lse, causal, scale, docs)
         return tuple(g.to(torch.bfloat16) for g in grads)
     (B, H, T, D), (H_kv, S) = q.shape, k.shape[1:3]
-    key, constexprs = _meta(q, k, causal, docs)
+    key, constexprs = _meta(q, k, causal, docs, _tma(q, k, v, do))
     delta = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
     dq, dk, dv = _empty_bhtd(B, H, T, D, q), _empty_bhtd(B, H_kv, S, D, k), _empty_bhtd(B, H_kv, S, D, v)
     docs = docs or (delta,) * 3  # unread without documents

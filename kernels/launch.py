@@ -76,6 +76,8 @@ class Launcher:
         # microseconds, several times a training step); the compiled kernel is cached here per
         # (config, constexprs, device, specialization) and launched directly
         key = (config, *constexprs.items(), args[0].device.index, *map(_specialization, args))
+        if constexprs.get("TMA"):  # descriptors made in the kernel need a scratch buffer; set per
+            triton.set_allocator(_scratch)  # launch: the allocator is per thread (autograd's too)
         compiled = self.compiled.get(key)
         if compiled is None:
             self.compiled[key] = self.kernel[grid(config.kwargs)](*args, **constexprs, **config.all_kwargs())
@@ -108,6 +110,11 @@ def _specialization(arg) -> tuple:
     if isinstance(arg, int) and not isinstance(arg, bool):
         return int, arg % 16 == 0, arg == 1, -(2**31) <= arg < 2**31
     return (type(arg),)
+
+
+def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    """Global memory a launch asks for: here, the TMA descriptors its programs build."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
 def on_device(t: torch.Tensor):
