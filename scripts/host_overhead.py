@@ -1,11 +1,24 @@
-"""Host (CPU) time vs GPU time of one eager flash_attention forward+backward.
+"""Host (CPU) time vs GPU time of one eager flash_attention forward+backward, and where it goes.
 
 When the host time per call exceeds the GPU time, the GPU waits on Python and short sequences
-look slow in eager benchmarks (docs/perf-notes.md, v2 and v3). Needs a CUDA GPU:
+look slow in eager benchmarks (docs/perf-notes.md, v2-v4 and v8). Host time here is wall time
+per call over a burst of calls whose GPU work is queued, not waited on. Rows:
+
+  forward / backward launches   flash_attn_forward / flash_attn_backward, no autograd
+  autograd, engine thread       flash_attention(...).backward(do): the backward runs on
+                                autograd's CUDA device thread, as in training
+  autograd, calling thread      the same with torch.autograd.set_multithreading_enabled(False)
+  empty autograd.Function       forward and backward that launch nothing: autograd's own cost
+
+then a cProfile of the calling-thread variant (the engine thread is invisible to cProfile).
+Needs a CUDA GPU:
 
     python scripts/host_overhead.py
 """
 
+import cProfile
+import io
+import pstats
 import sys
 import time
 from pathlib import Path
@@ -18,6 +31,28 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/ sits be
 from kernels import flash_attention, flash_attn_backward, flash_attn_forward  # noqa: E402
 
 
+class _Empty(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v):
+        return q.detach()  # a view: no kernel
+
+    @staticmethod
+    def backward(ctx, do):
+        return do, None, None
+
+
+def host_ms(fn, calls: int = 50) -> float:
+    """Wall ms per call of `calls` back-to-back calls, the GPU synchronized only around the burst."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e3
+
+
 def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("host_overhead needs a CUDA GPU")
@@ -27,22 +62,39 @@ def main() -> None:
         for t in (q, k, v):
             t.requires_grad_()
         o, lse = flash_attn_forward(q, k, v)
-        fwd = do_bench(lambda: flash_attn_forward(q, k, v), return_mode="median")
-        bwd = do_bench(lambda: flash_attn_backward(do, q, k, v, o, lse), return_mode="median")
+        gpu_fwd = do_bench(lambda: flash_attn_forward(q, k, v), return_mode="median")
+        gpu_bwd = do_bench(lambda: flash_attn_backward(do, q, k, v, o, lse), return_mode="median")
 
         def step():
             flash_attention(q, k, v).backward(do)
 
-        step()
-        both = do_bench(step, grad_to_none=[q, k, v], return_mode="median")
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(20):
-            step()
-        host = (time.perf_counter() - start) / 20 * 1e3  # launches queued, GPU not waited on
-        torch.cuda.synchronize()
-        print(f"D={D} T={T}: kernels fwd {fwd:.3f} + bwd {bwd:.3f} ms | eager fwd+bwd {both:.3f} ms "
-              f"| host {host:.3f} ms per call")
+        def empty_step():
+            _Empty.apply(q, k, v).backward(do)
+
+        def single_thread_step():
+            with torch.autograd.set_multithreading_enabled(False):
+                step()
+
+        rows = {
+            "forward launches": host_ms(lambda: flash_attn_forward(q, k, v)),
+            "backward launches": host_ms(lambda: flash_attn_backward(do, q, k, v, o, lse)),
+            "autograd fwd+bwd, engine thread": host_ms(step),
+            "autograd fwd+bwd, calling thread": host_ms(single_thread_step),
+            "empty autograd.Function fwd+bwd": host_ms(empty_step),
+        }
+        print(f"\nD={D} T={T}: GPU time of the kernels: forward {gpu_fwd:.3f} ms, backward {gpu_bwd:.3f} ms")
+        for name, ms in rows.items():
+            print(f"  host {name:34s} {ms * 1e3:7.0f} us per call")
+        if T == 1024:
+            profile = cProfile.Profile()
+            profile.enable()
+            for _ in range(50):
+                single_thread_step()
+            profile.disable()
+            torch.cuda.synchronize()
+            out = io.StringIO()
+            pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(15)
+            print("\n".join(line for line in out.getvalue().splitlines() if line.strip())[:4000])
 
 
 if __name__ == "__main__":
