@@ -19,8 +19,10 @@ to two minutes on 2 cores:
 
 The test_gpu_* tests (skipped without CUDA) check bf16 and fp16 up to T = 8192 and D in
 {64, 80, 96, 128, 256}, GQA, autocast and inductor, and every block/warp/stage config that
-autotuning may pick for D = 64 and 256 (autotuning itself is off in these tests: see
-_no_autotuning); run them on a CUDA machine with the same command.
+autotuning may pick for D = 64 and 256 (autotuning itself is off in these tests: conftest.py
+sets FLASH_ATTENTION_AUTOTUNE=0). On Hopper they run the TMA path, and the pointer path where
+TMA cannot read the inputs or is switched off; run them on a CUDA machine with the same
+command. The TMA path also runs here, in the interpreter, forced on.
 """
 
 import os
@@ -491,6 +493,25 @@ GPU_CASES = [
 def test_gpu_matches_float64_reference(case):
     dtype, B, H, H_kv, T, S, D, causal, layout = case
     _check_against_float64(_case_id(*case), B, H, H_kv, T, S, D, causal, dtype, layout, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [(BF16, 2, 4, 2, 1000, 1000, 64, True, "packed", "0"),
+                                  (F16, 1, 3, 3, 777, 777, 20, True, "bthd", "1"),
+                                  (BF16, 1, 4, 2, 1500, 777, 128, True, "bthd", "0")],
+                         ids=lambda c: _case_id(*c[:-1]) + ("" if c[-1] == "1" else "-tma-off"))
+def test_gpu_pointer_path_matches_float64_reference(case, monkeypatch):
+    # the GPU runs the pointer loads where TMA cannot read the inputs (here 3 heads of D = 20 in
+    # fp16: a 120-byte row stride) or where FLASH_ATTENTION_TMA=0 turns it off
+    import kernels.flash_attn as fa
+
+    *case, tma_env = case
+    monkeypatch.setenv("FLASH_ATTENTION_TMA", tma_env)
+    dtype, B, H, H_kv, T, S, D, causal, layout = case
+    q, k, v, _ = _make_inputs(_case_id(*case), B, H, H_kv, T, S, D, dtype, layout, device="cuda")
+    if tma_env == "1" and D == 20:
+        assert not fa._tma(q, k, v)
+    _check_against_float64("pointers-" + _case_id(*case), B, H, H_kv, T, S, D, causal, dtype, layout, "cuda")
 
 
 @pytest.mark.gpu
