@@ -573,19 +573,20 @@ def _meta(q, k, causal, docs, tma):
 
 @functools.cache
 def _has_tma(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index)[0] >= 9
+    return torch.version.hip is None and torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
 def _tma(*streamed: torch.Tensor) -> bool:
     """Whether the kernels read these streamed (B, H, T, D) inputs through TMA descriptors: compiled
-    for a Hopper or newer GPU, with the head dim contiguous and the base and every other stride
-    16-byte aligned (TMA's requirements); FLASH_ATTENTION_TMA=0 turns it off (for comparison)."""
+    for an NVIDIA Hopper or newer GPU, with the head dim contiguous, rows that do not overlap (an
+    expanded gradient's stride 0 does), and the base and every other stride 16-byte aligned (TMA's
+    requirements); FLASH_ATTENTION_TMA=0 turns it off (for comparison)."""
     t = streamed[0]
     if not t.is_cuda or isinstance(_fwd_kernel, InterpretedFunction) or not _has_tma(t.device.index):
         return False
     if os.environ.get("FLASH_ATTENTION_TMA", "1") == "0":
         return False
-    return all(x.stride(3) == 1 and x.data_ptr() % 16 == 0
+    return all(x.stride(3) == 1 and x.stride(2) >= x.shape[3] and x.data_ptr() % 16 == 0
                and all(s * x.element_size() % 16 == 0 for s in x.stride()[:3]) for x in streamed)
 
 

@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 import triton
 from triton.compiler.errors import CompilationError
+from triton.runtime import _allocation
 from triton.runtime.errors import OutOfResources
 from triton.runtime.interpreter import InterpretedFunction
 from triton.testing import do_bench
@@ -76,8 +77,8 @@ class Launcher:
         # microseconds, several times a training step); the compiled kernel is cached here per
         # (config, constexprs, device, specialization) and launched directly
         key = (config, *constexprs.items(), args[0].device.index, *map(_specialization, args))
-        if constexprs.get("TMA"):  # descriptors made in the kernel need a scratch buffer; set per
-            triton.set_allocator(_scratch)  # launch: the allocator is per thread (autograd's too)
+        if constexprs.get("TMA"):
+            _ensure_allocator()
         compiled = self.compiled.get(key)
         if compiled is None:
             self.compiled[key] = self.kernel[grid(config.kwargs)](*args, **constexprs, **config.all_kwargs())
@@ -113,8 +114,16 @@ def _specialization(arg) -> tuple:
 
 
 def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
-    """Global memory a launch asks for: here, the TMA descriptors its programs build."""
+    """Global memory a launch asks for: here, the TMA descriptors its programs build (on the current
+    device and stream; the caching allocator's 512-byte alignment covers Triton's 128)."""
     return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _ensure_allocator() -> None:
+    """Descriptors made in a kernel need a scratch allocator. Triton keeps it in a context variable,
+    so autograd's backward thread starts without one: checked per launch, and one a user set is kept."""
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(_scratch)
 
 
 def on_device(t: torch.Tensor):

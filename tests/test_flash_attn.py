@@ -515,6 +515,24 @@ def test_gpu_pointer_path_matches_float64_reference(case, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9, reason="TMA needs sm_90+")
+def test_gpu_tma_where_it_can_read_the_inputs_and_the_same_bits_as_the_pointers():
+    import kernels.flash_attn as fa
+
+    for layout in ("contiguous", "bthd", "packed"):
+        q, k, v, do = _make_inputs(f"tma-{layout}", 2, 4, 2, 300, 300, 64, BF16, layout, device="cuda")
+        assert fa._tma(q, k, v, do), layout
+    # a gradient expanded along T (the backward of a sum over positions) has row stride 0: pointers
+    do = torch.randn(2, 1, 4, 64, device="cuda", dtype=BF16).expand(2, 300, 4, 64).transpose(1, 2)
+    assert not fa._tma(q, k, v, do)
+    o = flash_attention(q, k, v)
+    # FLASH_ATTENTION_AUTOTUNE=0: both paths run the same block configs, so the same arithmetic
+    for expanded, copied in zip(torch.autograd.grad(o, (q, k, v), do, retain_graph=True),
+                                torch.autograd.grad(o, (q, k, v), do.contiguous()), strict=True):
+        assert torch.equal(expanded, copied)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("D, dtype", [(64, BF16), (128, F16)])
 def test_gpu_document_mask_matches_float64_reference(D, dtype):
     lengths = [[1, 700, 1300, 64, 33, 1950], [4048]]  # 4048 tokens, tiles of 64 and 128 rows
