@@ -37,7 +37,7 @@ from tqdm import tqdm
 from configs.preflight import abandon_run_dir, claim_run_dir, preflight
 from configs.runtime import autocast, resolve_device, uses_bf16
 from configs.store import register_configs
-from configs.validate import ConfigError, batch_size_per_process, check_resume, validate
+from configs.validate import ConfigError, batch_size_per_process, check_resume, data_parallel_size, validate
 from data import DatasetError, TokenWindows, get_encoding
 from data.checkpoint import CHECKPOINT_NAME, CheckpointError, checkpoint_path, load_checkpoint, save_checkpoint
 from data.files import DiskFullError, atomic_write
@@ -303,7 +303,7 @@ def setup(cfg: DictConfig, run_dir: Path) -> Run:
     rank, world, local_rank, device = setup_distributed(cfg)
     validate(cfg, world)
     cfg.batch_size = batch_size_per_process(cfg, world)
-    dp = world // cfg.parallel.cp
+    dp = data_parallel_size(cfg, world)
     ckpt = None
     if cfg.resume:
         path = checkpoint_path(hydra.utils.to_absolute_path(cfg.resume))

@@ -50,7 +50,7 @@ def validate(cfg: DictConfig, world: int = 1) -> None:
     _at_least(cfg, "ckpt_interval", -1)
     _at_least(cfg, "seed data_seed", 0)
     _parallel(cfg, world)
-    dp = world // cfg.parallel.cp
+    dp = data_parallel_size(cfg, world)
     if cfg.batch_tokens is not None and cfg.batch_tokens % (cfg.seq_len * dp):
         _fail("batch_tokens", cfg.batch_tokens, f"must be a multiple of seq_len x data-parallel processes = "
                                                 f"{cfg.seq_len} x {dp}")
@@ -119,10 +119,15 @@ def _parallel(cfg: DictConfig, world: int) -> None:
                                      "drop one of them")
 
 
+def data_parallel_size(cfg: DictConfig, world: int) -> int:
+    """Processes that each train on their own sequences: the parallel.cp ranks of a group share theirs."""
+    return world // cfg.parallel.cp
+
+
 def batch_size_per_process(cfg: DictConfig, world: int) -> int:
-    """Sequences per micro-step per process: batch_tokens spread over the data-parallel processes (the
-    ranks of one context-parallel group share their sequences), if it is set."""
-    dp = world // cfg.parallel.cp
+    """Sequences per micro-step per process: batch_tokens spread over the data-parallel processes, if
+    it is set."""
+    dp = data_parallel_size(cfg, world)
     return cfg.batch_size if cfg.batch_tokens is None else cfg.batch_tokens // (cfg.seq_len * dp)
 
 
