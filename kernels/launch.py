@@ -77,7 +77,8 @@ class Launcher:
         # microseconds, several times a training step); the compiled kernel is cached here per
         # (config, constexprs, device, specialization) and launched directly
         key = (config, *constexprs.items(), args[0].device.index, *map(_specialization, args))
-        _ensure_allocator()
+        if constexprs.get("TMA"):
+            _ensure_allocator()
         compiled = self.compiled.get(key)
         if compiled is None:
             self.compiled[key] = self.kernel[grid(config.kwargs)](*args, **constexprs, **config.all_kwargs())
@@ -113,15 +114,14 @@ def _specialization(arg) -> tuple:
 
 
 def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
-    """Global memory a launch asks for, such as the TMA descriptors its programs build (on the current
+    """Global memory a launch asks for: here, the TMA descriptors its programs build (on the current
     device and stream; the caching allocator's 512-byte alignment covers Triton's 128)."""
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
 def _ensure_allocator() -> None:
-    """A kernel that needs global scratch (TMA descriptors made in the kernel) needs an allocator.
-    Triton keeps it in a context variable, so autograd's backward thread starts without one: checked
-    per launch, and one a user set is kept."""
+    """Descriptors made in a kernel need a scratch allocator. Triton keeps it in a context variable,
+    so autograd's backward thread starts without one: checked per launch, and one a user set is kept."""
     if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
         triton.set_allocator(_scratch)
 
