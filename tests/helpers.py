@@ -1,10 +1,12 @@
-"""Helpers the test files share: composing configs as train.py does, a CPU-sized model, reading a run's outputs."""
+"""Helpers the test files share: composing configs as train.py does, a CPU-sized model, reading a run's
+outputs, and the error bound of a low-precision result against its float64 reference."""
 
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import torch
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 
@@ -42,3 +44,24 @@ def torchrun(n: int, args: list[str], cwd: Path, timeout: int = 900) -> None:
     done = subprocess.run(cmd, cwd=cwd, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
                           timeout=timeout)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def assert_within_own_error(name: str, got: torch.Tensor, ref64: torch.Tensor, own: torch.Tensor,
+                            n_terms: int = 1, dtype: torch.dtype = torch.float32,
+                            own_ref64: torch.Tensor | None = None) -> None:
+    """max |got - ref64| <= 2 max |own - own_ref64| + sqrt(n_terms) eps(dtype) max |ref64|.
+
+    `own` is the textbook computation of the same value in the same precision (PyTorch's own
+    ops), and own_ref64 its float64 reference (ref64 unless `own` ran at other inputs), so their
+    distance is what that precision costs on this machine and its BLAS; `got` may sum in another
+    order, but not be much further off. The floor covers what one comparison can miss: a sum of
+    n_terms values of the reference's size rounds by up to ~sqrt(n_terms) eps relative in any
+    order, even where `own` happened to land closer. NaN or inf never passes.
+    """
+    own_ref64 = ref64 if own_ref64 is None else own_ref64
+    assert got.shape == ref64.shape, (name, got.shape, ref64.shape)
+    assert torch.isfinite(got).all(), f"{name}: non-finite values"
+    err = (got.double() - ref64).abs().max().item()
+    own_err = (own.double() - own_ref64).abs().max().item()
+    floor = n_terms**0.5 * torch.finfo(dtype).eps * ref64.abs().max().item()
+    assert err <= 2 * own_err + floor, f"{name}: error {err:.3g} > 2 x own error {own_err:.3g} + {floor:.3g}"
