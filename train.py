@@ -15,7 +15,10 @@ import contextlib
 import importlib.metadata
 import math
 import os
+import shlex
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,12 +37,13 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
-from configs.preflight import abandon_run_dir, claim_run_dir, preflight
-from configs.runtime import autocast, resolve_device, uses_bf16
+from configs.overrides import quoted_where_needed, shell_override
+from configs.preflight import abandon_run_dir, claim_run_dir, preflight, resume_target
+from configs.runtime import autocast, resolve_device, uses_bf16, wandb_mode, wandb_online_problem
 from configs.store import register_configs
 from configs.validate import ConfigError, batch_size_per_process, check_resume, data_parallel_size, validate
 from data import DatasetError, TokenWindows, get_encoding
-from data.checkpoint import CHECKPOINT_NAME, CheckpointError, checkpoint_path, load_checkpoint, save_checkpoint
+from data.checkpoint import CHECKPOINT_NAME, CheckpointError, load_checkpoint, load_weights, save_checkpoint
 from data.files import DiskFullError, atomic_write
 from data.metrics import json_line, read_metrics, steady
 from data.prepare import prepare_on_node
@@ -203,8 +207,6 @@ class RunLog:
     """Rank 0's metrics sinks: metrics.jsonl in the run dir and the W&B run."""
 
     def __init__(self, run_dir: Path, cfg: DictConfig, wandb_id: str | None, resume_step: int | None):
-        import wandb  # imported here: slow to import, and only rank 0 logs
-
         self.path = run_dir / "metrics.jsonl"
         if resume_step is not None and self.path.exists():
             # keep the curve single-valued: drop what the interrupted run logged past its checkpoint
@@ -213,10 +215,9 @@ class RunLog:
         group = cfg.wandb.group
         if group is None and HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
             group = "sweep-" + Path(HydraConfig.get().sweep.dir).as_posix().replace("/", "_")
-        self.run = wandb.init(project=cfg.wandb.project, entity=cfg.wandb.entity, group=group,
+        self.run = open_wandb(cfg, run_dir, group=group, config=plain(cfg), id=wandb_id,
                               name=cfg.wandb.name or f"{cfg.attn.name}-T{cfg.seq_len}-{cfg.model.name}",
-                              tags=list(cfg.wandb.tags), mode=str(cfg.wandb.mode), dir=str(run_dir),
-                              config=plain(cfg), id=wandb_id, resume="allow" if wandb_id else None)
+                              resume="allow" if wandb_id else None)
 
     def log(self, record: dict) -> None:
         with self.path.open("a") as f:
@@ -226,7 +227,23 @@ class RunLog:
 
     def finish(self, summary: dict) -> None:
         self.run.summary.update({k: v for k, v in summary.items() if k != "sample"})
+        if summary["status"] == "stopped":  # W&B shows it as preempted, to be resumed
+            self.run.mark_preempting()
         self.run.finish(exit_code=0 if summary["status"] == "ok" else 1)
+
+
+def open_wandb(cfg: DictConfig, run_dir: Path, **kwargs):
+    """wandb.init in the mode cfg resolves to (configs/runtime.py): online where W&B can be reached
+    with a key, else offline with one line saying why and how to upload the run later."""
+    import wandb  # slow to import: only the processes that log pay for it
+
+    mode = wandb_mode(cfg.wandb.mode)
+    if mode == "online" and (problem := wandb_online_problem()):
+        print(f"wandb: {problem}; logging offline instead (upload it later: wandb sync "
+              f"{shlex.quote(str(run_dir / 'wandb'))}/offline-run-*)", file=sys.stderr)
+        mode = "offline"
+    return wandb.init(project=cfg.wandb.project, entity=cfg.wandb.entity, tags=list(cfg.wandb.tags), mode=mode,
+                      dir=str(run_dir), **kwargs)
 
 
 def plain(cfg: DictConfig) -> dict:
@@ -290,7 +307,7 @@ def load_state_dict(run: Run, state: dict) -> None:
         set_model_state_dict(run.raw_model, state["model"], options=whole)
         set_optimizer_state_dict(run.raw_model, run.optimizer, state["optimizer"], options=whole)
     else:
-        run.raw_model.load_state_dict(state["model"])
+        load_weights(run.raw_model, state["model"], run.cfg.resume)
         run.optimizer.load_state_dict(state["optimizer"])
     run.train_loader.load_state_dict(state["loader"])
     torch.set_rng_state(state["rng"]["cpu"])
@@ -306,15 +323,17 @@ def setup(cfg: DictConfig, run_dir: Path) -> Run:
     dp = data_parallel_size(cfg, world)
     ckpt = None
     if cfg.resume:
-        path = checkpoint_path(hydra.utils.to_absolute_path(cfg.resume))
-        ckpt = load_checkpoint(path)
-        changes = check_resume(ckpt, plain(cfg), dp, path)
-        if ckpt["step"] >= cfg.max_steps:
-            raise ConfigError(f"resume={cfg.resume}: that run already finished at step {ckpt['step']}; "
-                              f"raise max_steps above {ckpt['step']} to train it further")
-        run_dir = path.parent  # metrics, W&B and checkpoints continue in the original run's dir
-        if rank == 0:
-            print(f"resuming {run_dir} at step {ckpt['step']}" + (f"; changed: {changes}" if changes else ""))
+        # metrics, W&B and checkpoints continue in the original run's dir; one stopped before its
+        # first checkpoint starts again there (claim_run_dir says so)
+        path, run_dir = resume_target(hydra.utils.to_absolute_path(cfg.resume))
+        if path is not None:
+            ckpt = load_checkpoint(path)
+            changes = check_resume(ckpt, plain(cfg), dp, path)
+            if ckpt["step"] >= cfg.max_steps:
+                raise ConfigError(f"resume={cfg.resume}: that run already finished at step {ckpt['step']}; "
+                                  f"raise max_steps above {ckpt['step']} to train it further")
+            if rank == 0:
+                print(f"resuming {run_dir} at step {ckpt['step']}" + (f"; changed: {changes}" if changes else ""))
     if rank == 0:
         claim_run_dir(run_dir, fresh=ckpt is None)
 
@@ -453,61 +472,156 @@ def last_checkpoint(run: Run) -> str:
     return f"the last checkpoint (step {run.saved_step}) is {run.run_dir / CHECKPOINT_NAME}"
 
 
+def resume_hint(run: Run) -> str:
+    return f"add {shell_override('resume', str(run.run_dir))} to the same command to continue"
+
+
+# -----------------------------------------------------------------------------
+# preemption
+
+
+class Stopped(Exception):
+    """A stop signal arrived while the run was being set up: no step ran, nothing is saved."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"stopped by {signal.Signals(signum).name} before the first step; nothing was saved: "
+                         "the same command starts the run again")
+        self.signum = signum
+
+
+class StopSignals:
+    """SIGTERM, SIGUSR1 and SIGHUP: what a scheduler sends before it preempts a job (Kubernetes,
+    SLURM's --signal, torchrun passing SIGTERM on). During setup they stop the run at once
+    (Stopped); in the loop the step in flight finishes, and signum() after it names the signal to
+    stop for. Under torchrun the ranks agree: each step all-reduces (MAX) the signal this rank got,
+    without waiting for it, and signum() answers with the previous step's result, so every rank
+    stops after the same step and none waits on the step in flight."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
+
+    def __init__(self, world: int = 1, device: torch.device | None = None):
+        self.world, self.device = world, device
+        self.received = 0
+        self.in_loop = False
+        self._previous: dict = {}
+        self._pending = None  # the last step's (flag, all-reduce work)
+
+    def __enter__(self) -> "StopSignals":
+        if threading.current_thread() is threading.main_thread():  # only there can handlers be set
+            self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def settle(self) -> None:
+        """Waits for the last step's all-reduce: none may be in flight when the process group goes."""
+        if self._pending is not None:
+            self._pending[1].wait()
+            self._pending = None
+
+    def _handle(self, signum: int, frame) -> None:
+        self.received = self.received or signum
+        if not self.in_loop:
+            raise Stopped(signum)
+
+    def signum(self) -> int:
+        """After a step: the signal to stop for (the same on every rank), or 0 to go on."""
+        if self.world == 1:
+            return self.received
+        flag = torch.tensor([self.received], device=self.device)
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True)
+        previous, self._pending = self._pending, (flag, work)
+        if previous is None:
+            return 0
+        previous[1].wait()
+        return int(previous[0].item())
+
+
 # -----------------------------------------------------------------------------
 # the loop
 
 
 def train(cfg: DictConfig, run_dir: Path) -> dict:
     """Runs the whole training described by cfg, writing into run_dir; returns the summary."""
-    run = setup(cfg, Path(run_dir))
-    bar = tqdm(total=cfg.max_steps, initial=run.step, disable=not run.master, dynamic_ncols=True, desc=str(cfg.attn.name))
-    status, message = "ok", None
-    try:
-        while run.step < cfg.max_steps:
-            loss, grad_norm, lr = train_step(run)
-            run.meter.count_step()
-            bar.update(1)
-            last = run.step == cfg.max_steps
-            if run.step % cfg.log_interval == 0 or last:
-                if run.world > 1:
-                    dist.all_reduce(loss, op=dist.ReduceOp.AVG)
-                loss_val = loss.item()  # syncs the device: the timing below is honest
-                check_finite(run, loss_val)
-                rec = run.meter.record(step=run.step, loss=loss_val, lr=lr, grad_norm=grad_norm.item(),
-                                       attn=str(cfg.attn.name), seq_len=cfg.seq_len)
-                if run.master:
-                    run.log.log(rec)
-                    bar.set_postfix(loss=f"{loss_val:.3f}", tok_s=f"{rec['tokens_per_s']:,.0f}")
-            if cfg.eval_steps and ((cfg.eval_interval and run.step % cfg.eval_interval == 0) or last):
-                with run.meter.paused():
-                    run.last_val = evaluate(run)
-                    if run.sharded:  # a forward without backward leaves the root's weights gathered
-                        run.raw_model.reshard()
-                run.best_val = min(run.best_val, run.last_val)
-                if run.master:
-                    run.log.log({"step": run.step, "val_loss": run.last_val})
-                    bar.write(f"step {run.step}: val loss {run.last_val:.4f}")
-            if cfg.ckpt_interval >= 0 and ((cfg.ckpt_interval and run.step % cfg.ckpt_interval == 0) or last):
-                with run.meter.paused():
-                    save(run)
-    except torch.cuda.OutOfMemoryError:
-        if run.world > 1:  # the other ranks wait in an all-reduce: fail this process, torchrun stops them all
+    with StopSignals() as stop:  # SIGTERM during setup raises Stopped
+        run = setup(cfg, Path(run_dir))
+        stop.world, stop.device, stop.in_loop = run.world, run.device, True
+        bar = tqdm(total=cfg.max_steps, initial=run.step, disable=not run.master, dynamic_ncols=True,
+                   desc=str(cfg.attn.name))
+        status, message = "ok", None
+        try:
+            while run.step < cfg.max_steps:
+                step(run, bar)
+                if signum := stop.signum():
+                    status, message = "stopped", stop_for(run, signum)
+                    run.info["signal"] = signal.Signals(signum).name
+                    break
+        except torch.cuda.OutOfMemoryError:
+            if run.world > 1:  # the other ranks wait in an all-reduce: fail this process, torchrun stops them all
+                raise
+            status = "oom"
+            message = (f"CUDA out of memory at step {run.step + 1} with attn={cfg.attn.name} seq_len={cfg.seq_len} "
+                       f"batch_size={cfg.batch_size}: lower batch_size or seq_len, or use attn=sdpa/triton")
+        except (Diverged, DiskFullError, CheckpointError) as e:
+            status, message = ("diverged" if isinstance(e, Diverged) else "failed"), f"{e}; {last_checkpoint(run)}"
+        except BaseException as e:  # Ctrl-C or a crash: close the W&B run as failed; ckpt.pt stays the last good one
+            if run.master:
+                if isinstance(e, KeyboardInterrupt):
+                    print(f"\ninterrupted at step {run.step}; {last_checkpoint(run)}: {resume_hint(run)}",
+                          file=sys.stderr)
+                run.log.run.finish(exit_code=1)
             raise
-        status = "oom"
-        message = (f"CUDA out of memory at step {run.step + 1} with attn={cfg.attn.name} seq_len={cfg.seq_len} "
-                   f"batch_size={cfg.batch_size}: lower batch_size or seq_len, or use attn=sdpa/triton")
-    except (Diverged, DiskFullError, CheckpointError) as e:
-        status, message = ("diverged" if isinstance(e, Diverged) else "failed"), f"{e}; {last_checkpoint(run)}"
-    except BaseException as e:  # Ctrl-C or a crash: close the W&B run as failed; ckpt.pt stays the last good one
+        finally:
+            bar.close()
+        stop.settle()
+        return finish(run, status, message)
+
+
+def step(run: Run, bar: tqdm) -> None:
+    """One training step, then what falls due after it: a log record, an evaluation, a checkpoint."""
+    cfg = run.cfg
+    loss, grad_norm, lr = train_step(run)
+    run.meter.count_step()
+    bar.update(1)
+    last = run.step == cfg.max_steps
+    if run.step % cfg.log_interval == 0 or last:
+        if run.world > 1:
+            dist.all_reduce(loss, op=dist.ReduceOp.AVG)
+        loss_val = loss.item()  # syncs the device: the timing below is honest
+        check_finite(run, loss_val)
+        rec = run.meter.record(step=run.step, loss=loss_val, lr=lr, grad_norm=grad_norm.item(),
+                               attn=str(cfg.attn.name), seq_len=cfg.seq_len)
         if run.master:
-            if isinstance(e, KeyboardInterrupt):
-                resume = f": add resume={run.run_dir} to the same command to continue" if run.saved_step else ""
-                print(f"\ninterrupted at step {run.step}; {last_checkpoint(run)}{resume}", file=sys.stderr)
-            run.log.run.finish(exit_code=1)
-        raise
-    finally:
-        bar.close()
-    return finish(run, status, message)
+            run.log.log(rec)
+            bar.set_postfix(loss=f"{loss_val:.3f}", tok_s=f"{rec['tokens_per_s']:,.0f}")
+    if cfg.eval_steps and ((cfg.eval_interval and run.step % cfg.eval_interval == 0) or last):
+        with run.meter.paused():
+            run.last_val = evaluate(run)
+            if run.sharded:  # a forward without backward leaves the root's weights gathered
+                run.raw_model.reshard()
+        run.best_val = min(run.best_val, run.last_val)
+        if run.master:
+            run.log.log({"step": run.step, "val_loss": run.last_val})
+            bar.write(f"step {run.step}: val loss {run.last_val:.4f}")
+    if cfg.ckpt_interval >= 0 and ((cfg.ckpt_interval and run.step % cfg.ckpt_interval == 0) or last):
+        with run.meter.paused():
+            save(run)
+
+
+def stop_for(run: Run, signum: int) -> str:
+    """Checkpoints the last step (unless ckpt_interval=-1) on the way out for a stop signal; the
+    line that says so."""
+    if run.cfg.ckpt_interval >= 0 and run.saved_step != run.step:
+        with run.meter.paused():
+            save(run)
+    if run.world > 1:
+        dist.barrier()  # no rank exits (and has torchrun stop the others) before rank 0's save is whole
+    said = f"stopped by {signal.Signals(signum).name} after step {run.step}; {last_checkpoint(run)}"
+    if run.saved_step is None:
+        return f"{said} (ckpt_interval=-1): the run cannot continue"
+    return f"{said}: {resume_hint(run)}"
 
 
 def finish(run: Run, status: str, message: str | None) -> dict:
@@ -555,6 +669,13 @@ def sample(model: GPT, cfg: DictConfig, device: torch.device) -> str:
     return enc.decode(out[0].tolist())
 
 
+def exit_code(summary: dict) -> int:
+    """A stopped run exits as the signal would have ended it (143 for SIGTERM), a failed one 1."""
+    if summary["status"] == "stopped":
+        return 128 + signal.Signals[summary["signal"]].value
+    return 0 if summary["status"] == "ok" else 1
+
+
 @hydra.main(version_base="1.3", config_path="configs", config_name="config")
 def main(cfg: DictConfig) -> float | None:
     hc = HydraConfig.get()
@@ -563,6 +684,10 @@ def main(cfg: DictConfig) -> float | None:
     except DiskFullError as e:  # preparing data or a cache before training started
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
+    except Stopped as e:
+        print(e, file=sys.stderr)
+        abandon_run_dir(Path(hc.runtime.output_dir))
+        sys.exit(128 + e.signum)
     except (ConfigError, DatasetError, CheckpointError) as e:
         if hc.mode == RunMode.RUN:
             print(f"error: {e}", file=sys.stderr)
@@ -574,12 +699,14 @@ def main(cfg: DictConfig) -> float | None:
         if not any((job_dir / name).exists() for name in ("summary.json", CHECKPOINT_NAME)):
             atomic_write(job_dir / "summary.json", json_line({"status": "skipped", "message": str(e)}).encode())
         return None
-    if summary["status"] != "ok" and hc.mode == RunMode.RUN:
-        sys.exit(1)  # in a sweep the failure is recorded and the next job runs
+    # a failed sweep job is recorded and the next one runs; a stopped one stops the sweep
+    if summary["status"] != "ok" and (hc.mode == RunMode.RUN or summary["status"] == "stopped"):
+        sys.exit(exit_code(summary))
     return summary["final_val_loss"]
 
 
 if __name__ == "__main__":
+    sys.argv[1:] = quoted_where_needed(sys.argv[1:])  # any path as typed: hydra.run.dir=/data/ü_日本
     if int(os.environ.get("RANK", "0")) > 0:
         # under torchrun rank 0 alone owns the Hydra run dir; the other ranks get none and write nothing
         sys.argv += ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=disabled",

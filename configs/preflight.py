@@ -3,14 +3,17 @@
 Hydra creates the run dir, writes .hydra/ and opens train.log before the task starts, and reports a
 bad override in a block of lines. preflight(argv) runs first: it composes the command line's config
 itself, validates it (configs/validate.py), and only then picks the run dir and claims it (created
-if new, locked for the life of the process), passing it to Hydra as an override. A bad config exits
-with code 2 and one line on stderr, having created nothing. A resume runs in the original run's dir
-without a new Hydra record there. A default, timestamped dir that another run took in the same
-second gets a suffix; an explicit hydra.run.dir that holds another run is refused.
-Multirun (-m) jobs are validated one by one in train(); the sweep dir is claimed here the same way.
+if new, locked for the life of the process), passing it to Hydra as an override (quoted: any path
+the filesystem takes works). A bad config exits with code 2 and one line on stderr, having created
+nothing. A resume runs in the original run's dir without a new Hydra record there. A default,
+timestamped dir that another run took in the same second gets a suffix; an explicit hydra.run.dir
+that holds another run is refused, unless that run stopped before its first checkpoint: it starts
+again in place. Multirun (-m) jobs are validated one by one in train(); the sweep dir is claimed
+here the same way.
 """
 
 import fcntl
+import json
 import os
 import re
 import shutil
@@ -18,12 +21,15 @@ import sys
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from configs.overrides import check_additions, override, quoted_where_needed
+from configs.store import register_configs
 from configs.validate import ConfigError, validate
-from data.checkpoint import CHECKPOINT_NAME, CheckpointError, checkpoint_path, require_checkpoint
+from data.checkpoint import CHECKPOINT_NAME, CheckpointError, checkpoint_path
 
 CONFIGS = Path(__file__).resolve().parent
 RUN_FILES = ("metrics.jsonl", CHECKPOINT_NAME, "summary.json")  # what makes a dir a run's
@@ -31,9 +37,19 @@ _locks: dict[Path, int] = {}  # run dirs this process holds, -> the open lock fi
 _created: set[Path] = set()  # run dirs this process made
 
 
+def _finished(run_dir: Path) -> bool:
+    """Whether run_dir's summary.json says its run completed (status ok)."""
+    try:
+        return json.loads((run_dir / "summary.json").read_text()).get("status") == "ok"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def claim_run_dir(run_dir: Path, fresh: bool) -> None:
     """Creates run_dir if needed and locks it for this process (until it exits, kill -9 too).
-    ConfigError if another live run holds it, or, for a fresh run, if an earlier run left its files."""
+    ConfigError if another live run holds it, or, for a fresh run, if an earlier run left a
+    checkpoint or finished there. An earlier run that stopped before its first checkpoint left
+    only records of steps no checkpoint holds: they are removed and the run starts again in place."""
     run_dir = Path(run_dir).resolve()
     if run_dir not in _locks:
         if not run_dir.exists():
@@ -50,9 +66,38 @@ def claim_run_dir(run_dir: Path, fresh: bool) -> None:
         for stale in run_dir.iterdir():  # left by a kill -9 during a write; no one else writes here now
             if re.fullmatch(rf"\.({'|'.join(map(re.escape, RUN_FILES))})\..+\.tmp", stale.name):
                 stale.unlink()
-    if fresh and any((run_dir / name).exists() for name in RUN_FILES):
-        raise ConfigError(f"run dir {run_dir} already holds a run: resume={run_dir} continues it; "
+    if not fresh:
+        return
+    if (run_dir / CHECKPOINT_NAME).exists():
+        raise ConfigError(f"run dir {run_dir} already holds a run: {override('resume', str(run_dir))} continues it; "
                           "choose another hydra.run.dir for a new one")
+    if _finished(run_dir):
+        raise ConfigError(f"run dir {run_dir} holds a finished run (without a checkpoint: ckpt_interval=-1): "
+                          "choose another hydra.run.dir")
+    leftovers = [name for name in RUN_FILES if (run_dir / name).exists()]
+    if leftovers:
+        for name in leftovers:
+            (run_dir / name).unlink()
+        print(f"run dir {run_dir}: its run stopped before its first checkpoint; starting it again from step 0 "
+              f"in place", file=sys.stderr)
+
+
+def resume_target(resume: str | Path) -> tuple[Path | None, Path]:
+    """(the checkpoint resume= names, the run dir it continues in). (None, run dir) for a run dir
+    without a checkpoint, whose run stopped before its first save: it starts again from step 0
+    there. CheckpointError if `resume` names neither."""
+    path = Path(resume).expanduser()
+    ckpt = checkpoint_path(path)
+    if ckpt.is_file():
+        return ckpt, ckpt.parent
+    is_run_dir = path.is_dir() and any((path / name).exists() for name in (*RUN_FILES, ".hydra", ".lock"))
+    if is_run_dir and not _finished(path):
+        return None, path
+    if is_run_dir:
+        raise CheckpointError(f"resume={resume}: that run finished without writing a checkpoint "
+                              f"(ckpt_interval=-1): there is nothing to continue")
+    raise CheckpointError(f"resume={resume}: no checkpoint at {ckpt}: pass a run dir holding {CHECKPOINT_NAME} "
+                          "or a .pt file")
 
 
 def _claim_new(template: Path) -> Path:
@@ -92,6 +137,7 @@ def one_line(e: Exception) -> str:
 
 
 def _compose(overrides: list[str]):
+    register_configs()  # train.py's schema (idempotent): preflight runs before anything else did it
     with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
         return compose("config", overrides=overrides, return_hydra_config=True)
 
@@ -101,9 +147,31 @@ def _exit(message: str) -> None:
     sys.exit(2)
 
 
+def _check_additions(overrides: list[str]) -> None:
+    """+key=, ++key= and ~key against the config composed without them (configs/overrides.py)."""
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except HydraException:
+        return  # Hydra reports it
+    others = [o.input_line for o in parsed if not (o.is_add() or o.is_force_add() or o.is_delete())]
+    if len(others) == len(parsed):
+        return
+    try:
+        composed = _compose([o for o in others if "," not in o])  # a sweep list composes one job at a time
+    except (HydraException, OmegaConfBaseException):
+        return  # Hydra reports it
+    groups = {p.name for p in CONFIGS.iterdir() if p.is_dir() and not p.name.startswith("_")}
+    try:
+        check_additions(overrides, composed, groups)
+    except ConfigError as e:
+        _exit(str(e))
+
+
 def preflight(argv: list[str]) -> list[str]:
-    """Checks train.py's command line before Hydra runs; returns the overrides to add to it."""
+    """Checks train.py's command line before Hydra runs; returns the overrides to add to it (argv
+    must be quoted_where_needed already)."""
     overrides = [arg for arg in argv if not arg.startswith("-")]
+    _check_additions(overrides)
     if any(arg in ("-m", "--multirun") for arg in argv):
         if any(re.match(r"\+*hydra\.sweep\.dir=", arg) for arg in argv):
             return []
@@ -111,7 +179,7 @@ def preflight(argv: list[str]) -> list[str]:
             cfg = _compose([arg for arg in overrides if "," not in arg])
         except (HydraException, OmegaConfBaseException):
             return []  # Hydra reports it
-        return [f"hydra.sweep.dir={_claim_new(Path(cfg.hydra.sweep.dir))}"]
+        return [override("hydra.sweep.dir", str(_claim_new(Path(cfg.hydra.sweep.dir))))]
     if len(overrides) < len(argv):  # --cfg, --help, -cn ...: Hydra's own business
         return []
     try:
@@ -121,17 +189,15 @@ def preflight(argv: list[str]) -> list[str]:
     task = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])
     try:
         validate(task, int(os.environ.get("WORLD_SIZE", "1")))
-        if task.resume:  # the original run's dir, held from here on; Hydra records nothing new there
-            ckpt = checkpoint_path(task.resume).resolve()
-            try:
-                require_checkpoint(ckpt)
-            except CheckpointError as e:
-                raise CheckpointError(f"resume={task.resume}: {e}") from None
-            claim_run_dir(ckpt.parent, fresh=False)
-            return [f"hydra.run.dir={ckpt.parent}", "hydra.output_subdir=null"]
+        if task.resume:
+            ckpt, run_dir = resume_target(task.resume)
+            claim_run_dir(run_dir, fresh=ckpt is None)
+            if ckpt is not None:  # the original run's dir, held from here on; Hydra records nothing new there
+                return [override("hydra.run.dir", str(run_dir.resolve())), "hydra.output_subdir=null"]
+            return [override("hydra.run.dir", str(run_dir.resolve()))]
         explicit = any(re.match(r"\+*hydra\.run\.dir=", arg) for arg in argv)
         run_dir = Path(cfg.hydra.run.dir) if explicit else _claim_new(Path(cfg.hydra.run.dir))
         claim_run_dir(run_dir, fresh=True)
     except (ConfigError, CheckpointError) as e:
         _exit(str(e))
-    return [f"hydra.run.dir={run_dir}"]
+    return [override("hydra.run.dir", str(run_dir))]

@@ -1,6 +1,13 @@
-"""What a config's device and dtype mean on this machine: one answer for train.py and every script."""
+"""What a config's device, dtype and W&B mode mean on this machine: one answer for train.py and every script."""
 
+import base64
+import json
+import netrc
+import os
 import re
+import urllib.error
+import urllib.request
+from urllib.parse import urlparse
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
@@ -29,3 +36,48 @@ def uses_bf16(dtype: str, device: torch.device) -> bool:
 def autocast(dtype: str, device: torch.device) -> AbstractContextManager:
     """The context that forward passes run under (a fresh one each call: it is single-use)."""
     return torch.autocast(device.type, dtype=torch.bfloat16) if uses_bf16(dtype, device) else nullcontext()
+
+
+# WANDB_MODE's values, W&B's old names included
+_WANDB_MODES = {"online": "online", "offline": "offline", "disabled": "disabled", "run": "online", "dryrun": "offline"}
+
+
+def wandb_mode(mode: str | None) -> str:
+    """wandb.mode if set (the command line wins), else WANDB_MODE from the environment, else offline;
+    ValueError for a WANDB_MODE that is none of them."""
+    if mode is not None:
+        return str(mode)
+    env = os.environ.get("WANDB_MODE", "").strip().lower()
+    if env and env not in _WANDB_MODES:
+        raise ValueError(f"choose one of {', '.join(_WANDB_MODES)}")
+    return _WANDB_MODES.get(env, "offline")
+
+
+def wandb_online_problem(timeout: float = 5.0) -> str | None:
+    """Why W&B cannot log online from this machine now, or None: no API key, or its server not
+    reachable or refusing the key within `timeout` seconds (one request, as W&B's login makes)."""
+    base = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai").rstrip("/")
+    key = os.environ.get("WANDB_API_KEY")
+    if not key:
+        try:
+            key = (netrc.netrc(os.environ.get("NETRC")).authenticators(urlparse(base).hostname or "") or (0, 0, 0))[2]
+        except (OSError, netrc.NetrcParseError):
+            key = None
+    if not key and not os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return "no W&B API key (set WANDB_API_KEY, or run `wandb login`)"
+    headers = {"Content-Type": "application/json"}
+    if key:
+        headers["Authorization"] = "Basic " + base64.b64encode(f"api:{key}".encode()).decode()
+    request = urllib.request.Request(f"{base}/graphql", data=json.dumps({"query": "{ viewer { id } }"}).encode(),
+                                     headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            viewer = json.load(response).get("data", {}).get("viewer")
+    except urllib.error.HTTPError as e:
+        return f"{base} refused the API key (HTTP {e.code})" if e.code in (401, 403) else f"{base} answered HTTP {e.code}"
+    except (OSError, ValueError) as e:  # no network, DNS, refused, timed out, not JSON
+        reason = getattr(e, "reason", e)
+        return f"{base} cannot be reached ({type(reason).__name__}: {str(reason)[:80]})"
+    if key and not viewer:
+        return f"{base} does not accept the API key"
+    return None

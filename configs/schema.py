@@ -118,7 +118,9 @@ class OptimConfig:  # AdamW: weight decay on >= 2-D weights only, linear warmup 
 @dataclass
 class WandbConfig:
     project: str = "flash-gpt"
-    mode: WandbMode = WandbMode.offline
+    # null: WANDB_MODE from the environment, else offline; online falls back to offline (one line)
+    # where W&B has no API key or cannot be reached
+    mode: Optional[WandbMode] = None
     entity: Optional[str] = None
     group: Optional[str] = None  # null: one group per sweep (Hydra multirun dir) or per run
     name: Optional[str] = None

@@ -14,7 +14,7 @@ from enum import Enum
 from omegaconf import MISSING as OMEGACONF_MISSING
 from omegaconf import DictConfig, OmegaConf
 
-from configs.runtime import resolve_device
+from configs.runtime import resolve_device, wandb_mode
 from configs.schema import AttnConfig, DataConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, WandbConfig
 from data.tokenizer import VOCAB_SIZE
 from kernels import MAX_HEAD_DIM
@@ -92,6 +92,10 @@ def validate(cfg: DictConfig, world: int = 1) -> None:
         _fail("sample_prompt", "''", "must not be empty when sample_tokens > 0")
     if not cfg.wandb.project:
         _fail("wandb.project", "''", "must not be empty")
+    try:
+        wandb_mode(cfg.wandb.mode)
+    except ValueError as e:
+        _fail("WANDB_MODE", os.environ["WANDB_MODE"], f"{e} (read from the environment, as wandb.mode is not set)")
     try:
         resolve_device(cfg.device)
     except ValueError as e:

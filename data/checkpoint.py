@@ -1,10 +1,11 @@
 """Checkpoint files: written atomically with a checksum of everything they hold, verified on load.
 
-A checkpoint is one torch.save'd dict (load it with torch.load(path, weights_only=True)) with a
-"sha256" entry: the digest of every other entry, tensors by their bytes, other values by their
-repr, in key order. A crash or kill -9 mid-save leaves the previous file (data/files.py); a
-block zeroed or flipped afterwards (what a power loss or a bad disk leaves) fails the digest or
-the unpickling, and load_checkpoint refuses the file in one line instead of resuming from it.
+A checkpoint is one torch.save'd dict (load it with torch.load(path, weights_only=True)) holding
+KEYS (train.py's state_dict), "format_version" and a "sha256" entry: the digest of every other
+entry, tensors by their bytes, other values by their repr, in key order. A crash or kill -9
+mid-save leaves the previous file (data/files.py); a block zeroed or flipped afterwards (what a
+power loss or a bad disk leaves) fails the digest or the unpickling, and a file of another format
+or with other keys is not one to resume from: load_checkpoint refuses each in one line.
 """
 
 import hashlib
@@ -15,6 +16,10 @@ import torch
 from data.files import atomic_write
 
 CHECKPOINT_NAME = "ckpt.pt"
+FORMAT_VERSION = 1  # bumped when KEYS or what they hold change; files without the field are format 1
+KEYS = ("step", "model", "optimizer", "loader", "best_val_loss", "rng", "config", "world_size", "data_parallel",
+        "wandb_id")
+_BOOKKEEPING = ("format_version", "sha256")
 
 
 class CheckpointError(ValueError):
@@ -65,7 +70,10 @@ def save_checkpoint(path: Path, state: dict) -> None:
     if bad:
         raise CheckpointError(f"refusing to save a checkpoint with non-finite values in {', '.join(bad[:3])}"
                               f"{' ...' if len(bad) > 3 else ''}: the previous checkpoint at {path} is kept")
-    state = {**state, "sha256": _digest(state)}
+    if sorted(state) != sorted(KEYS):
+        raise ValueError(f"a checkpoint holds {KEYS}, not {tuple(state)}")  # a programming error, not the user's
+    state = {**state, "format_version": FORMAT_VERSION}
+    state["sha256"] = _digest(state)
     atomic_write(path, lambda f: torch.save(state, f))
 
 
@@ -88,4 +96,24 @@ def load_checkpoint(path: Path) -> dict:
     if _digest(state) != state["sha256"]:
         raise CheckpointError(f"{damaged} (its contents do not match the checksum written with them); "
                               "nothing can resume from it")
+    version = state.get("format_version", 1)
+    if version != FORMAT_VERSION:
+        raise CheckpointError(f"checkpoint {path} is format {version}; this code reads format {FORMAT_VERSION}: use "
+                              "the version of flash-gpt that wrote it")
+    missing = [k for k in KEYS if k not in state]
+    extra = [str(k) for k in state if k not in KEYS and k not in _BOOKKEEPING]
+    if missing or extra:
+        what = "; ".join(f"{name} {', '.join(keys)}" for name, keys in (("lacks", missing), ("has unknown", extra))
+                         if keys)
+        raise CheckpointError(f"checkpoint {path} {what}: it was not written by this version of train.py")
     return state
+
+
+def load_weights(model: torch.nn.Module, weights: dict, path: Path) -> None:
+    """model.load_state_dict(weights), a mismatch said in one line (the model's code has changed)."""
+    try:
+        model.load_state_dict(weights)
+    except RuntimeError as e:
+        detail = " ".join(str(e).split())
+        raise CheckpointError(f"checkpoint {path} does not fit this model ({detail[:300]}): it was written by "
+                              "another version of the model code") from None

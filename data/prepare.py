@@ -10,13 +10,18 @@ val's share of the tokens ends within one document of val_fraction.
 
 Every file is written to a temp file, fsynced and renamed into place, and meta.json goes last: a
 prepare that is interrupted never leaves a dataset that looks complete, and the next one starts
-over. Preparing a complete dataset again only verifies it.
+over. Preparing a complete dataset again only verifies it. Preparing is exclusive per dataset: a
+lock file beside the dataset's directory (<root>/.<name>.lock, flock, which Linux also takes on
+NFS) makes a second process, on this machine or another node of a shared filesystem, say that it
+waits and then use what the first one finished; only the lock's holder writes or cleans there.
 
     python -m data.prepare shakespeare            # configs/data/shakespeare.yaml
     python -m data.prepare fineweb_edu max_docs=1000
 """
 
 import argparse
+import contextlib
+import fcntl
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -25,6 +30,8 @@ import logging
 import os
 import re
 import shutil
+import socket
+import sys
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
@@ -211,11 +218,32 @@ _OWN_FILES = ("train.bin", "val.bin", "meta.json")
 
 def _check_owned(out: Path) -> None:
     """Refuses a dataset directory holding files prepare did not write: it deletes in there."""
-    ours = re.compile(r"(train\.bin|val\.bin|meta\.json|hf-cache|\.(train\.bin|val\.bin|meta\.json)\..+\.tmp)")
+    ours = re.compile(r"(train\.bin|val\.bin|meta\.json|hf-cache(-\d+)?|\.(train\.bin|val\.bin|meta\.json)\..+\.tmp)")
     foreign = sorted(p.name for p in out.iterdir() if not ours.fullmatch(p.name))
     if foreign:
         raise DatasetError(f"{out} holds files that data/prepare.py did not write ({', '.join(foreign[:3])}"
                            f"{', ...' if len(foreign) > 3 else ''}): choose another data.name or data.root")
+
+
+@contextlib.contextmanager
+def _exclusive(out: Path) -> Iterator[None]:
+    """Holds the lock of dataset dir `out` (<root>/.<name>.lock; it stays, empty of meaning, when
+    released): one process at a time prepares a dataset; the others say they wait."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    path = out.parent / f".{out.name}.lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 256, 0).decode(errors="replace").strip() or "another process"
+            print(f"data: waiting for {holder} to finish preparing {out}", file=sys.stderr, flush=True)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"process {os.getpid()} on {socket.gethostname()}".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def prepare(cfg: DataConfig) -> Path:
@@ -226,23 +254,29 @@ def prepare(cfg: DataConfig) -> Path:
         return out
     if not 0 < cfg.val_fraction < 1:
         raise DatasetError(f"data.val_fraction is {cfg.val_fraction}, expected a value in (0, 1)")
-    created = not out.exists()
-    out.mkdir(parents=True, exist_ok=True)
-    _check_owned(out)
-    # meta.json marks completion, so it goes first; temp files are left by an interrupted run
-    (out / "meta.json").unlink(missing_ok=True)
-    for stale in out.glob(".*.tmp"):
-        stale.unlink()
-    hf_cache = out / "hf-cache"
-    shutil.rmtree(hf_cache, ignore_errors=True)
-    try:
-        _build(cfg, out, hf_cache)
-    except BaseException:
-        if created:  # nothing half-made stays behind
-            shutil.rmtree(out, ignore_errors=True)
-        raise
-    finally:
-        shutil.rmtree(hf_cache, ignore_errors=True)
+    with _exclusive(out):
+        if _is_ready(out, cfg):  # another process prepared it while this one waited
+            log.info("dataset ready: %s", out)
+            return out
+        created = not out.exists()
+        out.mkdir(parents=True, exist_ok=True)
+        _check_owned(out)
+        # meta.json marks completion, so it goes first; what else is here was left by a process that
+        # died preparing (the lock's holder is the only writer)
+        (out / "meta.json").unlink(missing_ok=True)
+        for stale in out.glob(".*.tmp"):
+            stale.unlink()
+        for stale in out.glob("hf-cache*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        hf_cache = out / f"hf-cache-{os.getpid()}"
+        try:
+            _build(cfg, out, hf_cache)
+        except BaseException:
+            if created:  # nothing half-made stays behind
+                shutil.rmtree(out, ignore_errors=True)
+            raise
+        finally:
+            shutil.rmtree(hf_cache, ignore_errors=True)
     return out
 
 

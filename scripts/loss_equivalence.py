@@ -195,11 +195,9 @@ def plot(runs: dict, reference: str, result: dict, title: str, path: Path) -> No
 def log_wandb(cfg: DictConfig, out_dir: Path, runs: dict, result: dict, png: Path) -> None:
     import wandb  # slow to import; only needed here
 
-    run = wandb.init(project=cfg.wandb.project, entity=cfg.wandb.entity, group=cfg.wandb.group or "equivalence",
-                     name=f"equivalence-{cfg.model.name}-T{cfg.seq_len}", tags=list(cfg.wandb.tags),
-                     mode=cfg.wandb.mode, dir=str(out_dir), job_type="equivalence",
-                     config={**train.plain(cfg), **result["environment"],
-                             "mode": result["mode"]})
+    run = train.open_wandb(cfg, out_dir, group=cfg.wandb.group or "equivalence", job_type="equivalence",
+                           name=f"equivalence-{cfg.model.name}-T{cfg.seq_len}",
+                           config={**train.plain(cfg), **result["environment"], "mode": result["mode"]})
     series = {f"loss/{n}": r["loss"] for n, r in runs.items()}
     series |= {f"abs_diff/{n}": d for n, d in result["abs_diff"].items()}
     if result["spread_abs_diff"]:

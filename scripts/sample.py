@@ -15,15 +15,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/ sits be
 from configs.runtime import autocast, resolve_device  # noqa: E402
 from configs.schema import ModelConfig  # noqa: E402
 from data import get_encoding  # noqa: E402
-from data.checkpoint import CheckpointError, checkpoint_path, load_checkpoint  # noqa: E402
+from data.checkpoint import CheckpointError, checkpoint_path, load_checkpoint, load_weights  # noqa: E402
 from model import GPT  # noqa: E402
 
 
 def load_model(ckpt: str, attn: str | None, device: torch.device) -> GPT:
-    state = load_checkpoint(checkpoint_path(hydra.utils.to_absolute_path(ckpt)))
+    path = checkpoint_path(hydra.utils.to_absolute_path(ckpt))
+    state = load_checkpoint(path)
     trained = state["config"]
     model = GPT(OmegaConf.merge(OmegaConf.structured(ModelConfig), trained["model"]), attn or trained["attn"]["name"])
-    model.load_state_dict(state["model"])
+    load_weights(model, state["model"], path)
     return model.to(device).eval()
 
 

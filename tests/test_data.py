@@ -7,6 +7,7 @@ Run: .venv/bin/python -m pytest tests/test_data.py -q   (about 20 s on a laptop 
 """
 
 import dataclasses
+import fcntl
 import io
 import json
 import logging
@@ -14,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -221,6 +223,58 @@ def test_hf_source_on_a_local_dataset(tmp_path):
 
     with pytest.raises(DatasetError, match="has no field 'text' .*set data.text_field"):
         prep.prepare(dataclasses.replace(cfg, name="no_text", text_field="text"))
+
+
+def _prepare_cmd(corpus: Path, root: Path) -> list[str]:
+    return [sys.executable, "-m", "data.prepare", "tinystories", "name=shared", f"hf_path={corpus}",
+            f"root={root}", "val_fraction=0.2"]
+
+
+@pytest.fixture
+def corpus(tmp_path) -> Path:
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    with open(corpus / "train.jsonl", "w") as f:
+        f.writelines(json.dumps({"text": f"Document {i}: " + "words in a row " * (i % 50 + 1)}) + "\n"
+                     for i in range(3000))
+    return corpus
+
+
+@pytest.mark.slow
+def test_two_processes_preparing_one_dataset_take_turns(corpus, tmp_path):
+    # this test holds the dataset's lock, as a first preparer would, while two real processes start:
+    # both say they wait; once it is released one prepares and the other uses what it made
+    root = tmp_path / "root"
+    root.mkdir()
+    fd = os.open(root / ".shared.lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    logs = [tmp_path / f"{i}.log" for i in range(2)]
+    procs = [subprocess.Popen(_prepare_cmd(corpus, root), cwd=REPO, stdout=subprocess.DEVNULL,
+                              stderr=open(log, "w")) for log in logs]
+    deadline = time.monotonic() + 300
+    while not all("data: waiting for" in log.read_text() for log in logs):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), [x.read_text() for x in logs]
+        time.sleep(0.05)
+    os.close(fd)
+    assert [p.wait(timeout=300) for p in procs] == [0, 0], [x.read_text()[-2000:] for x in logs]
+    texts = [log.read_text() for log in logs]
+    assert sum("tokenizing" in t for t in texts) == 1, texts  # prepared once, used twice
+    assert all(f"dataset ready: {root / 'shared'}" in t for t in texts)
+    load_meta(root / "shared")
+    assert sorted(p.name for p in (root / "shared").iterdir()) == ["meta.json", "train.bin", "val.bin"]
+
+
+@pytest.mark.slow
+def test_two_processes_started_together_both_get_the_whole_dataset(corpus, tmp_path):
+    root = tmp_path / "root"
+    procs = [subprocess.Popen(_prepare_cmd(corpus, root), cwd=REPO, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=300)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [o[-2000:] for o in outs]
+    assert sum("tokenizing" in o for o in outs) == 1, outs
+    meta = load_meta(root / "shared")
+    assert meta["splits"]["train"]["docs"] + meta["splits"]["val"]["docs"] == 3000
+    assert sorted(p.name for p in (root / "shared").iterdir()) == ["meta.json", "train.bin", "val.bin"]
 
 
 # ----------------------------------------------------------------------------- loader

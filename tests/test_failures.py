@@ -17,6 +17,7 @@
 
 import os
 import random
+import shlex
 import shutil
 import signal
 import subprocess
@@ -28,9 +29,11 @@ import pytest
 import torch
 
 from configs import preflight
+from data import checkpoint
 from data.checkpoint import CheckpointError, load_checkpoint
 from data.metrics import json_line, read_metrics
-from tests.helpers import REPO, TINY
+from tests.helpers import REPO, TINY, torchrun, wandb_file
+from tests.wandb_records import ending
 
 SEED = int(os.environ.get("FAULT_SEED", "20261122"))
 BASE = TINY + ["wandb.mode=disabled", "log_interval=1", "eval_interval=0", "ckpt_interval=3", "max_steps=24"]
@@ -57,7 +60,9 @@ def run(cmd, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
 
 
 def curve(run_dir: Path) -> list[tuple]:
-    return [(r["step"], r.get("loss"), r.get("grad_norm"), r.get("val_loss")) for r in read_metrics(run_dir / "metrics.jsonl")]
+    """The run's training and validation records (not its events: a stop, a divergence)."""
+    return [(r["step"], r.get("loss"), r.get("grad_norm"), r.get("val_loss"))
+            for r in read_metrics(run_dir / "metrics.jsonl") if "event" not in r]
 
 
 def last_step(run_dir: Path) -> int:
@@ -121,6 +126,94 @@ def test_kills_and_ctrl_c_at_random_points_then_resume_reproduce_the_run(data_ro
     assert not [p.name for p in run_dir.iterdir() if p.name.endswith(".tmp")]
 
 
+def stop_line(log: Path, signame: str) -> str:
+    lines = [line for line in log.read_text().splitlines() if line.startswith(f"stopped by {signame}")]
+    assert len(lines) == 1, log.read_text()[-2000:]
+    return lines[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP], ids=lambda s: s.name)
+def test_a_scheduler_signal_checkpoints_the_step_in_flight_and_resume_goes_on(sig, data_root, uninterrupted,
+                                                                              tmp_path):
+    # what SLURM (--signal), Kubernetes and torchrun send before preempting: the step finishes, a
+    # checkpoint of it is written (the last periodic one is 20 steps away), W&B is closed, one line
+    # says how to resume, and the exit code is the signal's (143 for SIGTERM)
+    run_dir = tmp_path / "a b" / "ü_日本"  # any path the filesystem takes, as typed
+    log = tmp_path / "stopped.log"
+    proc = start(command(data_root, f"hydra.run.dir={run_dir}", "ckpt_interval=20", "wandb.mode=offline"),
+                 tmp_path, log)
+    assert interrupt(proc, lambda: last_step(run_dir) >= 4, sig), log.read_text()[-1500:]
+    assert proc.returncode == 128 + sig, log.read_text()[-2000:]
+    line = stop_line(log, sig.name)
+    step = load_checkpoint(run_dir / "ckpt.pt")["step"]
+    assert step == last_step(run_dir) >= 4 and f"after step {step};" in line
+    assert read_metrics(run_dir / "summary.json")[0]["status"] == "stopped"
+    assert ending(wandb_file(run_dir)) == {"exit_code": 1, "preempting": True}  # W&B closed, as preempted
+    hint = shlex.split(line.split("add ", 1)[1].split(" to the same command")[0])  # as a shell reads it
+    done = run(command(data_root, f"hydra.run.dir={run_dir}", *hint), tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert curve(run_dir) == uninterrupted  # bit-identical, every step once
+
+
+@pytest.mark.slow
+def test_sigterm_during_a_save_finishes_it_then_stops(data_root, tmp_path):
+    run_dir = tmp_path / "run"
+    log = tmp_path / "run.log"
+    proc = start(command(data_root, f"hydra.run.dir={run_dir}"), tmp_path, log)
+    assert interrupt(proc, lambda: saving(run_dir), signal.SIGTERM), log.read_text()[-1500:]
+    assert proc.returncode == 143, log.read_text()[-2000:]
+    step = load_checkpoint(run_dir / "ckpt.pt")["step"]  # the save in flight completed, whole
+    assert step % 3 == 0 and step == last_step(run_dir) and f"after step {step};" in stop_line(log, "SIGTERM")
+    assert not [p.name for p in run_dir.iterdir() if p.name.endswith(".tmp")]
+
+
+@pytest.mark.slow
+def test_a_run_killed_before_its_first_checkpoint_starts_again_in_place(data_root, uninterrupted, tmp_path):
+    run_dir = tmp_path / "run"
+    for i, how in enumerate(["the same command", "resume"]):
+        proc = start(command(data_root, f"hydra.run.dir={run_dir}", "ckpt_interval=20"), tmp_path, tmp_path / "kill.log")
+        assert interrupt(proc, lambda: last_step(run_dir) >= 2, signal.SIGKILL)
+        assert not (run_dir / "ckpt.pt").exists()
+        again = [f"resume={run_dir}"] if how == "resume" else []
+        done = run(command(data_root, f"hydra.run.dir={run_dir}", *again), tmp_path)
+        assert done.returncode == 0, done.stderr[-2000:]
+        said = [line for line in done.stderr.splitlines() if "starting it again from step 0 in place" in line]
+        assert len(said) == 1, (how, done.stderr[-2000:])
+        assert curve(run_dir) == uninterrupted, how  # the killed run's records are gone, the new run's whole
+        if i == 0:  # the second round starts from a fresh dir again
+            shutil.rmtree(run_dir)
+
+
+@pytest.mark.slow
+def test_the_ranks_of_a_distributed_run_stop_after_the_same_step(data_root, tmp_path):
+    # SIGUSR1 to one rank only (as a signal to one task of a job): both ranks agree on the step,
+    # rank 0 checkpoints it, both exit, and the run resumes under torchrun to its end
+    run_dir = tmp_path / "run"
+    args = [str(REPO / "train.py"), *BASE, f"data.root={data_root}", "batch_tokens=256", "max_steps=400",
+            "ckpt_interval=100", f"hydra.run.dir={run_dir}"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args]
+    log = tmp_path / "torchrun.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT, text=True,
+                                env={**ENV, "PYTHONPATH": str(REPO)})
+    deadline = time.monotonic() + 600
+    while last_step(run_dir) < 3 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    workers = [int(p) for p in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
+    ranks = {int(dict(kv.split("=", 1) for kv in Path(f"/proc/{w}/environ").read_bytes().decode().split("\0")
+                      if "=" in kv).get("RANK", -1)): w for w in workers}
+    os.kill(ranks[1], signal.SIGUSR1)
+    proc.wait(timeout=600)
+    assert proc.returncode != 0
+    step = load_checkpoint(run_dir / "ckpt.pt")["step"]
+    assert step == last_step(run_dir) and 3 <= step < 100, log.read_text()[-3000:]
+    assert f"stopped by SIGUSR1 after step {step};" in log.read_text()
+    resume = [a for a in args if not a.startswith("max_steps")] + ["max_steps=" + str(step + 3), f"resume={run_dir}"]
+    torchrun(2, resume, tmp_path)
+    assert [r[0] for r in curve(run_dir) if r[1] is not None] == list(range(1, step + 4))
+
+
 @pytest.mark.parametrize("damage", ["truncated", "zeroed block", "flipped bits"])
 def test_a_damaged_checkpoint_is_refused_in_one_line(damage, data_root, tmp_path):
     run_dir = tmp_path / "run"
@@ -141,6 +234,45 @@ def test_a_damaged_checkpoint_is_refused_in_one_line(damage, data_root, tmp_path
     if damage == "zeroed block":  # and the command line says so in one line
         refused = run(command(data_root, f"resume={run_dir}", "max_steps=6"), tmp_path)
         assert refused.returncode == 2 and "is damaged" in stderr_line(refused)
+
+
+@pytest.fixture(scope="module")
+def good_checkpoint(data_root, tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("good")
+    done = run(command(data_root, f"hydra.run.dir={tmp / 'run'}", "max_steps=3"), tmp)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return tmp / "run" / "ckpt.pt"
+
+
+def _rewritten(change):
+    """A checkpoint edited by change(state), with a valid checksum: a file of another format or version."""
+    def write(path: Path) -> None:
+        state = torch.load(path, weights_only=True)
+        change(state)
+        state.pop("sha256")
+        state["sha256"] = checkpoint._digest(state)
+        torch.save(state, path)
+    return write
+
+
+FOREIGN = {
+    "a tensor": (lambda path: torch.save(torch.zeros(3), path), "holds no checksum"),
+    "an empty file": (lambda path: path.write_bytes(b""), "is damaged"),
+    "a missing key": (_rewritten(lambda state: state.pop("loader")), "lacks loader"),
+    "an extra key": (_rewritten(lambda state: state.update(ema={})), "has unknown ema"),
+    "a newer format": (_rewritten(lambda state: state.update(format_version=2)), "is format 2"),
+    "other weights": (_rewritten(lambda state: state["model"].pop("ln_f.weight")), "does not fit this model"),
+}
+
+
+@pytest.mark.parametrize("kind", FOREIGN)
+def test_a_foreign_checkpoint_is_refused_in_one_line(kind, good_checkpoint, data_root, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(good_checkpoint.parent, run_dir)
+    damage, said = FOREIGN[kind]
+    damage(run_dir / "ckpt.pt")
+    refused = run(command(data_root, f"resume={run_dir}", "max_steps=6"), tmp_path)
+    assert refused.returncode == 2 and said in stderr_line(refused), refused.stderr[-2000:]
 
 
 # ----------------------------------------------------------------------------- runs side by side
@@ -248,6 +380,8 @@ BAD_VALUES = [
     ("model.n_layers=4", "model.n_layers"), ("data=nosuchdata", "nosuchdata"), ("attn=flash", "attn/flash"),
     ("seq_len", "seq_len"), ("model.loss_chunk=0", "model.loss_chunk"), ("model.z_loss=-1", "model.z_loss"),
     ("model.loss=fused", "model.loss"), ("ac=some", "ac"), ("resume=nowhere/run", "resume=nowhere/run"),
+    ("+model.n_layers=12", "model.n_layers"), ("++model.n_layers=12", "did you mean model.n_layer"),
+    ("+nosuchkey=1", "nosuchkey"), ("~model.n_layer", "~model.n_layer"), ("~attn", "~attn"),
 ]
 
 

@@ -5,9 +5,12 @@ real offline runs, read back from their .wandb files; the multirun test launches
     .venv/bin/python -m pytest tests/test_train.py -q
 """
 
+import http.server
 import json
+import socket
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -65,6 +68,57 @@ def test_wandb_offline_run_and_metrics_hold_throughput_and_memory(data_root, tmp
     # memory is a GPU quantity: on the CPU the keys exist in metrics.jsonl as null (W&B skips nulls)
     assert all(r["peak_mem_alloc_gib"] is None for r in rows) and summary["device"] == "cpu"
     assert json.loads((tmp_path / "summary.json").read_text())["mean_tokens_per_s"] > 0
+
+
+@pytest.fixture
+def no_wandb_login(monkeypatch, tmp_path):
+    """No W&B key anywhere W&B looks (a developer's own ~/.netrc may hold one), no WANDB_MODE."""
+    for name in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_MODE", "WANDB_BASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+
+
+class _RefusesEveryKey(http.server.BaseHTTPRequestHandler):
+    def do_POST(self):  # noqa: N802 (http.server's name)
+        self.send_response(401)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.parametrize("server", ["no key", "no server", "key refused"])
+def test_wandb_online_where_it_cannot_log_falls_back_to_offline_in_one_line(server, data_root, tmp_path, monkeypatch,
+                                                                            capsys, no_wandb_login):
+    if server == "no server":  # a key, but nothing listens where W&B would be
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
+        monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{port}")
+    if server == "key refused":  # a real HTTP server on this machine that answers 401
+        httpd = http.server.HTTPServer(("127.0.0.1", 0), _RefusesEveryKey)
+        threading.Thread(target=httpd.serve_forever, daemon=True).start()
+        monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
+        monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{httpd.server_port}")
+    cfg = compose(TINY + [f"data.root={data_root}", "max_steps=2", "wandb.mode=online"])
+    summary = train_module.train(cfg, tmp_path)
+    if server == "key refused":
+        httpd.shutdown()
+    said = [line for line in capsys.readouterr().err.splitlines() if "logging offline instead" in line]
+    reason = {"no key": "no W&B API key", "no server": "cannot be reached", "key refused": "refused the API key"}
+    assert len(said) == 1 and reason[server] in said[0] and "wandb sync" in said[0], said
+    assert summary["status"] == "ok" and history(wandb_file(tmp_path))  # the run went on, logged offline
+
+
+@pytest.mark.parametrize("env, override, offline_files", [("disabled", None, False), ("offline", None, True),
+                                                          ("disabled", "offline", True)])
+def test_wandb_mode_comes_from_the_command_line_then_the_environment(env, override, offline_files, data_root, tmp_path,
+                                                                      monkeypatch, no_wandb_login):
+    monkeypatch.setenv("WANDB_MODE", env)
+    extra = [f"wandb.mode={override}"] if override else []
+    train_module.train(compose(TINY + [f"data.root={data_root}", "max_steps=2", *extra]), tmp_path)
+    assert bool(list(tmp_path.glob("wandb/offline-run-*"))) == offline_files
 
 
 def test_resume_reproduces_the_uninterrupted_run_exactly(data_root, tmp_path, monkeypatch):

@@ -62,3 +62,11 @@ def run_info(path: Path) -> dict:
         if rec.WhichOneof("record_type") == "run":
             return {"id": rec.run.run_id, "group": rec.run.run_group, "name": rec.run.display_name}
     raise AssertionError(f"{path} holds no run record")
+
+
+def ending(path: Path) -> dict:
+    """How the run was closed: its exit code, and whether it was marked preempted first."""
+    found = records(path)
+    exits = [rec.exit.exit_code for rec in found if rec.WhichOneof("record_type") == "exit"]
+    assert exits, f"{path} was not closed (no exit record)"
+    return {"exit_code": exits[-1], "preempting": any(rec.WhichOneof("record_type") == "preempting" for rec in found)}

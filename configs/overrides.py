@@ -1,0 +1,94 @@
+"""Command-line overrides: a value written so that Hydra reads back exactly that string, and which
+overrides may add or delete keys.
+
+Hydra's override grammar takes unquoted values of plain ASCII only: a path with a space, an `ü`, a
+quote or a `${` must be quoted, or the run cannot start or resume (preflight hands Hydra the run
+dir as an override). A command-line value Hydra cannot read as it stands is quoted for it
+(quoted_where_needed), so `hydra.run.dir=/data/ü_日本` works as typed. `+key=` and `++key=` add a key where the schema has none, bypassing the typo
+check of configs/schema.py, and `~key` deletes one the training needs: additions are refused
+unless they name an existing key, a config group or one of Hydra's own, deletions unless Hydra's.
+"""
+
+import difflib
+import re
+import shlex
+
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
+from omegaconf import DictConfig, OmegaConf
+
+from configs.validate import ConfigError
+
+_PARSER = OverridesParser.create()
+
+
+def _reads_back(key: str, text: str, value: str) -> bool:
+    try:
+        return _PARSER.parse_override(f"{key}={text}").value() == value
+    except HydraException:
+        return False
+
+
+def quote(value: str) -> str:
+    """value in Hydra's double-quoted form: a backslash is literal unless it precedes a quote or the
+    end, and `${` starts an interpolation unless escaped."""
+    text = value.replace("${", "\\${")
+    text = re.sub(r'(\\*)"', lambda m: m.group(1) * 2 + '\\"', text)
+    text = re.sub(r"(\\+)$", lambda m: m.group(1) * 2, text)
+    return f'"{text}"'
+
+
+def override(key: str, value: str) -> str:
+    """`key=value` as one command-line argument that Hydra reads back as exactly `value` (a
+    string); plain where that needs no quotes."""
+    plain = "${" not in value and _reads_back(key, value, value)
+    return f"{key}={value if plain else quote(value)}"
+
+
+def quoted_where_needed(argv: list[str]) -> list[str]:
+    """argv with each `key=value` that Hydra cannot parse as it stands, but can once its value is
+    quoted, quoted; everything else as it was (Hydra reports it)."""
+    out = []
+    for arg in argv:
+        key, eq, value = arg.partition("=")
+        if eq and not arg.startswith("-") and re.fullmatch(r"[+~]*[\w.@/-]+", key):
+            try:
+                _PARSER.parse_override(arg)
+            except HydraException:
+                if _reads_back(key, quote(value), value):
+                    arg = f"{key}={quote(value)}"
+        out.append(arg)
+    return out
+
+
+def shell_override(key: str, value: str) -> str:
+    """override(key, value) as a user types it into a POSIX shell."""
+    return shlex.quote(override(key, value))
+
+
+def check_additions(overrides: list[str], composed: DictConfig, groups: set[str]) -> None:
+    """ConfigError for a `+key=`/`++key=` that names no key of `composed` (the config without
+    those overrides), or a `~key` deletion, unless the key is Hydra's or a config group's."""
+    try:
+        parsed = _PARSER.parse_overrides(overrides)
+    except HydraException:
+        return  # Hydra reports it, in one line (configs/preflight.py)
+    for o in parsed:
+        key = o.key_or_group
+        if key == "hydra" or key.startswith(("hydra.", "hydra/")):
+            continue
+        if o.is_delete():
+            raise ConfigError(f"{o.input_line}: deleting a key or a config group is not supported (the training "
+                              "reads every key of configs/schema.py): override its value instead")
+        if key in groups:
+            continue
+        if (o.is_add() or o.is_force_add()) and OmegaConf.select(composed, key, default=_ABSENT) is _ABSENT:
+            parent, _, leaf = key.rpartition(".")
+            node = OmegaConf.select(composed, parent) if parent else composed
+            near = difflib.get_close_matches(leaf, list(node.keys()) if isinstance(node, DictConfig) else [], n=1)
+            hint = f"; did you mean {parent + '.' if parent else ''}{near[0]}?" if near else ""
+            raise ConfigError(f"{o.input_line}: {key} is not a key of the config (configs/schema.py), and "
+                              f"+/++ may not add one{hint}")
+
+
+_ABSENT = object()
