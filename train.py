@@ -353,7 +353,14 @@ def setup(cfg: DictConfig, run_dir: Path) -> Run:
     val_loader = (TokenWindows(dataset_dir, "val", cfg.seq_len, cfg.batch_size, device, cfg.seed, dp_rank, dp)
                   if cfg.eval_steps else None)
 
-    raw_model = GPT(cfg.model, cfg.attn.name, cfg.ac, cfg.data.doc_mask, cp).to(device)
+    try:
+        raw_model = GPT(cfg.model, cfg.attn.name, cfg.ac, cfg.data.doc_mask, cp).to(device)
+    except (torch.OutOfMemoryError, MemoryError, RuntimeError) as e:  # RuntimeError: the CPU allocator's
+        if not isinstance(e, (torch.OutOfMemoryError, MemoryError)) and "alloc" not in str(e):
+            raise
+        m = cfg.model
+        raise ConfigError(f"model.n_layer={m.n_layer} model.d_model={m.d_model}: the model does not fit in "
+                          f"{device.type} memory ({str(e).splitlines()[0][:100]}): choose a smaller one") from None
     info = {"params": raw_model.num_params(), "tokens_per_step": cfg.batch_size * cfg.seq_len * cfg.grad_accum * dp,
             "world_size": world, "cp": cfg.parallel.cp, "dp": str(cfg.parallel.dp),
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -361,8 +368,8 @@ def setup(cfg: DictConfig, run_dir: Path) -> Run:
     if cfg.attn.name == "sdpa":
         dtype = torch.bfloat16 if uses_bf16(cfg.dtype, device) else torch.float32
         try:
-            info["sdpa_backend"] = probe_sdpa_backend(cfg.batch_size, cfg.seq_len, cfg.model.n_head,
-                                                      cfg.model.d_model // cfg.model.n_head, dtype, device,
+            head_dim = cfg.model.d_model // cfg.model.n_head
+            info["sdpa_backend"] = probe_sdpa_backend(cfg.seq_len, cfg.model.n_head, head_dim, dtype, device,
                                                       cfg.attn.sdpa_backend, cfg.data.doc_mask)
         except RuntimeError as e:
             raise ConfigError(f"attn.sdpa_backend={cfg.attn.sdpa_backend}: torch has no such kernel for these "
@@ -494,17 +501,16 @@ class StopSignals:
     SLURM's --signal, torchrun passing SIGTERM on). During setup they stop the run at once
     (Stopped); in the loop the step in flight finishes, and signum() after it names the signal to
     stop for. Under torchrun the ranks agree: each step all-reduces (MAX) the signal this rank got,
-    without waiting for it, and signum() answers with the previous step's result, so every rank
-    stops after the same step and none waits on the step in flight."""
+    and signum() answers with the previous step's result, read from pinned memory once that step's
+    work is done, so every rank stops after the same step and the host still runs a step ahead."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
 
-    def __init__(self, world: int = 1, device: torch.device | None = None):
-        self.world, self.device = world, device
+    def __init__(self):
         self.received = 0
         self.in_loop = False
         self._previous: dict = {}
-        self._pending = None  # the last step's (flag, all-reduce work)
+        self._flag = self._host = self._done = None  # device flag, its host copy, the event after that copy
 
     def __enter__(self) -> "StopSignals":
         if threading.current_thread() is threading.main_thread():  # only there can handlers be set
@@ -515,28 +521,35 @@ class StopSignals:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 
-    def settle(self) -> None:
-        """Waits for the last step's all-reduce: none may be in flight when the process group goes."""
-        if self._pending is not None:
-            self._pending[1].wait()
-            self._pending = None
-
     def _handle(self, signum: int, frame) -> None:
         self.received = self.received or signum
         if not self.in_loop:
             raise Stopped(signum)
 
-    def signum(self) -> int:
+    def signum(self, run: Run) -> int:
         """After a step: the signal to stop for (the same on every rank), or 0 to go on."""
-        if self.world == 1:
+        if run.world == 1:
             return self.received
-        flag = torch.tensor([self.received], device=self.device)
-        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True)
-        previous, self._pending = self._pending, (flag, work)
-        if previous is None:
+        agreed = self.settle()
+        if self._flag is None:
+            self._flag = torch.zeros(1, dtype=torch.int32, device=run.device)
+            self._host = torch.zeros(1, dtype=torch.int32, pin_memory=run.device.type == "cuda")
+        self._flag.fill_(self.received)
+        dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, async_op=True).wait()  # CUDA: the stream waits, not the host
+        self._host.copy_(self._flag, non_blocking=True)
+        if run.device.type == "cuda":
+            self._done = torch.cuda.Event()
+            self._done.record()
+        return agreed
+
+    def settle(self) -> int:
+        """The last all-reduced signal (0 if none yet), once it is on the host; after this no
+        all-reduce of ours is in flight."""
+        if self._host is None:
             return 0
-        previous[1].wait()
-        return int(previous[0].item())
+        if self._done is not None:
+            self._done.synchronize()
+        return int(self._host.item())
 
 
 # -----------------------------------------------------------------------------
@@ -547,14 +560,14 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
     """Runs the whole training described by cfg, writing into run_dir; returns the summary."""
     with StopSignals() as stop:  # SIGTERM during setup raises Stopped
         run = setup(cfg, Path(run_dir))
-        stop.world, stop.device, stop.in_loop = run.world, run.device, True
+        stop.in_loop = True
         bar = tqdm(total=cfg.max_steps, initial=run.step, disable=not run.master, dynamic_ncols=True,
                    desc=str(cfg.attn.name))
         status, message = "ok", None
         try:
             while run.step < cfg.max_steps:
                 step(run, bar)
-                if signum := stop.signum():
+                if signum := stop.signum(run):
                     status, message = "stopped", stop_for(run, signum)
                     run.info["signal"] = signal.Signals(signum).name
                     break

@@ -12,7 +12,9 @@ again in place. Multirun (-m) jobs are validated one by one in train(); the swee
 here the same way.
 """
 
+import contextlib
 import fcntl
+import io
 import json
 import os
 import re
@@ -21,9 +23,10 @@ import sys
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
+from hydra._internal.utils import get_args_parser
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from configs.overrides import check_additions, override, quoted_where_needed
@@ -52,10 +55,14 @@ def claim_run_dir(run_dir: Path, fresh: bool) -> None:
     only records of steps no checkpoint holds: they are removed and the run starts again in place."""
     run_dir = Path(run_dir).resolve()
     if run_dir not in _locks:
-        if not run_dir.exists():
-            run_dir.mkdir(parents=True)
-            _created.add(run_dir)
-        fd = os.open(run_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            if not run_dir.exists():
+                run_dir.mkdir(parents=True)
+                _created.add(run_dir)
+            fd = os.open(run_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:  # a file in the way, no permission, a read-only disk
+            raise ConfigError(f"run dir {run_dir} cannot be made or locked ({e.strerror}: {e.filename}): choose "
+                              "another hydra.run.dir") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -88,9 +95,12 @@ def resume_target(resume: str | Path) -> tuple[Path | None, Path]:
     there. CheckpointError if `resume` names neither."""
     path = Path(resume).expanduser()
     ckpt = checkpoint_path(path)
-    if ckpt.is_file():
-        return ckpt, ckpt.parent
-    is_run_dir = path.is_dir() and any((path / name).exists() for name in (*RUN_FILES, ".hydra", ".lock"))
+    try:
+        if ckpt.is_file():
+            return ckpt, ckpt.parent
+        is_run_dir = path.is_dir() and any((path / name).exists() for name in (*RUN_FILES, ".hydra", ".lock"))
+    except OSError as e:
+        raise CheckpointError(f"resume={resume}: {e.filename} cannot be read ({e.strerror})") from None
     if is_run_dir and not _finished(path):
         return None, path
     if is_run_dir:
@@ -130,7 +140,8 @@ def one_line(e: Exception) -> str:
     if lines and "Available options" in str(e):
         text = f"{lines[0]}; choose one of: {', '.join(options)}"
     else:
-        text = "; ".join(line for line in lines if not line.startswith("See https://"))
+        # Hydra's advice to append with +key= is refused here (configs/overrides.py): left out
+        text = "; ".join(line for line in lines if not line.startswith(("See https://", "To append to your config")))
     if e.__cause__ is not None:
         text += ": " + str(e.__cause__).splitlines()[0]
     return text
@@ -167,35 +178,68 @@ def _check_additions(overrides: list[str]) -> None:
         _exit(str(e))
 
 
+def _parse_args(argv: list[str]):
+    """Hydra's own argument parser on argv, its error in one line (its flags go before the overrides)."""
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            return get_args_parser().parse_args(argv)
+    except SystemExit:
+        message = err.getvalue().strip().splitlines()[-1].split("error: ", 1)[-1]
+        _exit(f"{message} (Hydra's flags -m, --cfg, ... go before the overrides: python train.py -m seq_len=256,512)")
+
+
+def _check_sweep(overrides: list[str]) -> DictConfig:
+    """The first job's config; every value of every sweep list composes (a typo or a value of the
+    wrong type is one line here, not a block from Hydra after the sweep dir exists)."""
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    values = {o.get_key_element(): list(o.sweep_string_iterator()) for o in parsed if o.is_sweep_override()}
+    base = [o.input_line for o in parsed if not o.is_sweep_override()]
+    first = [f"{key}={v[0]}" for key, v in values.items()]
+    try:
+        cfg = _compose(quoted_where_needed(base + first))
+        for key, options in values.items():
+            for value in options[1:]:
+                _compose(quoted_where_needed(base + [f for f in first if not f.startswith(f"{key}=")] +
+                                             [f"{key}={value}"]))
+    except (HydraException, OmegaConfBaseException) as e:
+        _exit(one_line(e))
+    return cfg
+
+
 def preflight(argv: list[str]) -> list[str]:
     """Checks train.py's command line before Hydra runs; returns the overrides to add to it (argv
     must be quoted_where_needed already)."""
-    overrides = [arg for arg in argv if not arg.startswith("-")]
-    _check_additions(overrides)
-    if any(arg in ("-m", "--multirun") for arg in argv):
-        if any(re.match(r"\+*hydra\.sweep\.dir=", arg) for arg in argv):
+    args = _parse_args(argv)
+    _check_additions(args.overrides)
+    if args.multirun:
+        if any(re.match(r"\+*hydra\.sweep\.dir=", arg) for arg in args.overrides):
             return []
-        try:  # the sweep lists (a,b,c) do not compose; the sweep dir does not depend on them
-            cfg = _compose([arg for arg in overrides if "," not in arg])
-        except (HydraException, OmegaConfBaseException):
-            return []  # Hydra reports it
+        cfg = _check_sweep(args.overrides)
         return [override("hydra.sweep.dir", str(_claim_new(Path(cfg.hydra.sweep.dir))))]
-    if len(overrides) < len(argv):  # --cfg, --help, -cn ...: Hydra's own business
+    if len(args.overrides) < len(argv):  # --cfg, --help, -cn ...: Hydra's own business
         return []
     try:
         cfg = _compose(argv)
     except (HydraException, OmegaConfBaseException) as e:
         _exit(one_line(e))
     task = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])
+    explicit = any(re.match(r"\+*hydra\.run\.dir=", arg) for arg in argv)
     try:
         validate(task, int(os.environ.get("WORLD_SIZE", "1")))
         if task.resume:
             ckpt, run_dir = resume_target(task.resume)
+            run_dir = run_dir.resolve()
+            if explicit and Path(cfg.hydra.run.dir).resolve() != run_dir:
+                raise ConfigError(f"hydra.run.dir={cfg.hydra.run.dir} and resume={task.resume}: a resumed run goes "
+                                  f"on in its own dir, {run_dir}: drop hydra.run.dir")
             claim_run_dir(run_dir, fresh=ckpt is None)
             if ckpt is not None:  # the original run's dir, held from here on; Hydra records nothing new there
-                return [override("hydra.run.dir", str(run_dir.resolve())), "hydra.output_subdir=null"]
-            return [override("hydra.run.dir", str(run_dir.resolve()))]
-        explicit = any(re.match(r"\+*hydra\.run\.dir=", arg) for arg in argv)
+                return [override("hydra.run.dir", str(run_dir)), "hydra.output_subdir=null"]
+            return [override("hydra.run.dir", str(run_dir))]
+        if explicit and not str(cfg.hydra.run.dir).strip():
+            raise ConfigError("hydra.run.dir='': name a directory for the run (or leave it out for a new one "
+                              "under outputs/)")
         run_dir = Path(cfg.hydra.run.dir) if explicit else _claim_new(Path(cfg.hydra.run.dir))
         claim_run_dir(run_dir, fresh=True)
     except (ConfigError, CheckpointError) as e:

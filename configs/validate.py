@@ -41,11 +41,21 @@ def _within(cfg: DictConfig, key: str, low: float, high: float, closed_high: boo
         _fail(key, value, f"must be in [{low:g}, {high:g}{']' if closed_high else ')'}")
 
 
+def _int64(cfg: DictConfig, prefix: str = "") -> None:
+    """Integers fit torch's int64 (a seed of 10**20 would fail deep in torch.manual_seed)."""
+    for key, value in cfg.items():
+        if isinstance(value, DictConfig):
+            _int64(value, f"{prefix}{key}.")
+        elif isinstance(value, int) and not isinstance(value, bool) and not -2**63 <= value < 2**63:
+            _fail(f"{prefix}{key}", value, "must be below 2**63")
+
+
 def validate(cfg: DictConfig, world: int = 1) -> None:
     """Raises ConfigError for the first key whose value cannot run; world is the process count."""
     m = cfg.model
+    _int64(cfg)
     _at_least(cfg, "seq_len batch_size grad_accum max_steps log_interval model.n_layer model.n_head "
-                   "model.d_model model.max_seq_len model.loss_chunk batch_tokens data.max_docs parallel.cp", 1)
+                   "model.d_model model.max_seq_len model.loss_chunk batch_tokens parallel.cp", 1)
     _at_least(cfg, "eval_interval eval_steps optim.warmup_steps sample_tokens", 0)
     _at_least(cfg, "ckpt_interval", -1)
     _at_least(cfg, "seed data_seed", 0)
@@ -80,14 +90,7 @@ def validate(cfg: DictConfig, world: int = 1) -> None:
     _within(cfg, "optim.beta2", 0, 1)
     _within(cfg, "optim.weight_decay", 0, math.inf)
     _within(cfg, "optim.grad_clip", 0, math.inf)
-    d = cfg.data
-    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", d.name) or d.name in (".", ".."):
-        _fail("data.name", d.name, "must be a plain directory name (letters, digits, _ . -)")
-    if d.source == "hf" and not d.hf_path:
-        _fail("data.hf_path", d.hf_path, "a Hugging Face dataset name is needed with data.source=hf")
-    _within(cfg, "data.val_fraction", 0, 1)
-    if d.val_fraction == 0:
-        _fail("data.val_fraction", d.val_fraction, "must be above 0: validation needs documents")
+    validate_data(cfg)
     if cfg.sample_tokens and not cfg.sample_prompt:
         _fail("sample_prompt", "''", "must not be empty when sample_tokens > 0")
     if not cfg.wandb.project:
@@ -100,6 +103,19 @@ def validate(cfg: DictConfig, world: int = 1) -> None:
         resolve_device(cfg.device)
     except ValueError as e:
         _fail("device", cfg.device, str(e))
+
+
+def validate_data(cfg: DictConfig) -> None:
+    """The data.* rules; cfg may hold the data group alone (python -m data.prepare)."""
+    _at_least(cfg, "data.max_docs", 1)
+    d = cfg.data
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", d.name) or d.name in (".", ".."):
+        _fail("data.name", d.name, "must be a plain directory name (letters, digits, _ . -)")
+    if d.source == "hf" and not d.hf_path:
+        _fail("data.hf_path", d.hf_path, "a Hugging Face dataset name is needed with data.source=hf")
+    _within(cfg, "data.val_fraction", 0, 1)
+    if d.val_fraction == 0:
+        _fail("data.val_fraction", d.val_fraction, "must be above 0: validation needs documents")
 
 
 def _parallel(cfg: DictConfig, world: int) -> None:
@@ -176,6 +192,10 @@ def check_resume(ckpt: dict, now: dict, dp: int, path) -> str:
     for flat, ranks in ((before, ckpt.get("data_parallel", ckpt["world_size"])), (after, dp)):
         flat["global batch_size"] = flat.pop("batch_size") * ranks
         flat.pop("batch_tokens")
+    unknown = sorted(set(before) - set(after))
+    if unknown:
+        raise ConfigError(f"resume={path}: the checkpoint's config has keys this version does not know "
+                          f"({', '.join(unknown[:3])}): resume it with the version of flash-gpt that wrote it")
     changed = {k: (before.get(k), after[k]) for k in sorted(after) if before.get(k) != after[k]}
     refused = {k: v for k, v in changed.items() if not k.startswith(RESUMABLE)}
     text = lambda d: ", ".join(f"{k} {old} -> {new}" for k, (old, new) in d.items())

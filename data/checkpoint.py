@@ -9,6 +9,7 @@ or with other keys is not one to resume from: load_checkpoint refuses each in on
 """
 
 import hashlib
+import warnings
 from pathlib import Path
 
 import torch
@@ -20,6 +21,8 @@ FORMAT_VERSION = 1  # bumped when KEYS or what they hold change; files without t
 KEYS = ("step", "model", "optimizer", "loader", "best_val_loss", "rng", "config", "world_size", "data_parallel",
         "wandb_id")
 _BOOKKEEPING = ("format_version", "sha256")
+_TYPES = {"step": int, "model": dict, "optimizer": dict, "loader": dict, "rng": dict, "config": dict,
+          "world_size": int, "data_parallel": int}
 
 
 class CheckpointError(ValueError):
@@ -88,14 +91,18 @@ def load_checkpoint(path: Path) -> dict:
     require_checkpoint(path)
     damaged = f"checkpoint {path} is damaged"
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # a foreign pickle's protocol warnings: the one line below says it
+            warnings.simplefilter("ignore")
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except PermissionError as e:
+        raise CheckpointError(f"checkpoint {path} cannot be read ({e.strerror}): check its permissions") from None
     except Exception as e:
-        raise CheckpointError(f"{damaged} (it does not load: {type(e).__name__}); nothing can resume from it") from e
+        raise CheckpointError(f"{damaged} (it does not load: {type(e).__name__}); nothing can be loaded from it") from e
     if not isinstance(state, dict) or "sha256" not in state:
         raise CheckpointError(f"{path} holds no checksum: it is not a checkpoint written by train.py")
     if _digest(state) != state["sha256"]:
         raise CheckpointError(f"{damaged} (its contents do not match the checksum written with them); "
-                              "nothing can resume from it")
+                              "nothing can be loaded from it")
     version = state.get("format_version", 1)
     if version != FORMAT_VERSION:
         raise CheckpointError(f"checkpoint {path} is format {version}; this code reads format {FORMAT_VERSION}: use "
@@ -106,6 +113,14 @@ def load_checkpoint(path: Path) -> dict:
         what = "; ".join(f"{name} {', '.join(keys)}" for name, keys in (("lacks", missing), ("has unknown", extra))
                          if keys)
         raise CheckpointError(f"checkpoint {path} {what}: it was not written by this version of train.py")
+    wrong = [f"{k} is a {type(state[k]).__name__}, not {t.__name__}" for k, t in _TYPES.items()
+             if not isinstance(state[k], t)]
+    if wrong:
+        raise CheckpointError(f"checkpoint {path}: {'; '.join(wrong)}: it was not written by train.py")
+    bad = non_finite(state["model"])
+    if bad:  # save_checkpoint never writes one: this file was made elsewhere
+        raise CheckpointError(f"checkpoint {path} holds non-finite weights ({', '.join(bad[:3])}): resume from "
+                              "another checkpoint")
     return state
 
 

@@ -30,6 +30,9 @@ def load_meta(dataset_dir: str | Path) -> dict:
         meta = json.loads(meta_path.read_text())
         itemsize = np.dtype(meta["dtype"]).itemsize
         expected = {split: meta["splits"][split]["tokens"] * itemsize for split in SPLITS}
+        meta["config"], [meta["splits"][split]["sha256"] for split in SPLITS]  # what prepare checks them by
+    except OSError as e:
+        raise DatasetError(f"{meta_path} cannot be read ({e.strerror})") from None
     except (ValueError, KeyError, TypeError) as e:
         raise DatasetError(f"{meta_path} is unreadable ({e!r}): {corrupt}") from e
     for split, size in expected.items():

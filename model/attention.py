@@ -100,8 +100,9 @@ def sdpa_backend_in_use(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backe
     return next(name for name, b in SDPA_BACKENDS.items() if b == choice)
 
 
-def probe_sdpa_backend(batch: int, seq_len: int, n_head: int, head_dim: int, dtype: torch.dtype,
-                       device: torch.device, backend: str | None = None, masked: bool = False) -> str:
-    """sdpa_backend_in_use for the model's own inputs: strided views of one (B, T, 3, H, D) projection."""
-    qkv = torch.empty(batch, seq_len, 3, n_head, head_dim, device=device, dtype=dtype)
+def probe_sdpa_backend(seq_len: int, n_head: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+                       backend: str | None = None, masked: bool = False) -> str:
+    """sdpa_backend_in_use for the model's own inputs: strided views of one (B, T, 3, H, D) projection,
+    for one sequence (torch's choice does not depend on the batch, which need not fit in memory here)."""
+    qkv = torch.empty(1, seq_len, 3, n_head, head_dim, device=device, dtype=dtype)
     return sdpa_backend_in_use(*qkv.permute(2, 0, 3, 1, 4), backend=backend, masked=masked)

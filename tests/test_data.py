@@ -12,6 +12,7 @@ import io
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -223,6 +224,40 @@ def test_hf_source_on_a_local_dataset(tmp_path):
 
     with pytest.raises(DatasetError, match="has no field 'text' .*set data.text_field"):
         prep.prepare(dataclasses.replace(cfg, name="no_text", text_field="text"))
+
+
+BAD_CORPORA = {
+    "an empty file": ("", "no documents"),
+    "text that is null": ('{"text": null}\n' * 3, "NoneType in its field 'text', not text"),
+    "lines that are not JSON": ("not json\n", "JSON parse error"),
+    "only empty texts": ('{"text": ""}\n' * 20, "all 20 documents are empty"),
+}
+
+
+@pytest.mark.parametrize("kind", BAD_CORPORA)
+def test_a_corpus_that_makes_no_dataset_is_refused_and_leaves_nothing(kind, tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    text, said = BAD_CORPORA[kind]
+    (corpus / "train.jsonl").write_text(text)
+    cfg = DataConfig(name="bad", source="hf", hf_path=str(corpus), val_fraction=0.2, root=str(tmp_path / "root"))
+    with pytest.raises(DatasetError, match=re.escape(said)):
+        prep.prepare(cfg)
+    assert not (tmp_path / "root" / "bad").exists()
+
+
+@pytest.mark.parametrize("args, said", [
+    (["nosuch"], "Could not find 'data/nosuch'; choose one of: "), (["shakespeare", "val_fraction=abc"], "val_fraction=abc"),
+    (["shakespeare", "name=../escape"], "data.name=../escape: must be a plain directory name"),
+    (["tinystories", "hf_path=/no/such/dir"], "data.hf_path=/no/such/dir: no such directory"),
+    (["shakespeare", "max_docs=0"], "data.max_docs=0: must be at least 1"),
+], ids=["unknown", "type", "escape", "missing", "max_docs"])
+def test_the_prepare_command_says_what_is_wrong_in_one_line(args, said, tmp_path):
+    done = subprocess.run([sys.executable, "-m", "data.prepare", *args, f"root={tmp_path / 'root'}"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: ") and said in lines[0], lines
+    assert not list(tmp_path.rglob("*.bin"))
 
 
 def _prepare_cmd(corpus: Path, root: Path) -> list[str]:

@@ -262,6 +262,11 @@ FOREIGN = {
     "an extra key": (_rewritten(lambda state: state.update(ema={})), "has unknown ema"),
     "a newer format": (_rewritten(lambda state: state.update(format_version=2)), "is format 2"),
     "other weights": (_rewritten(lambda state: state["model"].pop("ln_f.weight")), "does not fit this model"),
+    "non-finite weights": (_rewritten(lambda state: state["model"]["ln_f.weight"].fill_(float("nan"))),
+                           "holds non-finite weights"),
+    "a step that is text": (_rewritten(lambda state: state.update(step="3")), "step is a str, not int"),
+    "a config key from elsewhere": (_rewritten(lambda state: state["config"]["model"].update(n_kv_head=1)),
+                                    "keys this version does not know (model.n_kv_head)"),
 }
 
 
@@ -382,6 +387,8 @@ BAD_VALUES = [
     ("model.loss=fused", "model.loss"), ("ac=some", "ac"), ("resume=nowhere/run", "resume=nowhere/run"),
     ("+model.n_layers=12", "model.n_layers"), ("++model.n_layers=12", "did you mean model.n_layer"),
     ("+nosuchkey=1", "nosuchkey"), ("~model.n_layer", "~model.n_layer"), ("~attn", "~attn"),
+    ("~seq_len", "~seq_len"), ("seed=99999999999999999999", "seed"), ("hydra.run.dir=", "hydra.run.dir"),
+    ("--bogus", "--bogus"), ("-m seq_len=64", "flags -m, --cfg, ... go before the overrides"),
 ]
 
 
@@ -394,6 +401,21 @@ def test_a_bad_value_exits_2_with_one_line_naming_the_key_and_creates_nothing(ov
     assert exit_.value.code == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and key in lines[0], lines
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("sweep, key", [("seq_len=32,abc", "seq_len=abc"), ("model.n_layers=1,2", "model.n_layers"),
+                                        ("optim.lr=1e-3,-1", "optim.lr")])
+def test_a_sweep_with_a_value_that_cannot_compose_is_one_line_and_makes_no_sweep_dir(sweep, key, tmp_path,
+                                                                                  monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    if key == "optim.lr":  # composes: a job whose value fails validation is skipped with its reason at run time
+        assert [a.split("=")[0] for a in preflight.preflight(["-m", *TINY, sweep])] == ["hydra.sweep.dir"]
+        return
+    with pytest.raises(SystemExit) as exit_:
+        preflight.preflight(["-m", *TINY, sweep])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and len(lines) == 1 and key in lines[0], lines
     assert list(tmp_path.iterdir()) == []
 
 
