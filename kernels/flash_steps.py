@@ -2,11 +2,12 @@
 
 A step builds one quantity the way the derivation does (in blocks, online, from LSE) and the
 textbook dense way, on small random float64 tensors, and returns the largest absolute difference
-(relative, for the float32 kernels) and a note. A correct step agrees to float64 round-off (~1e-15); a wrong one (a missing rescale,
-a skipped block that some row sees) is off by O(1) or gives NaN, and NaN never passes. The last
-steps run this repository's own code: kernels/flash_ref.py in float64, and the Triton kernels of
-kernels/flash_attn.py in float32 through Triton's CPU interpreter. Each step's core is a few
-lines: change one (the doc ends with exercises) and rerun. Seconds on a CPU:
+(relative, for the float32 kernels) and a note. A correct step agrees to float64 round-off
+(~1e-15); a wrong one (a missing rescale, a skipped block that some row sees) is off by O(1) or
+gives NaN, and NaN never passes. The last steps run this repository's own code:
+kernels/flash_ref.py in float64, and the Triton kernels of kernels/flash_attn.py in float32
+through Triton's CPU interpreter. Each step's core is a few lines: change one (the doc ends with
+exercises) and rerun. Seconds on a CPU:
 
     python -m kernels.flash_steps [--seed N]
 """
@@ -245,14 +246,14 @@ def step_backward(gen):
 
 
 def step_causal(gen):
-    t, s, d, b = 96, 128, 16, 16  # T != S: the diagonal is j = i + 32
-    q, k, v, do = randn(gen, t, d), randn(gen, s, d), randn(gen, s, d), randn(gen, t, d)
+    T_c, S_c, b = 96, 128, 16  # T != S: the diagonal is j = i + 32
+    q, k, v, do = randn(gen, T_c, D), randn(gen, S_c, D), randn(gen, S_c, D), randn(gen, T_c, D)
     tiles = Counter()
     o, lse = fa2_forward(q, k, v, b, b, causal=True, tiles=tiles)
     grads = fa2_backward(q, k, v, o, lse, do, b, b, causal=True, tiles=tiles)
-    ref = dense_with_grads(q, k, v, do, causal_mask(t, s))
-    note = (f"forward visits {tiles['full'] + tiles['masked']} of {(t // b) * (s // b)} tiles, {tiles['masked']} "
-            f"masked; dK/dV pass {tiles['dkdv']}, dQ pass {tiles['dq']}")
+    ref = dense_with_grads(q, k, v, do, causal_mask(T_c, S_c))
+    note = (f"forward visits {tiles['full'] + tiles['masked']} of {(T_c // b) * (S_c // b)} tiles, "
+            f"{tiles['masked']} masked; dK/dV pass {tiles['dkdv']}, dQ pass {tiles['dq']}")
     return max_error(*zip((o, lse, *grads), ref)), note
 
 
@@ -289,9 +290,10 @@ def step_flash_ref(gen):
     return max_error(*zip((o, lse, *grads), ref)), f"B 2, H 4, H_kv 2, T {T}, S {S}, causal"
 
 
-# The kernels compute in float32 (unit round-off 6e-8). Their sums run over at most 64 terms
-# (keys per row, rows per key), whose round-off grows like sqrt(n) eps: ~1e-6 of the largest
-# term; exp, log and the backward's difference dP - delta add a few times that. 1e-4 of each
+# The kernels compute in float32 (unit round-off 6e-8). Their sums run over at most ~100 terms
+# (the keys of a row; the rows of a key across a GQA group), whose round-off grows like
+# sqrt(n) eps: under 1e-6 of the largest term; exp, log and the backward's dP - delta add a few
+# times that. 1e-4 of each
 # output's largest value leaves ~100x of headroom, and every algorithmic error (a wrong mask, a
 # missing rescale, a lost block) is O(1) relative. The interpreter is slow: T and S stay <= 64.
 F32_RELATIVE_BOUND = 1e-4
@@ -312,10 +314,11 @@ def step_triton(gen):
 
 
 def step_triton_documents(gen):
-    t, lengths = 64, (5, 20, 3, 36)  # a document inside one tile; others across tile boundaries
-    q, k, v, do = (randn(gen, 1, 2, t, D, dtype=torch.float32) for _ in range(4))
-    doc_ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[None]  # (1, t)
-    mask = causal_mask(t, t) & (doc_ids[:, None, :, None] == doc_ids[:, None, None, :])  # (1, 1, t, t)
+    lengths = (5, 20, 3, 36)  # a document inside one tile; others across tile boundaries
+    T_d = sum(lengths)
+    q, k, v, do = (randn(gen, 1, 2, T_d, D, dtype=torch.float32) for _ in range(4))
+    doc_ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[None]  # (1, T_d)
+    mask = causal_mask(T_d, T_d) & (doc_ids[:, None, :, None] == doc_ids[:, None, None, :])  # (1, 1, T_d, T_d)
     return _triton_error(q, k, v, do, mask, doc_ids), f"documents of {', '.join(map(str, lengths))} tokens"
 
 
