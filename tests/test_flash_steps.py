@@ -43,6 +43,7 @@ def test_nan_never_passes():
     assert math.isnan(error)
 
 
+@pytest.mark.slow
 def test_script_exits_zero():
     done = subprocess.run([sys.executable, "-m", "kernels.flash_steps"], cwd=REPO, capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=300)
