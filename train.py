@@ -49,6 +49,7 @@ from data.metrics import json_line, read_metrics, steady
 from data.prepare import prepare_on_node
 from model import GPT
 from model.attention import probe_sdpa_backend, sdpa_backend
+from trainer.profiling import Profiler
 from model.context_parallel import ContextParallel
 
 register_configs()
@@ -563,10 +564,13 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
         stop.in_loop = True
         bar = tqdm(total=cfg.max_steps, initial=run.step, disable=not run.master, dynamic_ncols=True,
                    desc=str(cfg.attn.name))
+        profiler = Profiler(run.run_dir / "profile", run.device) if cfg.profile and run.master else None
         status, message = "ok", None
         try:
             while run.step < cfg.max_steps:
                 step(run, bar)
+                if profiler:
+                    profiler.step()
                 if signum := stop.signum(run):
                     status, message = "stopped", stop_for(run, signum)
                     run.info["signal"] = signal.Signals(signum).name
@@ -588,6 +592,8 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
             raise
         finally:
             bar.close()
+            if profiler:
+                profiler.close()
         stop.settle()
         return finish(run, status, message)
 

@@ -165,6 +165,8 @@ class TrainConfig:
     dtype: Dtype = Dtype.auto
     compile: bool = False
     ac: Checkpointing = Checkpointing.none  # activation checkpointing per transformer block
+    # a torch.profiler trace of steps 3-5 (and on CUDA a memory snapshot) in <run dir>/profile/
+    profile: bool = False
     # path to a checkpoint (.pt) or to a run dir holding ckpt.pt; continues that run
     resume: Optional[str] = None
     sample_tokens: int = 120  # tokens generated after training (0 disables)

@@ -91,6 +91,8 @@ def validate(cfg: DictConfig, world: int = 1) -> None:
     _within(cfg, "optim.weight_decay", 0, math.inf)
     _within(cfg, "optim.grad_clip", 0, math.inf)
     validate_data(cfg)
+    if cfg.profile and cfg.max_steps < 5:
+        _fail("max_steps", cfg.max_steps, "must be at least 5 with profile=true (it records steps 3-5)")
     if cfg.sample_tokens and not cfg.sample_prompt:
         _fail("sample_prompt", "''", "must not be empty when sample_tokens > 0")
     if not cfg.wandb.project:
@@ -157,7 +159,7 @@ def batch_size_per_process(cfg: DictConfig, world: int) -> int:
 # max_steps anyway. Everything else (model, data, batch, seeds, precision, AdamW's own constants)
 # would make a different run.
 RESUMABLE = ("max_steps", "log_interval", "eval_interval", "eval_steps", "ckpt_interval", "sample_tokens",
-             "sample_prompt", "wandb.", "compile", "ac", "device", "resume", "attn.", "model.loss", "data.root",
+             "sample_prompt", "wandb.", "compile", "ac", "profile", "device", "resume", "attn.", "model.loss", "data.root",
              "optim.lr", "optim.min_lr_ratio", "optim.warmup_steps", "optim.grad_clip", "parallel.cp")
 
 

@@ -121,6 +121,19 @@ def test_wandb_mode_comes_from_the_command_line_then_the_environment(env, overri
     assert bool(list(tmp_path.glob("wandb/offline-run-*"))) == offline_files
 
 
+def test_profile_writes_a_trace_of_the_training_steps(data_root, tmp_path):
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # on a GPU: the memory snapshot too
+    cfg = compose(TINY + [f"data.root={data_root}", "max_steps=6", "wandb.mode=disabled", "profile=true",
+                          f"device={device}"])
+    train_module.train(cfg, tmp_path)
+    events = json.loads((tmp_path / "profile" / "trace.json").read_text())["traceEvents"]
+    names = {e.get("name", "") for e in events}
+    assert {f"ProfilerStep#{i}" for i in (2, 3, 4)} <= names  # the three recorded steps (counted from 0)
+    assert any(n.startswith("aten::mm") for n in names) and any("backward" in n.lower() for n in names)
+    if device == "cuda":
+        assert (tmp_path / "profile" / "memory_snapshot.pickle").stat().st_size > 0
+
+
 def test_resume_reproduces_the_uninterrupted_run_exactly(data_root, tmp_path, monkeypatch):
     common = TINY + [f"data.root={data_root}", "max_steps=10", "log_interval=1", "eval_interval=5",
                      "ckpt_interval=5", "wandb.mode=offline", "model.dropout=0.1"]
