@@ -33,7 +33,7 @@ PyTorch; kernels/launch.py picks block sizes per shape (kernels/tuning.py lists 
 import functools
 import math
 import os
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -64,7 +64,7 @@ def _stream_src(base, off_b, off_h, stride_b, stride_h, n_rows, stride_t, stride
                 HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr, TMA: tl.constexpr):
     """Where _load_tile reads one head's streamed (BLOCK_ROWS, BLOCK_D) tiles of a (B, H, T, D)
     tensor: a TMA descriptor of its (n_rows, HEAD_DIM) matrix (head dim contiguous; reads past
-    either end return zeros), or pointers at its row 0."""
+    either end return zeros), or the pointers of the tile at row 0."""
     if TMA:
         base += off_b.to(tl.int64) * stride_b + off_h.to(tl.int64) * stride_h
         return tl.make_tensor_descriptor(base, shape=[n_rows, HEAD_DIM], strides=[stride_t, 1],
@@ -75,12 +75,13 @@ def _stream_src(base, off_b, off_h, stride_b, stride_h, n_rows, stride_t, stride
 
 
 @triton.jit
-def _load_tile(src, row, ptr_mask, TMA: tl.constexpr):
-    """The streamed tile at `row`: through its descriptor (TMA) or its pointers and mask."""
+def _load_tile(src, row, stride_t, ptr_mask, TMA: tl.constexpr):
+    """The streamed tile at `row`: through its descriptor (TMA), or row * stride_t past the pointers
+    of row 0 under ptr_mask."""
     if TMA:
         return src.load([row, 0])
     else:
-        return tl.load(src, mask=ptr_mask, other=0.0)
+        return tl.load(src + row * stride_t, mask=ptr_mask, other=0.0)
 
 
 @triton.jit
@@ -124,7 +125,8 @@ def _q_block_range(start_n, T, S, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, B
 def _visible(rows, cols, T, S, doc_rows, doc_ptr, CAUSAL: tl.constexpr, DOC_MASK: tl.constexpr):
     """(len(rows), len(cols)) mask of the scores a query row may attend: real keys; under the
     bottom-right causal mask only keys j <= i + S - T; with documents, only keys of the row's own
-    document (doc_rows: the rows' document ids; doc_ptr: the sequence's ids, read at cols)."""
+    document (doc_rows: the rows' documents; doc_ptr: the sequence's, read at cols; a document is
+    named by the index of its first token)."""
     visible = cols[None, :] < S
     if CAUSAL:
         visible = visible & (cols[None, :] <= rows[:, None] + (S - T))
@@ -134,49 +136,62 @@ def _visible(rows, cols, T, S, doc_rows, doc_ptr, CAUSAL: tl.constexpr, DOC_MASK
 
 
 @triton.jit
-def _doc_kv_range(DOC, DOC_START, start_m, T, full_end, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _doc_kv_range(DOC_START, start_m, T, full_end, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """With documents, query rows [start_m, start_m + BLOCK_M) attend keys from lo (the tile of
     the first row's document start) on; keys from full_lo to full_end are seen by every row, which
     needs the rows in one document (otherwise full_lo = full_end: no tile is mask-free)."""
     last = tl.minimum(start_m + BLOCK_M, T) - 1
     doc_lo = tl.load(DOC_START + start_m)
     lo = doc_lo // BLOCK_N * BLOCK_N
-    one_doc = tl.load(DOC + start_m) == tl.load(DOC + last)
+    one_doc = doc_lo == tl.load(DOC_START + last)
     full_lo = tl.where(one_doc, tl.cdiv(doc_lo, BLOCK_N) * BLOCK_N, full_end)
     return lo, full_lo
 
 
 @triton.jit
-def _doc_q_range(DOC, DOC_END, start_n, S, full_start, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _doc_q_range(DOC_START, DOC_END, start_n, S, full_start, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """With documents, keys [start_n, start_n + BLOCK_N) are attended by query rows before q_hi (the
     end of the last key's document); rows from full_start to full_hi see all of them, which needs
     the keys in one document (otherwise full_hi = full_start)."""
     last = tl.minimum(start_n + BLOCK_N, S) - 1
     q_hi = tl.load(DOC_END + last)
-    one_doc = tl.load(DOC + start_n) == tl.load(DOC + last)
+    one_doc = tl.load(DOC_START + start_n) == tl.load(DOC_START + last)
     full_hi = tl.maximum(tl.where(one_doc, q_hi // BLOCK_M * BLOCK_M, full_start), full_start)
     return full_hi, q_hi
 
 
 @triton.jit
+def _kv_ranges(doc_start, start_m, T, S, CAUSAL: tl.constexpr, DOC_MASK: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr):
+    """(lo, full_lo, full_end, end): the key blocks query rows [start_m, start_m + BLOCK_M) visit, in
+    the three runs the forward and dQ kernels walk: masked [lo, min(full_lo, full_end)) where their
+    documents start (empty without documents), mask-free [full_lo, full_end), masked
+    [max(lo, full_end), end) on the diagonal and past the keys' end."""
+    full_end, end = _kv_block_range(start_m, T, S, CAUSAL, BLOCK_M, BLOCK_N)
+    if DOC_MASK:
+        lo, full_lo = _doc_kv_range(doc_start, start_m, T, full_end, BLOCK_M, BLOCK_N)
+    else:
+        lo = 0
+        full_lo = 0
+    return lo, full_lo, full_end, end
+
+
+@triton.jit
 def _fwd_inner(
     acc, l_i, m_i, q,  # running (BLOCK_M, BLOCK_D) output, row sum, row max (log2 units); Q tile
-    k_src, v_src,  # TMA descriptors of this kv head's K and V, or (BLOCK_N, BLOCK_D) pointers at its key 0
+    k_src, v_src,  # TMA descriptors of this kv head's K and V, or the pointers of its (BLOCK_N, BLOCK_D) tile at key 0
     stride_kn, stride_vn,
     rows, offs_n, d_mask, doc_rows, doc_ptr,
     n_start, n_end, T, S, qk_scale,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOC_MASK: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr, TMA: tl.constexpr,
 ):
-    if not TMA:
-        k_src += n_start * stride_kn
-        v_src += n_start * stride_vn
     for start_n in range(n_start, n_end, BLOCK_N):
         cols = start_n + offs_n
         kv_mask = d_mask[None, :]
         if MASKED:
             kv_mask = kv_mask & (cols[:, None] < S)
-        k = _load_tile(k_src, start_n, kv_mask, TMA)
+        k = _load_tile(k_src, start_n, stride_kn, kv_mask, TMA)
         qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)  # (BLOCK_M, BLOCK_N)
         if MASKED:
             qk = tl.where(_visible(rows, cols, T, S, doc_rows, doc_ptr, CAUSAL, DOC_MASK), qk, float("-inf"))
@@ -187,12 +202,9 @@ def _fwd_inner(
         p = tl.math.exp2(tl.fma(qk, qk_scale, -m_sub[:, None]))  # explicit fma: one op per score
         alpha = tl.math.exp2(m_i - m_sub)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_tile(v_src, start_n, kv_mask, TMA)
+        v = _load_tile(v_src, start_n, stride_vn, kv_mask, TMA)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=INPUT_PRECISION)
         m_i = m_new
-        if not TMA:
-            k_src += BLOCK_N * stride_kn
-            v_src += BLOCK_N * stride_vn
     return acc, l_i, m_i
 
 
@@ -200,7 +212,7 @@ def _fwd_inner(
 def _fwd_kernel(
     # pointers
     Q, K, V, O, LSE,
-    DOC, DOC_START, DOC_END,  # (B, T) int32: each token's document id, and its document's first and end index
+    DOC_START, DOC_END,  # (B, T) int32: the first and one-past-the-last index of each token's document
     # strides: batch, head, sequence, head dim
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
@@ -235,24 +247,20 @@ def _fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    full_end, end = _kv_block_range(start_m, T, S, CAUSAL, BLOCK_M, BLOCK_N)
-    doc_ptr = DOC + off_b.to(tl.int64) * T
+    doc_ptr = DOC_START + off_b.to(tl.int64) * T
     doc_rows = rows
-    full_lo = 0
-    after_full = full_end
-    if DOC_MASK:  # masked tiles where the document starts, mask-free ones, masked ones at the diagonal
+    if DOC_MASK:
         doc_rows = tl.load(doc_ptr + rows, mask=rows < T, other=-1)
-        lo, full_lo = _doc_kv_range(doc_ptr, DOC_START + off_b.to(tl.int64) * T, start_m, T, full_end,
-                                    BLOCK_M, BLOCK_N)
+    lo, full_lo, full_end, end = _kv_ranges(doc_ptr, start_m, T, S, CAUSAL, DOC_MASK, BLOCK_M, BLOCK_N)
+    if DOC_MASK:  # masked tiles where the documents start, mask-free ones, masked ones at the diagonal
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, rows, offs_n, d_mask,
                                    doc_rows, doc_ptr, lo, tl.minimum(full_lo, full_end), T, S, qk_scale,
                                    True, CAUSAL, DOC_MASK, INPUT_PRECISION, BLOCK_N, TMA)
-        after_full = tl.maximum(lo, full_end)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, rows, offs_n, d_mask,
                                doc_rows, doc_ptr, full_lo, full_end, T, S, qk_scale,
                                False, CAUSAL, DOC_MASK, INPUT_PRECISION, BLOCK_N, TMA)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, rows, offs_n, d_mask,
-                               doc_rows, doc_ptr, after_full, end, T, S, qk_scale,
+                               doc_rows, doc_ptr, tl.maximum(lo, full_end), end, T, S, qk_scale,
                                True, CAUSAL, DOC_MASK, INPUT_PRECISION, BLOCK_N, TMA)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # rows that attend no key: O = 0, LSE = -inf
@@ -292,7 +300,7 @@ def _bwd_preprocess_kernel(
 @triton.jit
 def _bwd_dkdv_inner(
     dk, dv, k, v,  # (BLOCK_N, BLOCK_D) fp32 accumulators; resident K and V tiles
-    q_src, do_src,  # descriptors of one query head's Q and dO, or (BLOCK_M, BLOCK_D) pointers at its row 0
+    q_src, do_src,  # descriptors of one query head's Q and dO, or the pointers of its (BLOCK_M, BLOCK_D) tile at row 0
     lse_ptr, delta_ptr,  # LSE and delta of that head's row 0
     stride_qt, stride_dot,
     offs_m, cols, d_mask, doc_cols, doc_ptr,
@@ -300,15 +308,13 @@ def _bwd_dkdv_inner(
     MASKED: tl.constexpr, DOC_MASK: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
     TMA: tl.constexpr,
 ):
-    if not TMA:
-        q_src += m_start * stride_qt
-        do_src += m_start * stride_dot
+    # masked runs exist only under a causal mask (documents need one too), so MASKED applies it
     for start_m in range(m_start, m_end, BLOCK_M):
         rows = start_m + offs_m
         # rows past T load as zeros with LSE = delta = 0: their P is 1, but dO = 0, so they add 0
         q_mask = (rows[:, None] < T) & d_mask[None, :]
-        q = _load_tile(q_src, start_m, q_mask, TMA)
-        do = _load_tile(do_src, start_m, q_mask, TMA)
+        q = _load_tile(q_src, start_m, stride_qt, q_mask, TMA)
+        do = _load_tile(do_src, start_m, stride_dot, q_mask, TMA)
         lse = tl.load(lse_ptr + rows, mask=rows < T, other=0.0) * _LOG2E
         delta = tl.load(delta_ptr + rows, mask=rows < T, other=0.0)
         qk_t = tl.dot(k, tl.trans(q), input_precision=INPUT_PRECISION)  # (BLOCK_N, BLOCK_M)
@@ -322,9 +328,6 @@ def _bwd_dkdv_inner(
         dp_t = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)  # (BLOCK_N, BLOCK_M)
         ds_t = p_t * (dp_t - delta[None, :])
         dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=INPUT_PRECISION)
-        if not TMA:
-            q_src += BLOCK_M * stride_qt
-            do_src += BLOCK_M * stride_dot
     return dk, dv
 
 
@@ -332,7 +335,7 @@ def _bwd_dkdv_inner(
 def _bwd_dkdv_kernel(
     # pointers
     Q, K, V, DO, LSE, DELTA, DK, DV,
-    DOC, DOC_START, DOC_END,  # (B, T) int32, as in the forward
+    DOC_START, DOC_END,  # (B, T) int32, as in the forward
     # strides: batch, head, sequence, head dim
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
@@ -365,7 +368,7 @@ def _bwd_dkdv_kernel(
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
     m_start, full_start = _q_block_range(start_n, T, S, CAUSAL, BLOCK_M, BLOCK_N)
-    doc_ptr = DOC + off_b.to(tl.int64) * T
+    doc_ptr = DOC_START + off_b.to(tl.int64) * T
     doc_cols = cols
     full_hi = T
     q_hi = T
@@ -408,16 +411,13 @@ def _bwd_dq_inner(
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOC_MASK: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr, TMA: tl.constexpr,
 ):
-    if not TMA:
-        k_src += n_start * stride_kn
-        v_src += n_start * stride_vn
     for start_n in range(n_start, n_end, BLOCK_N):
         cols = start_n + offs_n
         kv_mask = d_mask[None, :]
         if MASKED:
             kv_mask = kv_mask & (cols[:, None] < S)
-        k = _load_tile(k_src, start_n, kv_mask, TMA)
-        v = _load_tile(v_src, start_n, kv_mask, TMA)
+        k = _load_tile(k_src, start_n, stride_kn, kv_mask, TMA)
+        v = _load_tile(v_src, start_n, stride_vn, kv_mask, TMA)
         qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)  # (BLOCK_M, BLOCK_N)
         p = tl.math.exp2(tl.fma(qk, qk_scale, -lse[:, None]))
         if MASKED:  # selected after exp2, as in the dK/dV kernel
@@ -425,9 +425,6 @@ def _bwd_dq_inner(
         dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)  # (BLOCK_M, BLOCK_N)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=INPUT_PRECISION)
-        if not TMA:
-            k_src += BLOCK_N * stride_kn
-            v_src += BLOCK_N * stride_vn
     return dq
 
 
@@ -435,7 +432,7 @@ def _bwd_dq_inner(
 def _bwd_dq_kernel(
     # pointers
     Q, K, V, DO, LSE, DELTA, DQ,
-    DOC, DOC_START, DOC_END,  # (B, T) int32, as in the forward
+    DOC_START, DOC_END,  # (B, T) int32, as in the forward
     # strides: batch, head, sequence, head dim
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
@@ -473,30 +470,25 @@ def _bwd_dq_kernel(
                         BLOCK_D, TMA)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    full_end, end = _kv_block_range(start_m, T, S, CAUSAL, BLOCK_M, BLOCK_N)
-    doc_ptr = DOC + off_b.to(tl.int64) * T
+    doc_ptr = DOC_START + off_b.to(tl.int64) * T
     doc_rows = rows
-    full_lo = 0
-    after_full = full_end
-    if DOC_MASK:  # the forward's three ranges
+    if DOC_MASK:
         doc_rows = tl.load(doc_ptr + rows, mask=rows < T, other=-1)
-        lo, full_lo = _doc_kv_range(doc_ptr, DOC_START + off_b.to(tl.int64) * T, start_m, T, full_end,
-                                    BLOCK_M, BLOCK_N)
+    lo, full_lo, full_end, end = _kv_ranges(doc_ptr, start_m, T, S, CAUSAL, DOC_MASK, BLOCK_M, BLOCK_N)
+    if DOC_MASK:  # the forward's three runs
         dq = _bwd_dq_inner(dq, q, do, lse, delta, k_src, v_src, stride_kn, stride_vn, rows, offs_n, d_mask,
                            doc_rows, doc_ptr, lo, tl.minimum(full_lo, full_end), T, S, qk_scale,
                            True, CAUSAL, DOC_MASK, INPUT_PRECISION, BLOCK_N, TMA)
-        after_full = tl.maximum(lo, full_end)
     dq = _bwd_dq_inner(dq, q, do, lse, delta, k_src, v_src, stride_kn, stride_vn, rows, offs_n, d_mask,
                        doc_rows, doc_ptr, full_lo, full_end, T, S, qk_scale,
                        False, CAUSAL, DOC_MASK, INPUT_PRECISION, BLOCK_N, TMA)
     dq = _bwd_dq_inner(dq, q, do, lse, delta, k_src, v_src, stride_kn, stride_vn, rows, offs_n, d_mask,
-                       doc_rows, doc_ptr, after_full, end, T, S, qk_scale,
+                       doc_rows, doc_ptr, tl.maximum(lo, full_end), end, T, S, qk_scale,
                        True, CAUSAL, DOC_MASK, INPUT_PRECISION, BLOCK_N, TMA)
 
     dq *= sm_scale
     tl.store(_tile_ptrs(DQ, off_b, off_h, stride_dqb, stride_dqh, rows, stride_dqt, offs_d, stride_dqd),
              dq.to(DQ.dtype.element_ty), mask=row_mask)
-
 
 
 # --------------------------------------------------------------------------------------------
@@ -590,14 +582,21 @@ def _tma(*streamed: torch.Tensor) -> bool:
                and all(s * x.element_size() % 16 == 0 for s in x.stride()[:3]) for x in streamed)
 
 
-def _softmax_scale(q, softmax_scale):
+def softmax_scale_of(q, softmax_scale=None) -> float:
+    """The scale of the scores: softmax_scale, or 1 / sqrt(head_dim) when it is None."""
     return q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
 
 
-def documents(doc_ids):
-    """(doc, start, end), each (B, T) int32: for every token, an id of its document and the index of
-    the document's first token and one past its last. A document is a run of equal doc_ids; its id
-    here is its start index, so any ids (repeated further on, or colliding in int32) mask as they skip."""
+class Documents(NamedTuple):
+    """Packed documents as the kernels read them, each (B, T) int32: for every token, the index of its
+    document's first token (which also names the document) and one past its last."""
+    start: torch.Tensor
+    end: torch.Tensor
+
+
+def documents(doc_ids: torch.Tensor) -> Documents:
+    """The Documents of doc_ids (B, T): a document is a run of equal ids, so any ids (repeated
+    further on, or colliding in int32) mask as they skip."""
     B, T = doc_ids.shape
     pos = torch.arange(T, dtype=torch.int32, device=doc_ids.device).expand(B, T)
     first = torch.ones_like(doc_ids, dtype=torch.bool)
@@ -606,7 +605,7 @@ def documents(doc_ids):
     last[:, :-1] = first[:, 1:]
     start = torch.cummax(torch.where(first, pos, 0), dim=1).values.contiguous()
     end = torch.cummin(torch.where(last, pos + 1, T).flip(1), dim=1).values.flip(1).contiguous()
-    return start, start, end
+    return Documents(start, end)
 
 
 def _check_docs(q, k, doc_ids, causal):
@@ -621,15 +620,21 @@ def _check_docs(q, k, doc_ids, causal):
         raise ValueError("flash_attention: doc_ids needs self-attention (seq_len of q equal to k's) and integer ids")
 
 
-def flash_attn_forward(q, k, v, causal=True, softmax_scale=None, doc_ids=None):
-    """(o (B, H, T, D) in q's dtype, lse (B, H, T) fp32 in natural log), without autograd."""
+def _checked(q, k, v, causal, doc_ids) -> Documents | None:
+    """The Documents of doc_ids, once q, k, v and doc_ids are known good (ValueError otherwise)."""
     _check_inputs(q, k, v)
-    if doc_ids is not None:
-        _check_docs(q, k, doc_ids, causal)
-    return _forward(q, k, v, causal, _softmax_scale(q, softmax_scale), None if doc_ids is None else documents(doc_ids))
+    if doc_ids is None:
+        return None
+    _check_docs(q, k, doc_ids, causal)
+    return documents(doc_ids)
+
+
+# --------------------------------------------------------------------------------------------
+# one launcher per direction; flash_attn_forward and flash_attn_backward are them with the checks
 
 
 def _forward(q, k, v, causal, scale, docs):
+    """(o, lse) of checked inputs."""
     if _interpreted_bf16(q):
         o, lse = _forward(q.float(), k.float(), v.float(), causal, scale, docs)
         return o.to(torch.bfloat16), lse
@@ -639,26 +644,21 @@ def _forward(q, k, v, causal, scale, docs):
     key, constexprs = _meta(q, k, causal, docs, _tma(k, v))
     with on_device(q):
         _FWD(lambda c: (triton.cdiv(T, c["BLOCK_M"]), H, B),
-             (q, k, v, o, lse, *(docs or (lse,) * 3), *q.stride(), *k.stride(), *v.stride(), *o.stride(),
+             (q, k, v, o, lse, *(docs or (lse, lse)), *q.stride(), *k.stride(), *v.stride(), *o.stride(),
               H, H // H_kv, T, S, scale * _LOG2E.value), key, **constexprs)
     return o, lse
 
 
-def flash_attn_backward(do, q, k, v, o, lse, causal=True, softmax_scale=None, doc_ids=None):
-    """(dq, dk, dv), shaped and typed like q, k, v, from the forward's o and lse; deterministic."""
-    docs = None if doc_ids is None else documents(doc_ids)
-    return _backward_launch(do, q, k, v, o, lse, causal, _softmax_scale(q, softmax_scale), docs)
-
-
-def _backward_launch(do, q, k, v, o, lse, causal, scale, docs):
+def _backward(do, q, k, v, o, lse, causal, scale, docs):
+    """(dq, dk, dv) of checked inputs; deterministic."""
     if _interpreted_bf16(q):
-        grads = _backward_launch(do.float(), q.float(), k.float(), v.float(), o.float(), lse, causal, scale, docs)
+        grads = _backward(do.float(), q.float(), k.float(), v.float(), o.float(), lse, causal, scale, docs)
         return tuple(g.to(torch.bfloat16) for g in grads)
     (B, H, T, D), (H_kv, S) = q.shape, k.shape[1:3]
     key, constexprs = _meta(q, k, causal, docs, _tma(q, k, v, do))
     delta = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
     dq, dk, dv = _empty_bhtd(B, H, T, D, q), _empty_bhtd(B, H_kv, S, D, k), _empty_bhtd(B, H_kv, S, D, v)
-    docs = docs or (delta,) * 3  # unread without documents
+    docs = docs or (delta, delta)  # unread without documents
     strides = (*q.stride(), *k.stride(), *v.stride(), *do.stride())
     sizes = (H, H // H_kv, T, S, scale, scale * _LOG2E.value)
     with on_device(q):
@@ -672,6 +672,24 @@ def _backward_launch(do, q, k, v, o, lse, causal, scale, docs):
     return dq, dk, dv
 
 
+def flash_attn_forward(q, k, v, causal=True, softmax_scale=None, doc_ids=None):
+    """(o (B, H, T, D) in q's dtype, lse (B, H, T) fp32 in natural log), without autograd."""
+    docs = _checked(q, k, v, causal, doc_ids)
+    return _forward(q, k, v, causal, softmax_scale_of(q, softmax_scale), docs)
+
+
+def flash_attn_backward(do, q, k, v, o, lse, causal=True, softmax_scale=None, doc_ids=None):
+    """(dq, dk, dv), shaped and typed like q, k, v, from the forward's o and lse; deterministic."""
+    docs = _checked(q, k, v, causal, doc_ids)
+    for name, t, like in (("do", do, q), ("o", o, q)):
+        if not isinstance(t, torch.Tensor) or t.shape != like.shape or t.dtype != like.dtype:
+            raise ValueError(f"flash_attn_backward: {name} must be shaped and typed like q {tuple(like.shape)} "
+                             f"{like.dtype}, got {getattr(t, 'shape', type(t).__name__)}")
+    if not isinstance(lse, torch.Tensor) or lse.shape != q.shape[:3] or lse.dtype != torch.float32:
+        raise ValueError(f"flash_attn_backward: lse must be the forward's float32 {tuple(q.shape[:3])} tensor")
+    return _backward(do, q, k, v, o, lse, causal, softmax_scale_of(q, softmax_scale), docs)
+
+
 # --------------------------------------------------------------------------------------------
 # torch.library ops, autograd, public entry point
 
@@ -679,18 +697,20 @@ def _backward_launch(do, q, k, v, o, lse, causal, scale, docs):
 # implementations, so a compiled model keeps one graph; their backward is registered with
 # register_autograd (Dynamo cannot trace a hand-written autograd.Function whose q, k and v are
 # one tensor). Eager calls take a plain autograd.Function: the custom-op dispatch costs host time
-# that short sequences cannot hide (docs/perf-notes.md, v3).
+# that short sequences cannot hide (docs/perf-notes.md, v3). Both take the documents' bounds,
+# computed once per call by flash_attention.
 
 
 @torch.library.custom_op("kernels::flash_attn_fwd", mutates_args=())
 def _flash_attn_fwd_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, doc_ids: Optional[torch.Tensor]
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+    doc_start: Optional[torch.Tensor], doc_end: Optional[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _forward(q, k, v, causal, scale, None if doc_ids is None else documents(doc_ids))
+    return _forward(q, k, v, causal, scale, None if doc_start is None else Documents(doc_start, doc_end))
 
 
 @_flash_attn_fwd_op.register_fake
-def _(q, k, v, causal, scale, doc_ids):
+def _(q, k, v, causal, scale, doc_start, doc_end):
     _check_inputs(q, k, v)
     B, H, T, D = q.shape
     return _empty_bhtd(B, H, T, D, q), q.new_empty((B, H, T), dtype=torch.float32)
@@ -699,39 +719,38 @@ def _(q, k, v, causal, scale, doc_ids):
 @torch.library.custom_op("kernels::flash_attn_bwd", mutates_args=())
 def _flash_attn_bwd_op(
     do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
-    causal: bool, scale: float, doc_ids: Optional[torch.Tensor],
+    causal: bool, scale: float, doc_start: Optional[torch.Tensor], doc_end: Optional[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return flash_attn_backward(do, q, k, v, o, lse, causal, scale, doc_ids)
+    return _backward(do, q, k, v, o, lse, causal, scale, None if doc_start is None else Documents(doc_start, doc_end))
 
 
 @_flash_attn_bwd_op.register_fake
-def _(do, q, k, v, o, lse, causal, scale, doc_ids):
+def _(do, q, k, v, o, lse, causal, scale, doc_start, doc_end):
     (B, H, T, D), (H_kv, S) = q.shape, k.shape[1:3]
     return _empty_bhtd(B, H, T, D, q), _empty_bhtd(B, H_kv, S, D, k), _empty_bhtd(B, H_kv, S, D, v)
 
 
-def _save_for_backward(ctx, inputs, output):
-    q, k, v, causal, scale, doc_ids = inputs
+def _op_setup_context(ctx, inputs, output):
+    q, k, v, causal, scale, doc_start, doc_end = inputs
     o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse, doc_ids)
+    ctx.save_for_backward(q, k, v, o, lse, doc_start, doc_end)
     ctx.causal, ctx.scale = causal, scale
 
 
-def _backward(ctx, do, dlse):  # dlse: LSE is an output for the backward only, never differentiated
-    q, k, v, o, lse, doc_ids = ctx.saved_tensors
-    dq, dk, dv = _flash_attn_bwd_op(do, q, k, v, o, lse, ctx.causal, ctx.scale, doc_ids)
-    return dq, dk, dv, None, None, None
+def _op_backward(ctx, do, dlse):  # dlse: LSE is an output for the backward only, never differentiated
+    q, k, v, o, lse, doc_start, doc_end = ctx.saved_tensors
+    dq, dk, dv = _flash_attn_bwd_op(do, q, k, v, o, lse, ctx.causal, ctx.scale, doc_start, doc_end)
+    return dq, dk, dv, None, None, None, None
 
 
-_flash_attn_fwd_op.register_autograd(_backward, setup_context=_save_for_backward)
+_flash_attn_fwd_op.register_autograd(_op_backward, setup_context=_op_setup_context)
 
 
 class FlashAttentionFunction(torch.autograd.Function):
     """Eager autograd wrapper: the launchers without the custom-op dispatch (see above)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, doc_ids):
-        docs = None if doc_ids is None else documents(doc_ids)
+    def forward(ctx, q, k, v, causal, scale, docs):
         o, lse = _forward(q, k, v, causal, scale, docs)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.causal, ctx.scale, ctx.docs = causal, scale, docs
@@ -740,7 +759,7 @@ class FlashAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
-        return *_backward_launch(do, q, k, v, o, lse, ctx.causal, ctx.scale, ctx.docs), None, None, None
+        return *_backward(do, q, k, v, o, lse, ctx.causal, ctx.scale, ctx.docs), None, None, None
 
 
 def autocast_inputs(q, k, v):
@@ -761,12 +780,10 @@ def flash_attention(q, k, v, causal=True, softmax_scale=None, doc_ids=None):
     scaled_dot_product_attention.
     """
     q, k, v = autocast_inputs(q, k, v)
-    _check_inputs(q, k, v)
-    if doc_ids is not None:
-        _check_docs(q, k, doc_ids, causal)
-    scale = _softmax_scale(q, softmax_scale)
+    docs = _checked(q, k, v, causal, doc_ids)
+    scale = softmax_scale_of(q, softmax_scale)
     # the custom op where something watches the dispatcher: torch.compile, and modes such as
     # selective activation checkpointing, which must see the attention as one op to keep it
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
-        return _flash_attn_fwd_op(q, k, v, bool(causal), scale, doc_ids)[0]
-    return FlashAttentionFunction.apply(q, k, v, bool(causal), scale, doc_ids)
+        return _flash_attn_fwd_op(q, k, v, bool(causal), scale, *(docs or (None, None)))[0]
+    return FlashAttentionFunction.apply(q, k, v, bool(causal), scale, docs)

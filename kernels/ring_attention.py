@@ -23,7 +23,7 @@ every other pair is in the future and skipped, not masked.
 import torch
 import torch.distributed as dist
 
-from kernels.flash_attn import _softmax_scale, autocast_inputs, flash_attention, flash_attn_backward, flash_attn_forward
+from kernels.flash_attn import autocast_inputs, flash_attention, flash_attn_backward, flash_attn_forward, softmax_scale_of
 
 
 class _Transfer:
@@ -139,7 +139,7 @@ def _prepare(q, k, v, group, softmax_scale):
     if q.shape[2] % 2 or q.shape[2] != k.shape[2]:
         raise ValueError(f"ring_attention: q {tuple(q.shape)} and k {tuple(k.shape)} must hold the same even number "
                          "of tokens: two zigzag chunks of the sequence")
-    return _softmax_scale(q, softmax_scale), _Ring(group)
+    return softmax_scale_of(q, softmax_scale), _Ring(group)
 
 
 def ring_attn_forward(q, k, v, group: dist.ProcessGroup, softmax_scale=None):
