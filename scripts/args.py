@@ -34,21 +34,21 @@ def fail(message: str) -> NoReturn:
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse's, with every error in one line; an unknown flag is answered with the known ones."""
+    """argparse's, with every error in one line; an unknown argument is answered with the known ones."""
 
     def __init__(self, *args, **kwargs):
-        self.flags: list[str] = []  # before super().__init__, which adds --help
+        self.known: list[str] = []  # before super().__init__, which adds --help
         super().__init__(*args, **kwargs)
 
     def add_argument(self, *names, **kwargs):
         action = super().add_argument(*names, **kwargs)
-        self.flags += action.option_strings
+        self.known += action.option_strings or [action.dest]
         return action
 
     def parse_args(self, args=None, namespace=None):
         parsed, unknown = self.parse_known_args(args, namespace)
         if unknown:
-            self.error(f"unrecognized arguments: {' '.join(unknown)}; {self.prog} takes {', '.join(self.flags)} "
+            self.error(f"unrecognized arguments: {' '.join(unknown)}; {self.prog} takes {', '.join(self.known)} "
                        "(--help says what each does)")
         return parsed
 
