@@ -18,8 +18,8 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra._internal.utils import get_args_parser  # the parser @hydra.main runs: its flags, no copy of them
 from hydra.errors import HydraException
-from omegaconf import DictConfig
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException
 
 from configs.preflight import one_line
 from configs.store import register_configs
@@ -159,9 +159,13 @@ def hydra_config(argv: list[str], config_name: str) -> DictConfig | None:
         return None
     try:
         with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
-            return compose(config_name, overrides=argv)
+            cfg = compose(config_name, overrides=argv)
+        OmegaConf.resolve(cfg)  # an interpolation that cannot resolve (prompt=${x}) fails here, not when read
+    except InterpolationResolutionError as e:  # the config files' all resolve: an override's; resolve() names no key
+        fail(f"{one_line(e)}, in an override's ${{...}}: write a literal ${{ as \\${{")
     except (HydraException, OmegaConfBaseException) as e:
         fail(one_line(e))
+    return cfg
 
 
 def train_config(overrides: list[str], world: int = 1) -> DictConfig:
