@@ -143,9 +143,10 @@ def require_cuda(script: str, gpus: int = 1) -> None:
 
 
 def hydra_config(argv: list[str], config_name: str) -> DictConfig | None:
-    """The config a Hydra script's command line composes to (its schema registered already); one line
-    and exit 2 for an unknown flag or overrides that do not compose. None where a flag (--help, --cfg,
-    -m ...) makes the command line Hydra's own business."""
+    """The config a Hydra script's command line composes to (its schema registered already), without
+    Hydra's own keys; one line and exit 2 for an unknown flag, overrides that do not compose, or a run
+    dir that cannot be made. None where a flag (--help, --cfg, -m ...) makes the command line Hydra's
+    own business."""
     parser = get_args_parser()
     parser.exit_on_error = False  # raise, not print the usage
     try:
@@ -159,13 +160,18 @@ def hydra_config(argv: list[str], config_name: str) -> DictConfig | None:
         return None
     try:
         with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
-            cfg = compose(config_name, overrides=argv)
-        OmegaConf.resolve(cfg)  # an interpolation that cannot resolve (prompt=${x}) fails here, not when read
+            cfg = compose(config_name, overrides=argv, return_hydra_config=True)
+        task = OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"])
+        OmegaConf.resolve(task)  # an interpolation that cannot resolve (prompt=${x}) fails here, not when read
+        run_dir = Path(cfg.hydra.run.dir)
     except InterpolationResolutionError as e:  # the config files' all resolve: an override's; resolve() names no key
         fail(f"{one_line(e)}, in an override's ${{...}}: write a literal ${{ as \\${{")
     except (HydraException, OmegaConfBaseException) as e:
         fail(one_line(e))
-    return cfg
+    problem = unwritable(run_dir)
+    if problem:
+        fail(f"hydra.run.dir={run_dir}: {problem}: choose a directory this user can create or write into")
+    return task
 
 
 def train_config(overrides: list[str], world: int = 1) -> DictConfig:
