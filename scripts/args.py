@@ -29,6 +29,7 @@ CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
 def fail(message: str) -> NoReturn:
+    """How every refused command line ends."""
     print(f"error: {message}", file=sys.stderr)
     sys.exit(2)
 
@@ -111,7 +112,7 @@ def names(choices: Iterable[str]) -> Callable[[str], list[str]]:
 
 def unwritable(path: Path) -> str | None:
     """Why this process cannot write into directory `path` (made if missing), or None: a file in the way, or
-    a nearest existing directory it may not write to."""
+    a nearest existing directory that it may not write to."""
     for existing in (path, *path.parents):  # a relative path's last parent, '.', exists
         if existing.exists():
             break
@@ -142,6 +143,24 @@ def require_cuda(script: str, gpus: int = 1) -> None:
 # Hydra command lines
 
 
+def _task(cfg: DictConfig) -> DictConfig:
+    return OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"])
+
+
+def _compose(config_name: str, overrides: list[str], return_hydra_config: bool = False) -> DictConfig:
+    """The config these overrides compose to, every interpolation outside Hydra's keys resolvable; or one
+    line and exit 2."""
+    try:
+        with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+            cfg = compose(config_name, overrides=overrides, return_hydra_config=return_hydra_config)
+        OmegaConf.to_container(_task(cfg), resolve=True)  # prompt=${x} fails here, not where it is read
+        return cfg
+    except InterpolationResolutionError as e:  # an override's: the config files' all resolve
+        fail(f"{one_line(e)}, in an override's ${{...}}: write a literal ${{ as \\${{")
+    except (HydraException, OmegaConfBaseException) as e:
+        fail(one_line(e))
+
+
 def hydra_config(argv: list[str], config_name: str) -> DictConfig | None:
     """The config a Hydra script's command line composes to (its schema registered already), without
     Hydra's own keys; one line and exit 2 for an unknown flag, overrides that do not compose, or a run
@@ -158,31 +177,18 @@ def hydra_config(argv: list[str], config_name: str) -> DictConfig | None:
              "or one of Hydra's flags (--help lists both)")
     if any(arg.startswith("-") for arg in argv):
         return None
-    try:
-        with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
-            cfg = compose(config_name, overrides=argv, return_hydra_config=True)
-        task = OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"])
-        OmegaConf.resolve(task)  # an interpolation that cannot resolve (prompt=${x}) fails here, not when read
-        run_dir = Path(cfg.hydra.run.dir)
-    except InterpolationResolutionError as e:  # the config files' all resolve: an override's; resolve() names no key
-        fail(f"{one_line(e)}, in an override's ${{...}}: write a literal ${{ as \\${{")
-    except (HydraException, OmegaConfBaseException) as e:
-        fail(one_line(e))
-    problem = unwritable(run_dir)
+    cfg = _compose(config_name, argv, return_hydra_config=True)
+    problem = unwritable(Path(cfg.hydra.run.dir))
     if problem:
-        fail(f"hydra.run.dir={run_dir}: {problem}: choose a directory this user can create or write into")
-    return task
+        fail(f"hydra.run.dir={cfg.hydra.run.dir}: {problem}: choose a directory this user can create or write into")
+    return _task(cfg)
 
 
 def train_config(overrides: list[str], world: int = 1) -> DictConfig:
     """train.py's config for these overrides, checked as train.py checks it in `world` processes (under
     torchrun where world > 1); one line and exit 2 where it does not compose or cannot run."""
     register_configs()
-    try:
-        with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
-            cfg = compose("config", overrides=overrides)
-    except (HydraException, OmegaConfBaseException) as e:
-        fail(one_line(e))
+    cfg = _compose("config", overrides)
     as_torchrun = world > 1 and "RANK" not in os.environ
     if as_torchrun:
         os.environ["RANK"] = "0"  # what torchrun sets, and validate() reads: parallel.dp=fsdp runs there alone
