@@ -2,7 +2,7 @@
 
     python scripts/loss_equivalence.py experiment=equivalence_cpu     # CPU, fp32, triton through the interpreter
     python scripts/loss_equivalence.py experiment=equivalence_gpu     # GPU, bf16: the README's check
-    python scripts/loss_equivalence.py attns=[sdpa,triton] max_steps=100 seq_len=512   # any train.py override works
+    python scripts/loss_equivalence.py attns=[sdpa,triton] max_steps=100 seq_len=512   # any train.py override but resume
 
 Each attention in `attns` trains through train.train() with one config that differs only in
 attn.name: the same seed gives the same initial weights and batch order; log_interval=1 records

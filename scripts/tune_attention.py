@@ -23,6 +23,7 @@ from kernels.flash_attn import LAUNCHERS  # noqa: E402
 from scripts.args import ArgumentParser, names, positive_ints, require_cuda  # noqa: E402
 
 TOKENS, WIDTH = 16384, 1024  # B*T and H*D, as in scripts/bench_attention.py
+
 # (resident rows, streamed rows, num_warps, num_stages); resident is BLOCK_M for the forward and
 # dQ kernels, BLOCK_N for dK/dV
 CANDIDATES = {
