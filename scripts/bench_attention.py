@@ -10,7 +10,6 @@ its inputs and the gradients it returns (the scores for naive, LSE and scratch f
     python scripts/bench_attention.py --quick --impls triton,sdpa_flash --out docs/bench
     python scripts/bench_attention.py --documents synthetic --head-dims 64 --seq-lens 32768
 """
-import argparse
 import csv
 import gc
 import math
@@ -34,6 +33,8 @@ from triton.testing import do_bench
 from kernels import attention_flops, flash_attention
 from kernels.flash_attn import LAUNCHERS
 from model.attention import hidden_keys, naive_attention
+from scripts.args import (ArgumentParser, directory, names, non_negative_int, positive_int, positive_ints,
+                          require_cuda)
 
 SEQ_LENS = [512, 1024, 2048, 4096, 8192, 16384]
 QUICK_SEQ_LENS = [1024, 8192]
@@ -250,42 +251,37 @@ def write_csv(rows, path):
 # Main
 # ---------------------------------------------------------------------------
 
-def int_list(text):
-    return [int(x) for x in text.split(",")]
-
-
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--seq-lens", type=int_list, default=SEQ_LENS, help="comma list of T")
-    p.add_argument("--head-dims", type=int_list, default=HEAD_DIMS, help="comma list of D")
+    p = ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seq-lens", type=positive_ints, default=SEQ_LENS, help="comma list of T")
+    p.add_argument("--head-dims", type=positive_ints, default=HEAD_DIMS, help="comma list of D")
     p.add_argument("--quick", action="store_true", help=f"only T in {QUICK_SEQ_LENS}")
-    p.add_argument("--impls", default=",".join(IMPLS), help=f"comma subset of {','.join(IMPLS)}")
+    p.add_argument("--impls", type=names(IMPLS), default=list(IMPLS), help=f"comma subset of {','.join(IMPLS)}")
     p.add_argument("--layout", choices=["bhtd", "btHd"], default="bhtd",
                    help="bhtd: contiguous q, k, v; btHd: transposed views of one "
                         "(B, T, 3, H, D) tensor, as the model produces them")
     p.add_argument("--documents", choices=["synthetic", "shakespeare"],
                    help="packed documents instead: B = 1, T = --seq-lens (default 8192-65536), the mask "
                         "within documents of 256-4096 tokens (synthetic) or Shakespeare's scenes (data=shakespeare_scenes)")
-    p.add_argument("--tokens", type=int, default=16384, help="B·T, fixed across T")
-    p.add_argument("--width", type=int, default=1024, help="H·D, fixed across D")
-    p.add_argument("--warmup", type=int, default=25, help="do_bench warmup, ms")
-    p.add_argument("--rep", type=int, default=100, help="do_bench timed repetitions, ms")
-    p.add_argument("--out", type=Path, default=Path("bench") / f"{datetime.now():%Y-%m-%d_%H-%M-%S}",
+    p.add_argument("--tokens", type=positive_int, default=16384, help="B·T, fixed across T")
+    p.add_argument("--width", type=positive_int, default=1024, help="H·D, fixed across D")
+    p.add_argument("--warmup", type=non_negative_int, default=25, help="do_bench warmup, ms")
+    p.add_argument("--rep", type=positive_int, default=100, help="do_bench timed repetitions, ms")
+    p.add_argument("--out", type=directory, default=str(Path("bench") / f"{datetime.now():%Y-%m-%d_%H-%M-%S}"),
                    help="where CSV, PNG and Markdown go (default: a new folder under bench/; "
                         "docs/bench holds the README's tables)")
     args = p.parse_args(argv)
-    args.impls = args.impls.split(",")
-    unknown = [n for n in args.impls if n not in IMPLS]
-    if unknown:
-        p.error(f"unknown impl(s) {unknown}: choose from {', '.join(IMPLS)}")
     if args.quick:
         args.seq_lens = QUICK_SEQ_LENS
-    if args.documents:
+    bad_d = [D for D in args.head_dims if args.width % D]
+    if bad_d:
+        p.error(f"argument --head-dims: {bad_d} do not divide --width {args.width} (H·D): choose divisors of it")
+    if args.documents:  # B = 1: T is free
         args.seq_lens = DOC_SEQ_LENS if args.seq_lens == SEQ_LENS else args.seq_lens
         return args
-    bad = [T for T in args.seq_lens if args.tokens % T] + [D for D in args.head_dims if args.width % D]
-    if bad:
-        p.error(f"{bad} do not divide --tokens {args.tokens} (T) or --width {args.width} (D)")
+    bad_t = [T for T in args.seq_lens if args.tokens % T]
+    if bad_t:
+        p.error(f"argument --seq-lens: {bad_t} do not divide --tokens {args.tokens} (B·T): choose divisors of it")
     return args
 
 
@@ -362,8 +358,7 @@ def run_documents(args, env):
 
 def main():
     args = parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("bench_attention needs a CUDA GPU: run it on a machine where torch.cuda.is_available()")
+    require_cuda("bench_attention.py")
     if args.documents:
         args.out.mkdir(parents=True, exist_ok=True)
         return run_documents(args, environment())

@@ -12,7 +12,6 @@ Peak extra memory: beyond x, W and their gradients. Loss error: against the full
     python scripts/bench_loss.py --tokens 16384 --chunks 2048,4096,8192
 """
 
-import argparse
 import gc
 import sys
 from pathlib import Path
@@ -23,6 +22,7 @@ from triton.testing import do_bench
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/ sits beside the packages
 
 from kernels.cross_entropy import full_cross_entropy, linear_cross_entropy  # noqa: E402
+from scripts.args import ArgumentParser, positive_ints, require_cuda  # noqa: E402
 
 D, V = 768, 50304
 
@@ -94,15 +94,14 @@ def bench(name, fn, x, w, y, reference):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tokens", default="8192,16384,65536", help="comma list of N")
-    p.add_argument("--chunks", default="4096", help="comma list of our chunk sizes")
+    p = ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=positive_ints, default=[8192, 16384, 65536], help="comma list of N")
+    p.add_argument("--chunks", type=positive_ints, default=[4096], help="comma list of our chunk sizes")
     args = p.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("bench_loss needs a CUDA GPU")
+    require_cuda("bench_loss.py")
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | d = {D}, vocab = {V}, bf16 matmuls")
-    impls = implementations([int(c) for c in args.chunks.split(",")])
-    for N in (int(n) for n in args.tokens.split(",")):
+    impls = implementations(args.chunks)
+    for N in args.tokens:
         gen = torch.Generator(device="cuda").manual_seed(N)
         x = torch.randn(N, D, device="cuda", generator=gen).requires_grad_()
         w = (0.02 * torch.randn(V, D, device="cuda", generator=gen)).requires_grad_()

@@ -11,7 +11,6 @@ tokens/s(N) / (N x tokens/s(1)). Autotuning is off, as in scripts/long_context.p
     python scripts/context_parallel.py --gpus 4 --seq-lens 1048576 --steps 1 ac=full
 """
 
-import argparse
 import csv
 import json
 import os
@@ -24,17 +23,23 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # scripts/ sits beside the packages
 
 from data.metrics import read_metrics  # noqa: E402
+from scripts.args import (ArgumentParser, directory, positive_int, positive_ints, require_cuda,  # noqa: E402
+                          train_config)
 
 FIELDS = ["gpus", "seq_len", "status", "tokens_per_s", "step_s", "peak_mem_alloc_gib", "efficiency", "wall_s"]
 
 
+def train_overrides(gpus: int, seq_len: int, steps: int, overrides: list[str]) -> list[str]:
+    return (["experiment=long_context", "attn=triton", f"seq_len={seq_len}", f"max_steps={steps}",
+             "wandb.mode=disabled", *overrides] + ([f"parallel.cp={gpus}"] if gpus > 1 else []))
+
+
 def run(gpus: int, seq_len: int, steps: int, out: Path, overrides: list[str]) -> dict:
     run_dir = out / f"gpus{gpus}_T{seq_len}"
-    args = ["experiment=long_context", "attn=triton", f"seq_len={seq_len}", f"max_steps={steps}",
-            "wandb.mode=disabled", f"hydra.run.dir={run_dir}", *overrides]
     launcher = ([sys.executable] if gpus == 1 else
                 [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}"])
-    cmd = [*launcher, str(REPO / "train.py"), *args] + ([f"parallel.cp={gpus}"] if gpus > 1 else [])
+    cmd = [*launcher, str(REPO / "train.py"), f"hydra.run.dir={run_dir}",
+           *train_overrides(gpus, seq_len, steps, overrides)]
     env = {**os.environ, "FLASH_ATTENTION_AUTOTUNE": "0", "PYTHONPATH": str(REPO)}
     start = time.perf_counter()
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -67,17 +72,24 @@ def table(rows: list[dict]) -> str:
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--gpus", default="1,2,4", help="comma list of GPU counts (1: no context parallelism)")
-    p.add_argument("--seq-lens", default="131072", help="comma list of seq_len, one sequence per step")
-    p.add_argument("--steps", type=int, default=4, help="training steps per run; tokens/s leaves out the first")
-    p.add_argument("--out", type=Path, default=Path("bench") / f"context_parallel_{time.strftime('%Y-%m-%d_%H-%M-%S')}")
+    p = ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--gpus", type=positive_ints, default=[1, 2, 4],
+                   help="comma list of GPU counts (1: no context parallelism)")
+    p.add_argument("--seq-lens", type=positive_ints, default=[131072],
+                   help="comma list of seq_len, one sequence per step")
+    p.add_argument("--steps", type=positive_int, default=4,
+                   help="training steps per run; tokens/s leaves out the first")
+    p.add_argument("--out", type=directory, default=f"bench/context_parallel_{time.strftime('%Y-%m-%d_%H-%M-%S')}")
     p.add_argument("overrides", nargs="*", help="more train.py overrides, e.g. ac=full")
     args = p.parse_args()
+    for seq_len in args.seq_lens:  # as train.py will check each run, in its number of processes
+        for gpus in args.gpus:
+            train_config(train_overrides(gpus, seq_len, args.steps, args.overrides), world=gpus)
+    require_cuda(f"context_parallel.py --gpus {','.join(map(str, args.gpus))}", max(args.gpus))
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
-    for seq_len in map(int, args.seq_lens.split(",")):
-        for gpus in map(int, args.gpus.split(",")):
+    for seq_len in args.seq_lens:
+        for gpus in args.gpus:
             rows.append(run(gpus, seq_len, args.steps, args.out, args.overrides))
             print(table(rows[-1:]).splitlines()[-1], flush=True)
     for row in rows:  # against one GPU on the same sequence, wherever it came in --gpus

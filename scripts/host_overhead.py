@@ -16,6 +16,7 @@ Needs a CUDA GPU:
     python scripts/host_overhead.py
 """
 
+import argparse
 import cProfile
 import io
 import pstats
@@ -29,6 +30,7 @@ from triton.testing import do_bench
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/ sits beside kernels/
 
 from kernels import flash_attention, flash_attn_backward, flash_attn_forward  # noqa: E402
+from scripts.args import ArgumentParser, require_cuda  # noqa: E402
 
 
 class _Empty(torch.autograd.Function):
@@ -54,8 +56,9 @@ def host_ms(fn, calls: int = 50) -> float:
 
 
 def main() -> None:
-    if not torch.cuda.is_available():
-        sys.exit("host_overhead needs a CUDA GPU")
+    # no options, but --help says what this does and a flag is refused
+    ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+    require_cuda("host_overhead.py")
     for D, T in ((64, 1024), (64, 8192)):
         B, H = 16384 // T, 1024 // D
         q, k, v, do = (torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))

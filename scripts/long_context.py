@@ -27,22 +27,31 @@ import matplotlib  # noqa: E402
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
-from hydra import compose, initialize_config_dir  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/ sits beside the packages
 
 import train  # noqa: E402
+from configs.schema import AttnName, Checkpointing  # noqa: E402
+from scripts.args import ArgumentParser, directory, fail, names, positive_int, require_cuda, train_config  # noqa: E402
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 FIELDS = ["attn", "ac", "seq_len", "status", "steps", "tokens_per_s", "step_s", "peak_mem_alloc_gib"]
+TEXT_FIELDS = ("attn", "ac", "status")
 
 
-def rung(attn: str, ac: str, seq_len: int, out: Path, extra: list[str]) -> dict:
+def ladder(low: int, high: int) -> list[int]:
+    """seq_len doubling from low, up to high."""
+    return [low * 2**i for i in range((high // low).bit_length())]
+
+
+def rung_config(attn: str, ac: str, seq_len: int, extra: list[str]) -> DictConfig:
     steps = 3 if seq_len < 524288 else 1
-    overrides = ["experiment=long_context", f"attn={attn}", f"ac={ac}", f"seq_len={seq_len}", f"max_steps={steps}",
-                 "wandb.mode=disabled", *extra]
-    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=overrides)
+    return train_config(["experiment=long_context", f"attn={attn}", f"ac={ac}", f"seq_len={seq_len}",
+                         f"max_steps={steps}", "wandb.mode=disabled", *extra])
+
+
+def rung(cfg: DictConfig, out: Path) -> dict:
+    attn, ac, seq_len = str(cfg.attn.name), str(cfg.ac), cfg.seq_len
     start = time.perf_counter()
     try:
         summary = train.train(cfg, out / f"{attn}_{ac}_T{seq_len}")
@@ -94,34 +103,78 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--attns", default="naive,sdpa,triton")
-    p.add_argument("--acs", default="none,selective,full")
-    p.add_argument("--min", type=int, default=8192)
-    p.add_argument("--max", type=int, default=1048576)
-    p.add_argument("--out", type=Path, default=Path("bench") / f"long_context_{time.strftime('%Y-%m-%d_%H-%M-%S')}",
+def read_rows(path: Path) -> list[dict]:
+    """The rows of a long_context.csv this script wrote (numbers as floats); one line and exit 2 for
+    anything else."""
+    def bad(where: str, problem: str):
+        fail(f"--from-csv {path}{where}: {problem}: pass a long_context.csv written by this script "
+             f"(columns {','.join(FIELDS)})")
+
+    def number(line: int, key: str, value: str | None) -> float | None:
+        try:
+            return float(value) if value else None
+        except ValueError:
+            bad(f", line {line}", f"{key}={value!r} is not a number")
+
+    try:
+        with open(path, newline="") as f:
+            reader = csv.DictReader(f)
+            header, records = reader.fieldnames or [], list(reader)
+    except OSError as e:
+        bad("", e.strerror)
+    except (UnicodeDecodeError, csv.Error) as e:
+        bad("", f"not CSV text ({e})")
+    missing = [k for k in FIELDS if k not in header]
+    if missing or not records:
+        bad("", "it is empty" if not header else f"no column {', '.join(missing)}" if missing else "no rows")
+    rows = []
+    for line, r in enumerate(records, start=2):
+        row = {k: r[k] if k in TEXT_FIELDS else number(line, k, r[k]) for k in FIELDS}
+        needed = ["seq_len"] + (["tokens_per_s", "step_s", "peak_mem_alloc_gib"] if row["status"] == "ok" else [])
+        empty = [k for k in needed if row[k] is None]
+        if empty:
+            bad(f", line {line}", f"{empty[0]} is empty, and status {row['status']!r} needs it")
+        rows.append(row)
+    return rows
+
+
+def parse_args() -> argparse.Namespace:
+    p = ArgumentParser(description=__doc__.splitlines()[0])
+    attns, acs = [a.value for a in AttnName], [c.value for c in Checkpointing]
+    p.add_argument("--attns", type=names(attns), default=attns, help=f"comma subset of {','.join(attns)}")
+    p.add_argument("--acs", type=names(acs), default=acs,
+                   help=f"comma subset of {','.join(acs)} (activation checkpointing)")
+    p.add_argument("--min", type=positive_int, default=8192, help="the first seq_len of each ladder")
+    p.add_argument("--max", type=positive_int, default=1048576, help="no seq_len beyond this")
+    p.add_argument("--out", type=directory, default=f"bench/long_context_{time.strftime('%Y-%m-%d_%H-%M-%S')}",
                    help="a new folder: each rung trains into a run dir of its own there")
     p.add_argument("--from-csv", type=Path, help="no training: table and plot of the rows in this CSV")
     p.add_argument("--title", default="", help="with --from-csv: where the rows were measured")
     p.add_argument("overrides", nargs="*", help="more train.py overrides, e.g. model.loss_chunk=2048")
     args = p.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-    attns, acs = args.attns.split(","), args.acs.split(",")
+    if args.min > args.max:
+        p.error(f"argument --min: {args.min} exceeds --max {args.max}: the ladder would be empty")
+    return args
+
+
+def main():
+    args = parse_args()
     if args.from_csv:
-        with open(args.from_csv) as f:
-            rows = [{k: (v if k in ("attn", "ac", "status") else float(v) if v else None) for k, v in r.items()}
-                    for r in csv.DictReader(f)]
-        write(rows, attns, acs, args.out, args.title)
+        rows = read_rows(args.from_csv)
+        args.out.mkdir(parents=True, exist_ok=True)
+        write(rows, args.attns, args.acs, args.out, args.title)
         return
-    if not torch.cuda.is_available():
-        sys.exit("long_context needs a CUDA GPU")
+    seq_lens = ladder(args.min, args.max)
+    # every rung's config checked before the first one trains, and before the GPU check
+    configs = {(attn, ac, seq_len): rung_config(attn, ac, seq_len, args.overrides)
+               for attn in args.attns for ac in args.acs for seq_len in seq_lens}
+    require_cuda("long_context.py")
+    args.out.mkdir(parents=True, exist_ok=True)
     rows = []
-    for attn in attns:
-        for ac in acs:
-            seq_len = args.min
-            while seq_len <= args.max:
-                row = rung(attn, ac, seq_len, args.out, args.overrides)
+    for attn in args.attns:
+        for ac in args.acs:
+            for seq_len in seq_lens:
+                row = rung(configs[attn, ac, seq_len], args.out)
                 free()
                 rows.append(row)
                 print(f"{attn:7s} ac={ac:9s} T={seq_len:>8,}: {row['status']}"
@@ -129,12 +182,11 @@ def main():
                          if row["status"] == "ok" else ""), flush=True)
                 if row["status"] != "ok":
                     break
-                seq_len *= 2
     with open(args.out / "long_context.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=FIELDS, extrasaction="ignore", restval="")
         writer.writeheader()
         writer.writerows(rows)
-    write(rows, attns, acs, args.out, f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    write(rows, args.attns, args.acs, args.out, f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
 
 
 def write(rows: list[dict], attns: list[str], acs: list[str], out: Path, title: str) -> None:

@@ -2,7 +2,7 @@
 
     python scripts/loss_equivalence.py experiment=equivalence_cpu     # CPU, fp32, triton through the interpreter
     python scripts/loss_equivalence.py experiment=equivalence_gpu     # GPU, bf16: the README's check
-    python scripts/loss_equivalence.py attns=[sdpa,triton] max_steps=100 seq_len=512   # any train.py override works
+    python scripts/loss_equivalence.py attns=[sdpa,triton] max_steps=100 seq_len=512   # any train.py override but resume
 
 Each attention in `attns` trains through train.train() with one config that differs only in
 attn.name: the same seed gives the same initial weights and batch order; log_interval=1 records
@@ -45,14 +45,17 @@ import matplotlib.pyplot as plt  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/ sits beside the packages
 
 import train  # noqa: E402
+from configs.overrides import quoted_where_needed  # noqa: E402
 from configs.runtime import resolve_device, uses_bf16  # noqa: E402
 from configs.schema import TrainConfig  # noqa: E402
 from configs.store import register_configs  # noqa: E402
-from configs.validate import ConfigError  # noqa: E402
+from configs.validate import ConfigError, validate  # noqa: E402
 from data import DatasetError  # noqa: E402
 from data.checkpoint import CheckpointError  # noqa: E402
 from data.metrics import read_metrics  # noqa: E402
+from data.prepare import dataset_dir  # noqa: E402
 from model.attention import ATTENTIONS  # noqa: E402
+from scripts.args import fail, hydra_config, unwritable  # noqa: E402
 
 NAN = float("nan")
 STRICT_TOL = 1e-4  # fp32: |Δloss| at every step, and |Δ final val loss|
@@ -67,6 +70,25 @@ VAL_REL_TOL = 0.01  # bf16: final val losses within 1% of the reference's
 class EquivalenceConfig(TrainConfig):
     attns: list[str] = field(default_factory=lambda: ["sdpa", "naive", "triton"])  # the first is the reference
     print_every: int = 10  # steps between rows of the printed table
+
+
+def check_config(cfg: DictConfig) -> None:
+    """ConfigError for a config the check cannot run: train.py's rules, then the check's own keys."""
+    validate(cfg)
+    attns = list(cfg.attns)
+    if len(attns) < 2 or len(set(attns)) < len(attns) or not set(attns) <= ATTENTIONS.keys():
+        raise ConfigError(f"attns={attns}: list two or more distinct attentions of {sorted(ATTENTIONS)}, "
+                          "the reference first")
+    if cfg.print_every < 1:
+        raise ConfigError(f"print_every={cfg.print_every}: must be at least 1 (steps between printed rows)")
+    if cfg.resume:  # train() would continue that one run in its own dir, for every attention
+        raise ConfigError(f"resume={cfg.resume}: the check trains every attention from step 0 and cannot continue a "
+                          "run: drop resume")
+    data = dataset_dir(cfg.data)
+    problem = None if data.is_dir() else unwritable(data)
+    if problem:
+        raise ConfigError(f"data.root={cfg.data.root}: the dataset dir {data}: {problem}: point data.root at a "
+                          "directory")
 
 
 def precision_mode(cfg: DictConfig) -> str:
@@ -219,10 +241,8 @@ def log_wandb(cfg: DictConfig, out_dir: Path, runs: dict, result: dict, png: Pat
 
 def check(cfg: DictConfig, out_dir: Path) -> dict:
     """Trains every attention in cfg.attns (and, in spread mode, the reference's data-order twin), compares, reports."""
+    check_config(cfg)
     attns = list(cfg.attns)
-    if len(attns) < 2 or len(set(attns)) < len(attns) or not set(attns) <= ATTENTIONS.keys():
-        raise ConfigError(f"attns={attns}: list two or more distinct attentions of {sorted(ATTENTIONS)}, "
-                                "the reference first")
     mode, reference, device = precision_mode(cfg), attns[0], resolve_device(cfg.device)
     environment = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                    "torch": torch.__version__, "triton": triton.__version__}
@@ -254,8 +274,7 @@ def main(cfg: DictConfig) -> None:
     try:
         result = check(cfg, Path(HydraConfig.get().runtime.output_dir))
     except (ConfigError, DatasetError, CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        fail(str(e))
     if result["verdict"] != "AGREE":
         sys.exit(1)
 
@@ -265,4 +284,11 @@ if __name__ == "__main__":
     # configs/equivalence.yaml compose train.py's whole config, typed, plus the keys above. Here, not
     # at import: importing this module changes no global state
     register_configs(EquivalenceConfig)
+    sys.argv[1:] = quoted_where_needed(sys.argv[1:])  # any path as typed: hydra.run.dir=/data/ü_日本
+    cfg = hydra_config(sys.argv[1:], "equivalence")
+    if cfg is not None:  # checked before Hydra makes the run dir, so that a bad config leaves nothing
+        try:
+            check_config(cfg)
+        except ConfigError as e:
+            fail(str(e))
     main()

@@ -1,29 +1,74 @@
 """Generates text from a training checkpoint.
 
     python scripts/sample.py ckpt=outputs/2026-11-22/07-00-00_sdpa_T128 prompt="JULIET:" max_new_tokens=300
+
+configs/sample.yaml holds the keys and their defaults, SampleConfig their types. A bad key or value
+is one line on stderr and exit code 2; sampling writes nothing.
 """
 
+import math
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import hydra
 import torch
-from omegaconf import DictConfig, OmegaConf
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/ sits beside the packages
 
+from configs.overrides import quoted_where_needed  # noqa: E402
 from configs.runtime import autocast, resolve_device  # noqa: E402
-from configs.schema import ModelConfig  # noqa: E402
+from configs.schema import AttnName, ModelConfig  # noqa: E402
+from configs.validate import ConfigError  # noqa: E402
 from data import get_encoding  # noqa: E402
 from data.checkpoint import CheckpointError, checkpoint_path, load_checkpoint, load_weights  # noqa: E402
 from model import GPT  # noqa: E402
+from scripts.args import fail, hydra_config  # noqa: E402
 
 
-def load_model(ckpt: str, attn: str | None, device: torch.device) -> GPT:
+@dataclass
+class SampleConfig:  # the types of sample.yaml's keys; their values are there
+    ckpt: str = MISSING
+    prompt: str = MISSING
+    max_new_tokens: int = MISSING
+    temperature: float = MISSING
+    top_k: Optional[int] = MISSING
+    num_samples: int = MISSING
+    seed: int = MISSING
+    device: str = MISSING
+    attention: Optional[AttnName] = MISSING
+
+
+def check(cfg: DictConfig) -> torch.device:
+    """The device to sample on; ConfigError naming the first key whose value cannot run."""
+    if OmegaConf.is_missing(cfg, "ckpt"):
+        raise ConfigError("ckpt is not set: pass ckpt=<a run dir holding ckpt.pt, or a .pt file>")
+    if not cfg.prompt:
+        raise ConfigError("prompt='': must not be empty: the model continues it")
+    if not (math.isfinite(cfg.temperature) and cfg.temperature > 0):
+        raise ConfigError(f"temperature={cfg.temperature}: must be a positive number")
+    if cfg.top_k is not None and cfg.top_k < 1:
+        raise ConfigError(f"top_k={cfg.top_k}: must be at least 1, or null for the whole vocabulary")
+    for key, low in (("max_new_tokens", 0), ("num_samples", 1)):
+        if cfg[key] < low:
+            raise ConfigError(f"{key}={cfg[key]}: must be at least {low}")
+    if not 0 <= cfg.seed < 2**64:
+        raise ConfigError(f"seed={cfg.seed}: must be in [0, 2^64)")
+    try:
+        return resolve_device(cfg.device)
+    except ValueError as e:
+        raise ConfigError(f"device={cfg.device}: {e}") from None
+
+
+def load_model(ckpt: str, attention: str | None, device: torch.device) -> GPT:
     path = checkpoint_path(hydra.utils.to_absolute_path(ckpt))
     state = load_checkpoint(path)
     trained = state["config"]
-    model = GPT(OmegaConf.merge(OmegaConf.structured(ModelConfig), trained["model"]), attn or trained["attn"]["name"])
+    model = GPT(OmegaConf.merge(OmegaConf.structured(ModelConfig), trained["model"]),
+                attention or trained["attn"]["name"])
     load_weights(model, state["model"], path)
     return model.to(device).eval()
 
@@ -31,10 +76,12 @@ def load_model(ckpt: str, attn: str | None, device: torch.device) -> GPT:
 @hydra.main(version_base="1.3", config_path="../configs", config_name="sample")
 def main(cfg: DictConfig) -> None:
     try:
-        device = resolve_device(cfg.device)
-        model = load_model(cfg.ckpt, cfg.attn, device)
-    except (ValueError, CheckpointError) as e:
-        sys.exit(f"error: {e}")
+        device = check(cfg)
+        model = load_model(cfg.ckpt, cfg.attention, device)
+    except ConfigError as e:
+        fail(str(e))
+    except CheckpointError as e:
+        fail(f"ckpt={cfg.ckpt}: {e}")
     enc = get_encoding()
     idx = torch.tensor([enc.encode_ordinary(cfg.prompt)] * cfg.num_samples, device=device)
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
@@ -45,4 +92,8 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    # here, not at import: importing this module changes no global state
+    ConfigStore.instance().store(name="sample_schema", node=SampleConfig)
+    sys.argv[1:] = quoted_where_needed(sys.argv[1:])  # a prompt or path as typed: prompt='Où, "Roméo"'"
+    hydra_config(sys.argv[1:], "sample")  # a bad override in one line, not Hydra's block
     main()

@@ -21,7 +21,6 @@ or gradient), skipped (its config cannot run: the reason is listed under the tab
 (crashed, was killed or is still running: no summary.json and no OOM record).
 """
 
-import argparse
 import csv
 import json
 import sys
@@ -31,15 +30,25 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only: no display needed
 import matplotlib.pyplot as plt  # noqa: E402
+import yaml  # noqa: E402
 from matplotlib import ticker  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
+from omegaconf.errors import OmegaConfBaseException  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/ sits beside the packages
 
 from data.metrics import read_metrics, steady  # noqa: E402
+from scripts.args import ArgumentParser, directory, fail, unwritable  # noqa: E402
 
 COLUMNS = ["attn", "seq_len", "status", "steps", "tokens_per_s", "mfu",
            "peak_mem_alloc_gib", "peak_mem_reserved_gib", "final_loss", "final_val_loss", "device", "message"]
+# what train.py writes: a number (or null, for a non-finite one) under these keys of a metrics record
+NUMBERS = ("loss", "val_loss", "tokens_per_s", "mfu", "peak_mem_alloc_gib", "peak_mem_reserved_gib")
+STATUSES = ("ok", "oom", "diverged", "failed", "skipped", "stopped")
+
+
+class SweepError(ValueError):
+    """A sweep dir, or a job file in it, that is not what train.py writes; the message names the file."""
 
 
 def mean(values: list) -> float | None:
@@ -47,11 +56,80 @@ def mean(values: list) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _one_line(e: Exception) -> str:
+    return " ".join(str(e).split())
+
+
+def job_config(path: Path) -> tuple[str, int]:
+    """(attn, seq_len) from a job's .hydra/config.yaml."""
+    try:
+        cfg = OmegaConf.load(path)
+        attn, seq_len = (OmegaConf.select(cfg, key) if isinstance(cfg, DictConfig) else None
+                         for key in ("attn.name", "seq_len"))
+    except OSError as e:
+        raise SweepError(f"{path}: {e.strerror}") from None
+    except (yaml.YAMLError, OmegaConfBaseException) as e:
+        raise SweepError(f"{path} is not a readable YAML config ({_one_line(e)[:150]})") from None
+    if not isinstance(attn, str) or not _is_int(seq_len):
+        raise SweepError(f"{path} holds attn.name={attn!r}, seq_len={seq_len!r}: a train.py job's config has a string "
+                         "attn.name and an integer seq_len")
+    return attn, seq_len
+
+
+def job_records(path: Path) -> list[dict]:
+    """A job's metrics.jsonl records (none if it has none), each checked to be one that train.py writes."""
+    try:
+        records = read_metrics(path)
+    except OSError as e:
+        raise SweepError(f"{path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise SweepError(f"{path} is not UTF-8 text") from None
+    except ValueError as e:  # a line before the last that is not JSON; the message names the file and line
+        raise SweepError(str(e)) from None
+    for line, r in enumerate(records, start=1):
+        if not isinstance(r, dict) or not _is_int(r.get("step")):
+            raise SweepError(f"{path}, line {line}: {json.dumps(r)[:80]} is not a train.py metrics record "
+                             "(a JSON object with an integer step)")
+        wrong = next((k for k in NUMBERS if r.get(k) is not None and not _is_number(r[k])), None)
+        if wrong:
+            raise SweepError(f"{path}, line {line}: {wrong}={r[wrong]!r} is not a number")
+    return records
+
+
+def job_summary(path: Path) -> dict:
+    """A job's summary.json ({} if it wrote none: it crashed, or is still running)."""
+    if not path.exists():
+        return {}
+    try:
+        summary = json.loads(path.read_text())
+    except OSError as e:
+        raise SweepError(f"{path}: {e.strerror}") from None
+    except ValueError as e:
+        raise SweepError(f"{path} is not JSON ({_one_line(e)[:100]})") from None
+    if not isinstance(summary, dict) or summary.get("status") not in STATUSES:
+        raise SweepError(f"{path} holds {json.dumps(summary)[:80]}: a train.py summary is a JSON object whose "
+                         f"status is one of {', '.join(STATUSES)}")
+    if not _is_int(summary.get("steps", 0)):
+        raise SweepError(f"{path}: steps={summary['steps']!r} is not an integer")
+    for key in ("device", "message"):
+        if not isinstance(summary.get(key), (str, type(None))):
+            raise SweepError(f"{path}: {key}={summary[key]!r} is not a string")
+    return summary
+
+
 def job_row(job: Path) -> dict:
     """One sweep job's row: what it ran (its Hydra config) and how it went (its metrics)."""
-    cfg = OmegaConf.load(job / ".hydra" / "config.yaml")
-    records = read_metrics(job / "metrics.jsonl")
-    summary = json.loads((job / "summary.json").read_text()) if (job / "summary.json").exists() else {}
+    attn, seq_len = job_config(job / ".hydra" / "config.yaml")
+    records = job_records(job / "metrics.jsonl")
+    summary = job_summary(job / "summary.json")
     train = [r for r in records if "loss" in r]
     steady_train = steady(train)
     val = [r["val_loss"] for r in records if "val_loss" in r]
@@ -61,19 +139,31 @@ def job_row(job: Path) -> dict:
         status = "oom" if any(r.get("event") == "oom" for r in records) else "failed"
     peaks = {k: max((r[k] for r in steady_train if r.get(k) is not None), default=None)
              for k in ("peak_mem_alloc_gib", "peak_mem_reserved_gib")}
-    return {"attn": cfg.attn.name, "seq_len": cfg.seq_len, "status": status,
+    return {"attn": attn, "seq_len": seq_len, "status": status,
             "steps": summary.get("steps", train[-1]["step"] if train else 0),
-            "tokens_per_s": mean([r["tokens_per_s"] for r in steady_train]), "mfu": mean([r.get("mfu") for r in steady_train]),
+            "tokens_per_s": mean([r.get("tokens_per_s") for r in steady_train]),
+            "mfu": mean([r.get("mfu") for r in steady_train]),
             **peaks, "final_loss": train[-1]["loss"] if train else None, "final_val_loss": val[-1] if val else None,
             "device": summary.get("device"), "message": summary.get("message")}
 
 
 def read_sweep(sweep_dir: Path) -> list[dict]:
+    """Every job's row, by seq_len then attn; SweepError naming the first file that is not train.py's."""
+    if not sweep_dir.is_dir():
+        raise SweepError(f"{sweep_dir}: no such directory: pass the multirun/<date>/<time> directory written by "
+                         "`train.py -m experiment=sweep`")
     jobs = sorted(p.parent.parent for p in sweep_dir.glob("*/.hydra/config.yaml"))
     if not jobs:
-        sys.exit(f"error: no Hydra jobs (<job>/.hydra/config.yaml) under {sweep_dir}: "
-                 "pass the multirun/<date>/<time> directory written by `train.py -m experiment=sweep`")
-    return sorted((job_row(job) for job in jobs), key=lambda r: (r["seq_len"], r["attn"]))
+        raise SweepError(f"no Hydra jobs (<job>/.hydra/config.yaml) under {sweep_dir}: "
+                         "pass the multirun/<date>/<time> directory written by `train.py -m experiment=sweep`")
+    rows = []
+    for job in jobs:
+        try:
+            rows.append(job_row(job))
+        except SweepError as e:
+            raise SweepError(f"{e}: repair it, or move {job.name} out of the sweep dir to summarise the other "
+                             "jobs") from None
+    return sorted(rows, key=lambda r: (r["seq_len"], r["attn"]))
 
 
 # -----------------------------------------------------------------------------
@@ -165,13 +255,20 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("sweep_dir", type=Path, help="the multirun/<date>/<time> directory of `train.py -m`")
-    parser.add_argument("--out", type=Path, help="where to write summary.csv/.md and sweep.png (default: sweep_dir)")
+    parser.add_argument("--out", type=directory,
+                        help="where to write summary.csv/.md and sweep.png (default: sweep_dir)")
     args = parser.parse_args()
+    try:
+        rows = read_sweep(args.sweep_dir)
+    except SweepError as e:
+        fail(str(e))
     out = args.out or args.sweep_dir
+    problem = unwritable(out)
+    if problem:
+        fail(f"{out}: {problem}: pass --out a directory to write the summary into")
     out.mkdir(parents=True, exist_ok=True)
-    rows = read_sweep(args.sweep_dir)
     write_csv(rows, out / "summary.csv")
     table = markdown(rows, args.sweep_dir)
     (out / "summary.md").write_text(table)

@@ -18,8 +18,11 @@ import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/ sits beside kernels/
 
-from kernels import attention_flops, flash_attn_backward, flash_attn_forward  # noqa: E402
+from kernels import MAX_HEAD_DIM, attention_flops, flash_attn_backward, flash_attn_forward  # noqa: E402
 from kernels.flash_attn import LAUNCHERS  # noqa: E402
+from scripts.args import ArgumentParser, names, positive_ints, require_cuda  # noqa: E402
+
+TOKENS, WIDTH = 16384, 1024  # B*T and H*D, as in scripts/bench_attention.py
 
 # (resident rows, streamed rows, num_warps, num_stages); resident is BLOCK_M for the forward and
 # dQ kernels, BLOCK_N for dK/dV
@@ -48,24 +51,37 @@ def time_pass(name, q, k, v, do) -> float:
                                    return_mode="median")
 
 
+def parse_args() -> argparse.Namespace:
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seq-lens", type=positive_ints, default=[1024, 8192], help=f"comma list of T dividing {TOKENS}")
+    p.add_argument("--head-dims", type=positive_ints, default=[64, 128],
+                   help=f"comma list of D dividing {WIDTH}, up to {MAX_HEAD_DIM}")
+    p.add_argument("--kernels", type=names(CANDIDATES), default=list(CANDIDATES),
+                   help=f"comma subset of {','.join(CANDIDATES)}")
+    args = p.parse_args()
+    bad_t = [T for T in args.seq_lens if TOKENS % T]
+    if bad_t:
+        p.error(f"argument --seq-lens: {bad_t} do not divide B·T = {TOKENS}: choose divisors of it")
+    bad_d = [D for D in args.head_dims if WIDTH % D or D > MAX_HEAD_DIM]
+    if bad_d:
+        p.error(f"argument --head-dims: {bad_d}: each must divide H·D = {WIDTH} and be at most {MAX_HEAD_DIM}, "
+                "the kernels' largest head dim")
+    return args
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seq-lens", default="1024,8192")
-    parser.add_argument("--head-dims", default="64,128")
-    parser.add_argument("--kernels", default="fwd,dkdv,dq")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("tune_attention needs a CUDA GPU")
+    args = parse_args()
+    require_cuda("tune_attention.py")
     best = {"fwd": CANDIDATES["fwd"][0], "dkdv": CANDIDATES["dkdv"][0], "dq": CANDIDATES["dq"][0]}
     rows = []
-    for D in map(int, args.head_dims.split(",")):
-        for T in map(int, args.seq_lens.split(",")):
-            B, H = 16384 // T, 1024 // D
+    for D in args.head_dims:
+        for T in args.seq_lens:
+            B, H = TOKENS // T, WIDTH // D
             gen = torch.Generator(device="cuda").manual_seed(T + D)
             q, k, v, do = (torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16, generator=gen)
                            for _ in range(4))
             fwd_flops = attention_flops(B, H, T, T, D)
-            for name in args.kernels.split(","):
+            for name in args.kernels:
                 results = []
                 with contextlib.ExitStack() as pins:  # the other kernels at the best found so far
                     for other, cand in best.items():
