@@ -6,58 +6,47 @@
     torchrun --standalone --nproc_per_node=2 train.py attn=triton
 
 Shaped like torchtitan's trainer: setup() builds one Run, train_step() makes one optimizer step,
-a Meter owns tokens/s, MFU, memory and the history, state_dict()/load_state_dict() are everything
-a checkpoint holds, finish() writes the summary. train(cfg, run_dir) runs them (tests call it);
-main() is the Hydra entry point, after configs/preflight.py has checked the command line.
+state_dict()/load_state_dict() are everything a checkpoint holds, finish() writes the summary.
+train(cfg, run_dir) runs them (tests call it); main() is the Hydra entry point, after
+trainer/preflight.py has checked the command line. The run's parts live in trainer/: its
+directory, checkpoints, metrics and W&B, its layout over processes, stop signals, the profiler.
 """
 
 import contextlib
 import importlib.metadata
 import math
 import os
-import shlex
 import signal
 import sys
-import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import hydra
 import torch
-import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
-                                                     set_model_state_dict, set_optimizer_state_dict)
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
-from torch.nn.parallel import DistributedDataParallel as DDP
+from omegaconf import DictConfig
 from tqdm import tqdm
 
 from configs.overrides import quoted_where_needed, shell_override
-from configs.preflight import abandon_run_dir, claim_run_dir, preflight, resume_target
-from configs.runtime import autocast, resolve_device, uses_bf16, wandb_mode, wandb_online_problem
+from configs.runtime import autocast, probe_sdpa_backend, resolve_device, sdpa_backend, uses_bf16
+from configs.schema import plain
 from configs.store import register_configs
-from configs.validate import ConfigError, batch_size_per_process, check_resume, data_parallel_size, validate
-from data import DatasetError, TokenWindows, get_encoding
-from data.checkpoint import CHECKPOINT_NAME, CheckpointError, load_checkpoint, load_weights, save_checkpoint
+from configs.validate import ConfigError, batch_size_per_process, check_resume, validate
+from data import DatasetError, TokenWindows, document_ids, get_encoding
 from data.files import DiskFullError, atomic_write
-from data.metrics import json_line, read_metrics, steady
 from data.prepare import prepare_on_node
-from model import GPT
-from model.attention import probe_sdpa_backend, sdpa_backend
+from model import GPT, get_attention
+from trainer.checkpoint import CHECKPOINT_NAME, CheckpointError, load_checkpoint, load_weights, save_checkpoint
+from trainer.metrics import json_line
+from trainer.parallel import Parallel
+from trainer.preflight import preflight
 from trainer.profiling import Profiler
-from model.context_parallel import ContextParallel
+from trainer.report import Meter, RunLog
+from trainer.rundir import abandon_run_dir, claim_run_dir, resume_target
+from trainer.signals import Stopped, StopSignals
 
 register_configs()
-
-# dense bf16 tensor-core peak by datasheet, for MFU; substrings of torch.cuda.get_device_name()
-GPU_PEAK_BF16_FLOPS = {"H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "H800": 989e12, "GH200": 989e12,
-                       "A100": 312e12, "A800": 312e12, "L40S": 362e12, "L40": 181e12, "L4": 121e12, "A10G": 70e12,
-                       "RTX 4090": 165e12, "RTX 3090": 71e12}
 
 
 class Diverged(RuntimeError):
@@ -73,13 +62,6 @@ def triton_version() -> str:
         return importlib.metadata.version("triton")
     except importlib.metadata.PackageNotFoundError:  # attn=naive/sdpa run without it
         return "not installed"
-
-
-def gpu_peak_flops(device: torch.device) -> float | None:
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((peak for key, peak in GPU_PEAK_BF16_FLOPS.items() if key in name), None)
 
 
 def lr_at(step: int, cfg: DictConfig) -> float:
@@ -101,157 +83,6 @@ def make_optimizer(model: torch.nn.Module, cfg: DictConfig) -> torch.optim.AdamW
                              eps=cfg.optim.eps, fused=True)
 
 
-def setup_distributed(cfg: DictConfig) -> tuple[int, int, int, torch.device]:
-    """(rank, world size, local rank, device): one process per GPU under torchrun, else one process."""
-    device = resolve_device(cfg.device)
-    if "RANK" not in os.environ:
-        return 0, 1, 0, device
-    rank, world, local_rank = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
-    if device.type == "cuda":
-        if local_rank >= torch.cuda.device_count():
-            raise ConfigError(f"local rank {local_rank} needs GPU {local_rank}, but only "
-                              f"{torch.cuda.device_count()} are visible: lower --nproc_per_node")
-        device = torch.device(f"cuda:{local_rank}")
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None)
-    return rank, world, local_rank, device
-
-
-def context_parallel(cfg: DictConfig, rank: int, world: int, device: torch.device) -> tuple[ContextParallel | None, int]:
-    """(this rank's context-parallel group or None, its data-parallel rank): the processes form a
-    (world / cp) x cp grid; the cp ranks of a row split each of its sequences (ring attention),
-    the rows are data-parallel (each its own batch; DDP averages gradients over all processes)."""
-    cp = cfg.parallel.cp
-    if cp == 1:
-        return None, rank
-    mesh = init_device_mesh(device.type, (world // cp, cp), mesh_dim_names=("dp", "cp"))
-    return ContextParallel.of(mesh.get_group("cp")), mesh.get_local_rank("dp")
-
-
-def shard_model(model: GPT, world: int, device: torch.device) -> None:
-    """FSDP2 in place: each block, then the rest (embedding, tied head, final norm), sharded over all
-    processes; a block's weights are gathered for its forward and backward, its gradients
-    reduce-scattered (averaged over all processes, as DDP does)."""
-    mesh = init_device_mesh(device.type, (world,))
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-
-
-# checkpoints hold whole tensors whatever the sharding: gathered to rank 0 (on the CPU) to save,
-# and every rank loads the whole checkpoint and keeps its shard
-_WHOLE = StateDictOptions(full_state_dict=True, cpu_offload=True)
-
-
-# -----------------------------------------------------------------------------
-# metrics
-
-
-class Meter:
-    """Tokens/s, MFU and peak memory between log points, and the history of logged records."""
-
-    def __init__(self, tokens_per_step: int, flops_per_token: float, device: torch.device, world: int):
-        self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
-        self.device, self.world = device, world
-        self.peak_flops = gpu_peak_flops(device)
-        self.history: list[dict] = []
-        self.peaks = {"peak_mem_alloc_gib": None, "peak_mem_reserved_gib": None}  # GPU only
-        self.restart()
-
-    def restart(self) -> None:
-        """Starts a throughput interval: after setup and after each record."""
-        self.t0, self.tokens = time.perf_counter(), 0
-
-    def count_step(self) -> None:
-        self.tokens += self.tokens_per_step
-
-    @contextlib.contextmanager
-    def paused(self):
-        """Evaluation and checkpointing inside are not training time."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # the queued training work is training time
-        start = time.perf_counter()
-        yield
-        self.t0 += time.perf_counter() - start
-
-    def record(self, **values) -> dict:
-        """The record of the interval since the last one; the caller has synced the device."""
-        tok_s = self.tokens / (time.perf_counter() - self.t0)
-        rec = {**values, "tokens_per_s": tok_s, "tokens_per_s_per_gpu": tok_s / self.world,
-               "mfu": self.flops_per_token * tok_s / (self.peak_flops * self.world) if self.peak_flops else None,
-               **self._memory()}
-        for k in self.peaks:
-            if rec[k] is not None:
-                self.peaks[k] = max(self.peaks[k] or 0.0, rec[k])
-        self.history.append(rec)
-        self.restart()
-        return rec
-
-    def _memory(self) -> dict:
-        """Peak allocated/reserved GiB since the previous record (max over ranks); None on CPU."""
-        if self.device.type != "cuda":
-            return dict.fromkeys(self.peaks)
-        peaks = torch.tensor([torch.cuda.max_memory_allocated(self.device), torch.cuda.max_memory_reserved(self.device)],
-                             dtype=torch.float64, device=self.device) / 2**30
-        torch.cuda.reset_peak_memory_stats(self.device)
-        if self.world > 1:
-            dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
-        return {"peak_mem_alloc_gib": peaks[0].item(), "peak_mem_reserved_gib": peaks[1].item()}
-
-    def summary(self) -> dict:
-        records = steady(self.history)
-        return {"mean_tokens_per_s": sum(r["tokens_per_s"] for r in records) / len(records) if records else None,
-                **self.peaks}
-
-
-class RunLog:
-    """Rank 0's metrics sinks: metrics.jsonl in the run dir and the W&B run."""
-
-    def __init__(self, run_dir: Path, cfg: DictConfig, wandb_id: str | None, resume_step: int | None):
-        self.path = run_dir / "metrics.jsonl"
-        if resume_step is not None and self.path.exists():
-            # keep the curve single-valued: drop what the interrupted run logged past its checkpoint
-            kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step]
-            atomic_write(self.path, "".join(json_line(r) for r in kept).encode())
-        group = cfg.wandb.group
-        if group is None and HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
-            group = "sweep-" + Path(HydraConfig.get().sweep.dir).as_posix().replace("/", "_")
-        self.run = open_wandb(cfg, run_dir, group=group, config=plain(cfg), id=wandb_id,
-                              name=cfg.wandb.name or f"{cfg.attn.name}-T{cfg.seq_len}-{cfg.model.name}",
-                              resume="allow" if wandb_id else None)
-
-    def log(self, record: dict) -> None:
-        with self.path.open("a") as f:
-            f.write(json_line(record))
-        numbers = {k: v for k, v in record.items() if isinstance(v, (int, float)) and math.isfinite(v)}
-        self.run.log(numbers, step=record["step"])
-
-    def finish(self, summary: dict) -> None:
-        self.run.summary.update({k: v for k, v in summary.items() if k != "sample"})
-        if summary["status"] == "stopped":  # W&B shows it as preempted, to be resumed
-            self.run.mark_preempting()
-        self.run.finish(exit_code=0 if summary["status"] == "ok" else 1)
-
-
-def open_wandb(cfg: DictConfig, run_dir: Path, **kwargs):
-    """wandb.init in the mode cfg resolves to (configs/runtime.py): online where W&B can be reached
-    with a key, else offline with one line saying why and how to upload the run later."""
-    import wandb  # slow to import: only the processes that log pay for it
-
-    mode = wandb_mode(cfg.wandb.mode)
-    if mode == "online" and (problem := wandb_online_problem()):
-        print(f"wandb: {problem}; logging offline instead (upload it later: wandb sync "
-              f"{shlex.quote(str(run_dir / 'wandb'))}/offline-run-*)", file=sys.stderr)
-        mode = "offline"
-    return wandb.init(project=cfg.wandb.project, entity=cfg.wandb.entity, tags=list(cfg.wandb.tags), mode=mode,
-                      dir=str(run_dir), **kwargs)
-
-
-def plain(cfg: DictConfig) -> dict:
-    """cfg as plain Python values (choices as strings): for checkpoints, W&B and JSON."""
-    return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
-
-
 # -----------------------------------------------------------------------------
 # the run
 
@@ -260,11 +91,7 @@ def plain(cfg: DictConfig) -> dict:
 class Run:
     cfg: DictConfig
     run_dir: Path
-    rank: int
-    world: int
-    dp: int  # data-parallel processes: world / parallel.cp
-    sharded: bool  # FSDP2 (parallel.dp=fsdp under torchrun): state dicts are collective
-    device: torch.device
+    par: Parallel  # the processes, this one's place among them, its device
     model: torch.nn.Module  # what the loop calls: compiled and/or wrapped in DDP
     raw_model: GPT  # what a checkpoint holds
     optimizer: torch.optim.Optimizer
@@ -282,34 +109,29 @@ class Run:
 
     @property
     def master(self) -> bool:  # rank 0 alone writes: run dir, metrics, W&B, checkpoints, progress bar
-        return self.rank == 0
+        return self.par.master
+
+    @property
+    def device(self) -> torch.device:
+        return self.par.device
 
 
 def state_dict(run: Run) -> dict:
     """Everything a checkpoint holds; load_state_dict below restores exactly this. Sharded, every rank
     must call it, and rank 0's holds the weights and optimizer state."""
-    if run.sharded:
-        model = get_model_state_dict(run.raw_model, options=_WHOLE)
-        optimizer = get_optimizer_state_dict(run.raw_model, run.optimizer, options=_WHOLE)
-    else:
-        model, optimizer = run.raw_model.state_dict(), run.optimizer.state_dict()
+    model, optimizer = run.par.state_dict(run.raw_model, run.optimizer)
     return {"step": run.step, "model": model, "optimizer": optimizer,
             "loader": run.train_loader.state_dict(), "best_val_loss": run.best_val,
             "rng": {"cpu": torch.get_rng_state(),
                     "cuda": torch.cuda.get_rng_state(run.device) if run.device.type == "cuda" else None},
-            "config": plain(run.cfg), "world_size": run.world, "data_parallel": run.dp,
+            "config": plain(run.cfg), "world_size": run.par.world, "data_parallel": run.par.dp,
             "wandb_id": run.log.run.id if run.log else None}
 
 
 def load_state_dict(run: Run, state: dict) -> None:
     run.step, run.best_val = state["step"], state["best_val_loss"]
-    if run.sharded:
-        whole = StateDictOptions(full_state_dict=True)
-        set_model_state_dict(run.raw_model, state["model"], options=whole)
-        set_optimizer_state_dict(run.raw_model, run.optimizer, state["optimizer"], options=whole)
-    else:
-        load_weights(run.raw_model, state["model"], run.cfg.resume)
-        run.optimizer.load_state_dict(state["optimizer"])
+    run.par.load_state_dict(run.raw_model, run.optimizer, state["model"], state["optimizer"],
+                            lambda model, weights: load_weights(model, weights, run.cfg.resume))
     run.train_loader.load_state_dict(state["loader"])
     torch.set_rng_state(state["rng"]["cpu"])
     if run.device.type == "cuda" and state["rng"]["cuda"] is not None:
@@ -318,52 +140,86 @@ def load_state_dict(run: Run, state: dict) -> None:
 
 def setup(cfg: DictConfig, run_dir: Path) -> Run:
     """Checks cfg, then builds everything the loop needs, resumed from cfg.resume if set."""
-    rank, world, local_rank, device = setup_distributed(cfg)
-    validate(cfg, world)
-    cfg.batch_size = batch_size_per_process(cfg, world)
-    dp = data_parallel_size(cfg, world)
-    ckpt = None
-    if cfg.resume:
-        # metrics, W&B and checkpoints continue in the original run's dir; one stopped before its
-        # first checkpoint starts again there (claim_run_dir says so)
-        path, run_dir = resume_target(hydra.utils.to_absolute_path(cfg.resume))
-        if path is not None:
-            ckpt = load_checkpoint(path)
-            changes = check_resume(ckpt, plain(cfg), dp, path)
-            if ckpt["step"] >= cfg.max_steps:
-                raise ConfigError(f"resume={cfg.resume}: that run already finished at step {ckpt['step']}; "
-                                  f"raise max_steps above {ckpt['step']} to train it further")
-            if rank == 0:
-                print(f"resuming {run_dir} at step {ckpt['step']}" + (f"; changed: {changes}" if changes else ""))
-    if rank == 0:
+    validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    par = Parallel.start(resolve_device(cfg.device), cfg.parallel.cp, cfg.parallel.dp == "fsdp")
+    cfg.batch_size = batch_size_per_process(cfg, par.world)
+    ckpt, run_dir = resume_point(cfg, par, Path(run_dir))
+    if par.master:
         claim_run_dir(run_dir, fresh=ckpt is None)
 
     torch.manual_seed(cfg.seed)  # same initial weights on every rank
-    if device.type == "cuda":
+    if par.device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
         # a sweep runs its jobs in one process: start this job's memory peaks from its own baseline
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
+        torch.cuda.reset_peak_memory_stats(par.device)
 
-    dataset_dir = prepare_on_node(cfg.data, local_rank, dist.barrier if world > 1 else lambda: None)
-    cp, dp_rank = context_parallel(cfg, rank, world, device)
+    dataset_dir = prepare_on_node(cfg.data, par.local_rank, par.barrier)
     # each data-parallel rank takes its own slice of one global batch (data/loader.py)
     data_seed = cfg.seed if cfg.data_seed is None else cfg.data_seed
-    train_loader = TokenWindows(dataset_dir, "train", cfg.seq_len, cfg.batch_size, device, data_seed, dp_rank, dp)
-    val_loader = (TokenWindows(dataset_dir, "val", cfg.seq_len, cfg.batch_size, device, cfg.seed, dp_rank, dp)
-                  if cfg.eval_steps else None)
+    train_loader = TokenWindows(dataset_dir, "train", cfg.seq_len, cfg.batch_size, par.device, data_seed,
+                                par.dp_rank, par.dp)
+    val_loader = (TokenWindows(dataset_dir, "val", cfg.seq_len, cfg.batch_size, par.device, cfg.seed, par.dp_rank,
+                               par.dp) if cfg.eval_steps else None)
+    raw_model = build_model(cfg, par)
+    info = run_info(cfg, par, raw_model)
+    par.shard(raw_model)  # before the optimizer: it holds the shards
+    run = Run(cfg=cfg, run_dir=run_dir, par=par, model=raw_model, raw_model=raw_model,
+              optimizer=make_optimizer(raw_model, cfg), train_loader=train_loader, val_loader=val_loader,
+              val_start=val_loader.state_dict() if val_loader else {}, info=info,
+              meter=Meter(info["tokens_per_step"], raw_model.flops_per_token(cfg.seq_len), par.device, par.world),
+              first_bad_step=torch.zeros((), dtype=torch.long, device=par.device))
+    if ckpt is not None:
+        load_state_dict(run, ckpt)
+        run.saved_step = run.step
+    if par.world > 1:
+        torch.manual_seed(cfg.seed + par.rank)  # same initial weights everywhere, but each rank its own dropout
+    run.model = par.wrap(raw_model, cfg.compile)
+    if run.master:
+        run.log = RunLog(run.run_dir, cfg, ckpt["wandb_id"] if ckpt else None, ckpt["step"] if ckpt else None)
+        run.log.run.config.update(info, allow_val_change=True)
+        print(f"run dir {run.run_dir} | {info}", flush=True)
+    run.meter.restart()
+    return run
 
+
+def resume_point(cfg: DictConfig, par: Parallel, run_dir: Path) -> tuple[dict | None, Path]:
+    """(the checkpoint to continue from, the run dir), or (None, run_dir) for a fresh run. Metrics,
+    W&B and checkpoints continue in the original run's dir; a run that stopped before its first
+    checkpoint starts again there (claim_run_dir says so)."""
+    if not cfg.resume:
+        return None, run_dir
+    path, run_dir = resume_target(hydra.utils.to_absolute_path(cfg.resume))
+    if path is None:
+        return None, run_dir
+    ckpt = load_checkpoint(path)
+    changes = check_resume(ckpt, plain(cfg), par.dp, path)
+    if ckpt["step"] >= cfg.max_steps:
+        raise ConfigError(f"resume={cfg.resume}: that run already finished at step {ckpt['step']}; "
+                          f"raise max_steps above {ckpt['step']} to train it further")
+    if par.master:
+        print(f"resuming {run_dir} at step {ckpt['step']}" + (f"; changed: {changes}" if changes else ""))
+    return ckpt, run_dir
+
+
+def build_model(cfg: DictConfig, par: Parallel) -> GPT:
+    """The GPT on this process's device, with the attention the layout calls (the ring under cp)."""
     try:
-        raw_model = GPT(cfg.model, cfg.attn.name, cfg.ac, cfg.data.doc_mask, cp).to(device)
+        return GPT(cfg.model, par.attention(get_attention(cfg.attn.name)), cfg.ac).to(par.device)
     except (torch.OutOfMemoryError, MemoryError, RuntimeError) as e:  # RuntimeError: the CPU allocator's
         if not isinstance(e, (torch.OutOfMemoryError, MemoryError)) and "alloc" not in str(e):
             raise
         m = cfg.model
         raise ConfigError(f"model.n_layer={m.n_layer} model.d_model={m.d_model}: the model does not fit in "
-                          f"{device.type} memory ({str(e).splitlines()[0][:100]}): choose a smaller one") from None
-    info = {"params": raw_model.num_params(), "tokens_per_step": cfg.batch_size * cfg.seq_len * cfg.grad_accum * dp,
-            "world_size": world, "cp": cfg.parallel.cp, "dp": str(cfg.parallel.dp),
+                          f"{par.device.type} memory ({str(e).splitlines()[0][:100]}): choose a smaller one") from None
+
+
+def run_info(cfg: DictConfig, par: Parallel, model: GPT) -> dict:
+    """What the run is, for its log line, W&B's config and summary.json; SDPA's backend as torch picks it."""
+    device = par.device
+    info = {"params": model.num_params(), "tokens_per_step": cfg.batch_size * cfg.seq_len * cfg.grad_accum * par.dp,
+            "world_size": par.world, "cp": cfg.parallel.cp, "dp": str(cfg.parallel.dp),
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "torch": torch.__version__, "triton": triton_version()}
     if cfg.attn.name == "sdpa":
@@ -375,36 +231,19 @@ def setup(cfg: DictConfig, run_dir: Path) -> Run:
         except RuntimeError as e:
             raise ConfigError(f"attn.sdpa_backend={cfg.attn.sdpa_backend}: torch has no such kernel for these "
                               f"inputs on {device.type} ({str(e).splitlines()[0][:120]}): choose another or null")
-    flops_per_token = raw_model.flops_per_token(cfg.seq_len)
-    sharded = dist.is_initialized() and cfg.parallel.dp == "fsdp"
-    if sharded:  # before the optimizer: it holds the shards
-        shard_model(raw_model, world, device)
-    run = Run(cfg=cfg, run_dir=Path(run_dir), rank=rank, world=world, dp=dp, sharded=sharded, device=device,
-              model=raw_model, raw_model=raw_model, optimizer=make_optimizer(raw_model, cfg), train_loader=train_loader,
-              val_loader=val_loader, val_start=val_loader.state_dict() if val_loader else {}, info=info,
-              meter=Meter(info["tokens_per_step"], flops_per_token, device, world),
-              first_bad_step=torch.zeros((), dtype=torch.long, device=device))
-    if ckpt is not None:
-        load_state_dict(run, ckpt)
-        run.saved_step = run.step
-    if world > 1:
-        torch.manual_seed(cfg.seed + rank)  # same initial weights everywhere, but each rank its own dropout
-    if cfg.compile:
-        run.model = torch.compile(run.model)
-    if world > 1 and not sharded:
-        # gradients live in the all-reduce buckets: no copy in and out of them after backward
-        run.model = DDP(run.model, device_ids=[device.index] if device.type == "cuda" else None,
-                        gradient_as_bucket_view=True)
-    if run.master:
-        run.log = RunLog(run.run_dir, cfg, ckpt["wandb_id"] if ckpt else None, ckpt["step"] if ckpt else None)
-        run.log.run.config.update(info, allow_val_change=True)
-        print(f"run dir {run.run_dir} | {info}", flush=True)
-    run.meter.restart()
-    return run
+    return info
 
 
 # -----------------------------------------------------------------------------
 # steps
+
+
+def forward(run: Run, loader: TokenWindows) -> torch.Tensor:
+    """The mean loss of the loader's next batch (this process's part of it)."""
+    x, y, pos = run.par.split(*loader.next_batch())
+    doc_ids = document_ids(x) if run.cfg.data.doc_mask else None
+    with autocast(run.cfg.dtype, run.device), sdpa_backend(run.cfg.attn.sdpa_backend):
+        return run.model(x, y, pos, doc_ids)[1]
 
 
 def train_step(run: Run) -> tuple[torch.Tensor, torch.Tensor, float]:
@@ -415,20 +254,12 @@ def train_step(run: Run) -> tuple[torch.Tensor, torch.Tensor, float]:
         group["lr"] = lr
     loss_sum = torch.zeros((), device=run.device)
     for micro in range(cfg.grad_accum):
-        last = micro == cfg.grad_accum - 1  # reduce gradients over the processes only on the last micro-step
-        if run.sharded:
-            run.raw_model.set_requires_gradient_sync(last)
-        elif run.world > 1:
-            run.model.require_backward_grad_sync = last
-        x, y = run.train_loader.next_batch()
-        with autocast(cfg.dtype, run.device), sdpa_backend(cfg.attn.sdpa_backend):
-            _, loss = run.model(x, y)
+        # reduce gradients over the processes only on the last micro-step
+        run.par.sync_gradients(run.model, run.raw_model, micro == cfg.grad_accum - 1)
+        loss = forward(run, run.train_loader)
         (loss / cfg.grad_accum).backward()
         loss_sum += loss.detach()
-    clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
-    grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), clip)
-    if isinstance(grad_norm, DTensor):  # sharded gradients: the norm over all shards
-        grad_norm = grad_norm.full_tensor()
+    grad_norm = run.par.clip_grad_norm(run.model, cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf)
     # a non-finite gradient never reaches the weights: the fused AdamW skips the whole update on
     # the device (no host sync); the loop stops at its next sync point (check_finite)
     bad = ~torch.isfinite(grad_norm)
@@ -453,22 +284,16 @@ def check_finite(run: Run, loss: float | None = None) -> None:
 def evaluate(run: Run) -> float:
     run.val_loader.load_state_dict(run.val_start)  # the same validation windows every time: comparable across steps
     run.model.eval()
-    losses = []
-    for _ in range(run.cfg.eval_steps):
-        x, y = run.val_loader.next_batch()
-        with autocast(run.cfg.dtype, run.device), sdpa_backend(run.cfg.attn.sdpa_backend):
-            losses.append(run.model(x, y)[1].float())
+    loss = torch.stack([forward(run, run.val_loader).float() for _ in range(run.cfg.eval_steps)]).mean()
     run.model.train()
-    loss = torch.stack(losses).mean()
-    if run.world > 1:  # each rank saw its slice of the global validation batch
-        dist.all_reduce(loss, op=dist.ReduceOp.AVG)
-    return loss.item()
+    run.par.after_forward_only(run.raw_model)
+    return run.par.mean(loss).item()  # each rank saw its slice of the global validation batch
 
 
 def save(run: Run) -> None:
     """Checkpoints the run (rank 0; every rank's loader holds the same state, so rank 0's serves all)."""
     check_finite(run)
-    state = state_dict(run) if run.master or run.sharded else None  # sharded: every rank gathers
+    state = state_dict(run) if run.master or run.par.sharded else None  # sharded: every rank gathers
     if run.master:
         save_checkpoint(run.run_dir / CHECKPOINT_NAME, state)
     run.saved_step = run.step
@@ -482,75 +307,6 @@ def last_checkpoint(run: Run) -> str:
 
 def resume_hint(run: Run) -> str:
     return f"add {shell_override('resume', str(run.run_dir))} to the same command to continue"
-
-
-# -----------------------------------------------------------------------------
-# preemption
-
-
-class Stopped(Exception):
-    """A stop signal arrived while the run was being set up: no step ran, nothing is saved."""
-
-    def __init__(self, signum: int):
-        super().__init__(f"stopped by {signal.Signals(signum).name} before the first step; nothing was saved: "
-                         "the same command starts the run again")
-        self.signum = signum
-
-
-class StopSignals:
-    """SIGTERM, SIGUSR1 and SIGHUP: what a scheduler sends before it preempts a job (Kubernetes,
-    SLURM's --signal, torchrun passing SIGTERM on). During setup they stop the run at once
-    (Stopped); in the loop the step in flight finishes, and signum() after it names the signal to
-    stop for. Under torchrun the ranks agree: each step all-reduces (MAX) the signal this rank got,
-    and signum() answers with the previous step's result, read from pinned memory once that step's
-    work is done, so every rank stops after the same step and the host still runs a step ahead."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
-
-    def __init__(self):
-        self.received = 0
-        self.in_loop = False
-        self._previous: dict = {}
-        self._flag = self._host = self._done = None  # device flag, its host copy, the event after that copy
-
-    def __enter__(self) -> "StopSignals":
-        if threading.current_thread() is threading.main_thread():  # only there can handlers be set
-            self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-    def _handle(self, signum: int, frame) -> None:
-        self.received = self.received or signum
-        if not self.in_loop:
-            raise Stopped(signum)
-
-    def signum(self, run: Run) -> int:
-        """After a step: the signal to stop for (the same on every rank), or 0 to go on."""
-        if run.world == 1:
-            return self.received
-        agreed = self.settle()
-        if self._flag is None:
-            self._flag = torch.zeros(1, dtype=torch.int32, device=run.device)
-            self._host = torch.zeros(1, dtype=torch.int32, pin_memory=run.device.type == "cuda")
-        self._flag.fill_(self.received)
-        dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, async_op=True).wait()  # CUDA: the stream waits, not the host
-        self._host.copy_(self._flag, non_blocking=True)
-        if run.device.type == "cuda":
-            self._done = torch.cuda.Event()
-            self._done.record()
-        return agreed
-
-    def settle(self) -> int:
-        """The last all-reduced signal (0 if none yet), once it is on the host; after this no
-        all-reduce of ours is in flight."""
-        if self._host is None:
-            return 0
-        if self._done is not None:
-            self._done.synchronize()
-        return int(self._host.item())
 
 
 # -----------------------------------------------------------------------------
@@ -571,12 +327,12 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
                 step(run, bar)
                 if profiler:
                     profiler.step()
-                if signum := stop.signum(run):
+                if signum := stop.signum(run.par):
                     status, message = "stopped", stop_for(run, signum)
                     run.info["signal"] = signal.Signals(signum).name
                     break
         except torch.cuda.OutOfMemoryError:
-            if run.world > 1:  # the other ranks wait in an all-reduce: fail this process, torchrun stops them all
+            if run.par.world > 1:  # the other ranks wait in an all-reduce: fail this process, torchrun stops them
                 raise
             status = "oom"
             message = (f"CUDA out of memory at step {run.step + 1} with attn={cfg.attn.name} seq_len={cfg.seq_len} "
@@ -606,9 +362,7 @@ def step(run: Run, bar: tqdm) -> None:
     bar.update(1)
     last = run.step == cfg.max_steps
     if run.step % cfg.log_interval == 0 or last:
-        if run.world > 1:
-            dist.all_reduce(loss, op=dist.ReduceOp.AVG)
-        loss_val = loss.item()  # syncs the device: the timing below is honest
+        loss_val = run.par.mean(loss).item()  # syncs the device: the timing below is honest
         check_finite(run, loss_val)
         rec = run.meter.record(step=run.step, loss=loss_val, lr=lr, grad_norm=grad_norm.item(),
                                attn=str(cfg.attn.name), seq_len=cfg.seq_len)
@@ -618,8 +372,6 @@ def step(run: Run, bar: tqdm) -> None:
     if cfg.eval_steps and ((cfg.eval_interval and run.step % cfg.eval_interval == 0) or last):
         with run.meter.paused():
             run.last_val = evaluate(run)
-            if run.sharded:  # a forward without backward leaves the root's weights gathered
-                run.raw_model.reshard()
         run.best_val = min(run.best_val, run.last_val)
         if run.master:
             run.log.log({"step": run.step, "val_loss": run.last_val})
@@ -635,8 +387,7 @@ def stop_for(run: Run, signum: int) -> str:
     if run.cfg.ckpt_interval >= 0 and run.saved_step != run.step:
         with run.meter.paused():
             save(run)
-    if run.world > 1:
-        dist.barrier()  # no rank exits (and has torchrun stop the others) before rank 0's save is whole
+    run.par.barrier()  # no rank exits (and has torchrun stop the others) before rank 0's save is whole
     said = f"stopped by {signal.Signals(signum).name} after step {run.step}; {last_checkpoint(run)}"
     if run.saved_step is None:
         return f"{said} (ckpt_interval=-1): the run cannot continue"
@@ -655,12 +406,9 @@ def finish(run: Run, status: str, message: str | None) -> dict:
                "best_val_loss": run.best_val if run.last_val is not None else None, "final_val_loss": run.last_val,
                "final_loss": history[-1]["loss"] if history else None, **run.meter.summary(),
                "attn": str(cfg.attn.name), "seq_len": cfg.seq_len, **run.info}
-    ok = status == "ok"
-    if run.sharded:  # every rank's forward gathers weights with the others: all sample, or none (a rank-0 save failed)
-        flag = torch.tensor(int(ok), device=run.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        ok = bool(flag.item())
-    if ok and cfg.sample_tokens > 0 and (run.master or run.sharded):
+    # sharded, every rank's forward gathers weights with the others: all sample, or none (a rank-0 save failed)
+    ok = run.par.all_agree(status == "ok") if run.par.sharded else status == "ok"
+    if ok and cfg.sample_tokens > 0 and (run.master or run.par.sharded):
         summary["sample"] = sample(run.raw_model, cfg, run.device)
     if run.master:
         if "sample" in summary:
@@ -669,22 +417,19 @@ def finish(run: Run, status: str, message: str | None) -> dict:
             atomic_write(run.run_dir / "summary.json", json_line(summary).encode())
         run.log.finish(summary)
         print("summary: " + ", ".join(f"{k}={v}" for k, v in summary.items() if k not in ("sample", "message")))
-    if run.world > 1:
-        if dist.get_backend() == "gloo":
-            # gloo's worker threads free a finished collective's tensors under the GIL; a process group
-            # destroyed before that (its destructor joins them with the GIL held) hangs: let them finish
-            time.sleep(0.1)
-        dist.destroy_process_group()
+    run.par.close()
     return summary
 
 
 def sample(model: GPT, cfg: DictConfig, device: torch.device) -> str:
+    model.set_attention(cfg.attn.name)  # whole sequences in this process: not the ring of context parallelism
     enc = get_encoding()
     idx = torch.tensor([enc.encode_ordinary(cfg.sample_prompt)], device=device)
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
     model.eval()
     with autocast(cfg.dtype, device):
-        out = model.generate(idx, cfg.sample_tokens, generator=gen)
+        out = model.generate(idx, cfg.sample_tokens, generator=gen,
+                             doc_ids_of=document_ids if cfg.data.doc_mask else None)
     return enc.decode(out[0].tolist())
 
 

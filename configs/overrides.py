@@ -1,10 +1,12 @@
-"""Command-line overrides: a value written so that Hydra reads back exactly that string, and which
-overrides may add or delete keys.
+"""Command-line overrides: a value written so that Hydra reads back exactly that string, which
+overrides may add or delete keys, and Hydra's composition errors in one line (one_line).
 
 Hydra's override grammar takes unquoted values of plain ASCII only: a path with a space, an `ü`, a
 quote or a `${` must be quoted, or the run cannot start or resume (preflight hands Hydra the run
 dir as an override). A command-line value Hydra cannot read as it stands is quoted for it
-(quoted_where_needed), so `hydra.run.dir=/data/ü_日本` works as typed. `+key=` and `++key=` add a key where the schema has none, bypassing the typo
+(quoted_where_needed), so `hydra.run.dir=/data/ü_日本` works as typed.
+
+`+key=` and `++key=` add a key where the schema has none, bypassing the typo
 check of configs/schema.py, and `~key` deletes one the training needs: additions are refused
 unless they name an existing key, a config group or one of Hydra's own, deletions unless Hydra's.
 """
@@ -72,7 +74,7 @@ def check_additions(overrides: list[str], composed: DictConfig, groups: set[str]
     try:
         parsed = _PARSER.parse_overrides(overrides)
     except HydraException:
-        return  # Hydra reports it, in one line (configs/preflight.py)
+        return  # Hydra reports it, in one line (trainer/preflight.py)
     for o in parsed:
         key = o.key_or_group
         if key == "hydra" or key.startswith(("hydra.", "hydra/")):
@@ -92,3 +94,17 @@ def check_additions(overrides: list[str], composed: DictConfig, groups: set[str]
 
 
 _ABSENT = object()
+
+
+def one_line(e: Exception) -> str:
+    """A Hydra/OmegaConf composition error as one line: what was wrong and what is allowed."""
+    lines = [line.strip() for line in str(e).split("Config search path:")[0].splitlines() if line.strip()]
+    options = [line for line in lines[1:] if not line.endswith(":") and not line.endswith("_schema")]
+    if lines and "Available options" in str(e):
+        text = f"{lines[0]}; choose one of: {', '.join(options)}"
+    else:
+        # Hydra's advice to append with +key= is refused here (configs/overrides.py): left out
+        text = "; ".join(line for line in lines if not line.startswith(("See https://", "To append to your config")))
+    if e.__cause__ is not None:
+        text += ": " + str(e.__cause__).splitlines()[0]
+    return text

@@ -1,4 +1,5 @@
-"""What a config's device, dtype and W&B mode mean on this machine: one answer for train.py and every script."""
+"""What a config's device, dtype, SDPA backend and W&B mode mean on this machine: one answer for
+train.py and every script."""
 
 import base64
 import json
@@ -11,6 +12,7 @@ from urllib.parse import urlparse
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
 def resolve_device(device: str) -> torch.device:
@@ -36,6 +38,41 @@ def uses_bf16(dtype: str, device: torch.device) -> bool:
 def autocast(dtype: str, device: torch.device) -> AbstractContextManager:
     """The context that forward passes run under (a fresh one each call: it is single-use)."""
     return torch.autocast(device.type, dtype=torch.bfloat16) if uses_bf16(dtype, device) else nullcontext()
+
+
+
+SDPA_BACKENDS = {
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "math": SDPBackend.MATH,
+}
+
+
+def sdpa_backend(name: str | None) -> AbstractContextManager:
+    """A fresh context pinning SDPA to backend `name` (nullcontext for None): the contexts are single-use."""
+    return nullcontext() if name is None else sdpa_kernel(SDPA_BACKENDS[name])
+
+
+def sdpa_backend_in_use(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str | None = None,
+                        masked: bool = False) -> str:
+    """The SDPA backend (a key of SDPA_BACKENDS) torch dispatches these inputs to, pinned to
+    `backend` if given, as model/attention.py's sdpa_attention calls it (masked: with the dense
+    document mask); RuntimeError if that backend cannot run them."""
+    B, _, T, _ = q.shape
+    mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=q.device).expand(B, 1, T, T) if masked else None
+    with sdpa_backend(backend):
+        # torch's own dispatcher choice (private API: there is no public one); same rules as the real call
+        choice = SDPBackend(torch._fused_sdp_choice(q, k, v, mask, 0.0, not masked))
+    return next(name for name, b in SDPA_BACKENDS.items() if b == choice)
+
+
+def probe_sdpa_backend(seq_len: int, n_head: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+                       backend: str | None = None, masked: bool = False) -> str:
+    """sdpa_backend_in_use for the model's own inputs: strided views of one (B, T, 3, H, D) projection,
+    for one sequence (torch's choice does not depend on the batch, which need not fit in memory here)."""
+    qkv = torch.empty(1, seq_len, 3, n_head, head_dim, device=device, dtype=dtype)
+    return sdpa_backend_in_use(*qkv.permute(2, 0, 3, 1, 4), backend=backend, masked=masked)
 
 
 # WANDB_MODE's values, W&B's old names included
@@ -74,7 +111,9 @@ def wandb_online_problem(timeout: float = 5.0) -> str | None:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             viewer = json.load(response).get("data", {}).get("viewer")
     except urllib.error.HTTPError as e:
-        return f"{base} refused the API key (HTTP {e.code})" if e.code in (401, 403) else f"{base} answered HTTP {e.code}"
+        if e.code in (401, 403):
+            return f"{base} refused the API key (HTTP {e.code})"
+        return f"{base} answered HTTP {e.code}"
     except (OSError, ValueError) as e:  # no network, DNS, refused, timed out, not JSON
         reason = getattr(e, "reason", e)
         return f"{base} cannot be reached ({type(reason).__name__}: {str(reason)[:80]})"

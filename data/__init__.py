@@ -1,11 +1,10 @@
 """Datasets as flat files of GPT-2 tokens: prepare them once, then draw random training windows.
 
-prepare() lives in data.prepare (`from data.prepare import prepare`) and is not re-exported
-here: importing it from this package would make `python -m data.prepare` import that module
-twice, which runpy warns about.
+prepare() lives in data.prepare (`from data.prepare import prepare`; scripts/prepare_data.py
+runs it from the command line); this package's own import stays light.
 """
 
 from data.loader import SPLITS, DatasetError, TokenWindows, load_meta
-from data.tokenizer import EOT, VOCAB_SIZE, get_encoding
+from data.tokenizer import EOT, VOCAB_SIZE, document_ids, get_encoding
 
-__all__ = ["EOT", "SPLITS", "VOCAB_SIZE", "DatasetError", "TokenWindows", "get_encoding", "load_meta"]
+__all__ = ["EOT", "SPLITS", "VOCAB_SIZE", "DatasetError", "TokenWindows", "document_ids", "get_encoding", "load_meta"]

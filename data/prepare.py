@@ -15,11 +15,10 @@ lock file beside the dataset's directory (<root>/.<name>.lock, flock, which Linu
 NFS) makes a second process, on this machine or another node of a shared filesystem, say that it
 waits and then use what the first one finished; only the lock's holder writes or cleans there.
 
-    python -m data.prepare shakespeare            # configs/data/shakespeare.yaml
-    python -m data.prepare fineweb_edu max_docs=1000
+    python scripts/prepare_data.py shakespeare            # configs/data/shakespeare.yaml
+    python scripts/prepare_data.py fineweb_edu max_docs=1000
 """
 
-import argparse
 import contextlib
 import fcntl
 import hashlib
@@ -41,7 +40,7 @@ import huggingface_hub
 import numpy as np
 import pyarrow.compute as pc
 
-from configs.schema import DataConfig
+from data.config import DataConfig
 from data.files import DiskFullError, atomic_write, sha256_file
 from data.loader import SPLITS, DatasetError, load_meta
 from data.tokenizer import EOT, VOCAB_SIZE, get_encoding
@@ -134,7 +133,8 @@ def _check_hub(cfg: DataConfig) -> None:
     except Exception as e:  # no network, DNS, proxy, HF_HUB_OFFLINE: whatever keeps the hub away
         raise DatasetError(
             f"data={cfg.name} streams {cfg.hf_path} from the Hugging Face hub, which this machine cannot reach "
-            f"({type(e).__name__}): prepare it once where there is internet (python -m data.prepare {cfg.name}) "
+            f"({type(e).__name__}): prepare it once where there is internet "
+            f"(python scripts/prepare_data.py {cfg.name}) "
             f"and copy {dataset_dir(cfg)} to the same place here, or point data.root at a copy"
         ) from e
 
@@ -361,37 +361,3 @@ def prepare_on_node(cfg: DataConfig, local_rank: int, barrier: Callable[[], None
         out = prepare(cfg)
     barrier()
     return out if local_rank == 0 else prepare(cfg)
-
-
-def main() -> None:
-    from hydra import compose, initialize_config_dir
-    from hydra.errors import HydraException
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
-    from configs.preflight import one_line
-    from configs.store import register_configs
-    from configs.validate import ConfigError, validate_data
-
-    parser = argparse.ArgumentParser(description="Prepare the dataset of configs/data/NAME.yaml.")
-    parser.add_argument("name", help="a config in configs/data, e.g. shakespeare")
-    parser.add_argument("overrides", nargs="*", help="field=value overrides, e.g. max_docs=1000")
-    args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    register_configs()
-    try:
-        with initialize_config_dir(config_dir=str(_REPO / "configs"), version_base=None):
-            cfg = compose(overrides=[f"+data={args.name}", *(f"data.{o}" for o in args.overrides)])
-        validate_data(cfg)
-        prepare(OmegaConf.to_object(cfg.data))
-    except (HydraException, OmegaConfBaseException, ConfigError, DatasetError) as e:
-        print(f"error: {one_line(e) if isinstance(e, (HydraException, OmegaConfBaseException)) else e}",
-              file=sys.stderr)
-        sys.exit(2)
-    except DiskFullError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
-
-
-if __name__ == "__main__":
-    main()

@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 import tiktoken
+import torch
 
 from data.files import atomic_write, sha256_file
 
@@ -61,3 +62,10 @@ def get_encoding() -> tiktoken.Encoding:
         )
     _seed_cache(Path(cache_dir))
     return tiktoken.get_encoding("gpt2")
+
+
+def document_ids(idx: torch.Tensor) -> torch.Tensor:
+    """(B, T) int32 id of each token's document: an end-of-text token ends its document, so the
+    tokens after it start the next one (the count of end-of-text tokens before each position)."""
+    eot = (idx == EOT).to(torch.int32)
+    return torch.cumsum(eot, dim=1, dtype=torch.int32) - eot

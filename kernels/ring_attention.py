@@ -12,7 +12,7 @@ run, like the kernels'.
 
 Layout, zigzag (load-balanced, as in ring-flash-attention and torchtitan's context parallel):
 the T tokens are cut into 2N chunks of c = T / (2N); rank r holds chunks r and 2N-1-r, in that
-order (model/context_parallel.py shards and reorders). Then every step costs the same work on
+order (trainer/parallel.py shards and reorders). Then every step costs the same work on
 every rank, c·2c query-key pairs or a causal 2c·2c block:
   step 0, own K/V:   local causal attention (chunk order follows global order);
   K/V of rank j < r: all 2c local queries attend chunk j (the first half of that K/V), no mask;

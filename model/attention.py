@@ -1,20 +1,22 @@
-"""The attention swap point: one signature, a name -> function map, nothing else.
+"""The attention swap point: one signature, and one registry of the implementations and what each can do.
 
 Every implementation takes q, k, v of shape (B, H, T, D), and optionally doc_ids (B, T) of packed
 documents, and returns causal attention of the same shape and dtype, within each document when
-doc_ids is given. The GPT model calls `get_attention(name)` once and never branches on the name.
+doc_ids is given. The model calls the `fn` of the Attention it is given and never asks which one
+it is. What an attention can do (head dims, splitting a sequence over ranks, what selective
+activation checkpointing keeps of it) is written in its entry, once: the config's choices and
+checks, the trainer, the benchmark and the equivalence check read it from here. A new attention
+is a function and an entry below.
 """
 
 import math
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from configs.schema import AttnName
-from kernels import flash_attention
+from kernels import MAX_HEAD_DIM, flash_attention
 
 AttentionFn = Callable[..., torch.Tensor]  # (q, k, v, doc_ids=None) -> (B, H, T, D)
 
@@ -39,7 +41,7 @@ def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: 
 
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None = None
                    ) -> torch.Tensor:
-    """PyTorch's fused attention; which backend runs is torch's choice unless pinned (sdpa_backend).
+    """PyTorch's fused attention; which backend runs is torch's choice unless pinned (configs/runtime.py).
     With documents it gets a dense (B, 1, T, T) mask, which its flash and cuDNN kernels do not take."""
     if doc_ids is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -52,57 +54,30 @@ def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids:
     return flash_attention(q, k, v, causal=True, doc_ids=doc_ids)
 
 
-ATTENTIONS: dict[str, AttentionFn] = {  # one entry per configs.schema.AttnName
-    AttnName.naive.value: naive_attention,
-    AttnName.sdpa.value: sdpa_attention,
-    AttnName.triton.value: triton_attention,
-}
-
-# the ops that compute attention as one call: what selective activation checkpointing keeps
-# (naive attention has none; it is recomputed whole)
-ATTENTION_OPS = {
-    torch.ops.kernels.flash_attn_fwd.default,
-    torch.ops.aten._scaled_dot_product_flash_attention.default,
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-    torch.ops.aten._scaled_dot_product_efficient_attention.default,
-    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
-}
-
-SDPA_BACKENDS = {
-    "flash": SDPBackend.FLASH_ATTENTION,
-    "cudnn": SDPBackend.CUDNN_ATTENTION,
-    "efficient": SDPBackend.EFFICIENT_ATTENTION,
-    "math": SDPBackend.MATH,
-}
+@dataclass(frozen=True)
+class Attention:
+    name: str  # attn=<name>
+    fn: AttentionFn
+    about: str  # what runs, in a line
+    max_head_dim: int | None = None  # None: any
+    context_parallel: bool = False  # one sequence over several ranks: ring attention over its kernels
+    # the ops selective activation checkpointing keeps (output and LSE); none: recomputed whole
+    saved_ops: tuple = ()
 
 
-def get_attention(name: str) -> AttentionFn:
+ATTENTIONS = {a.name: a for a in (
+    Attention("naive", naive_attention, "textbook softmax attention, the (T x T) scores in memory"),
+    Attention("sdpa", sdpa_attention, "torch.nn.functional.scaled_dot_product_attention (backend logged on CUDA)",
+              saved_ops=(torch.ops.aten._scaled_dot_product_flash_attention.default,
+                         torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+                         torch.ops.aten._scaled_dot_product_efficient_attention.default,
+                         torch.ops.aten._scaled_dot_product_cudnn_attention.default)),
+    Attention("triton", triton_attention, "our FlashAttention-2 forward and backward Triton kernels",
+              max_head_dim=MAX_HEAD_DIM, context_parallel=True, saved_ops=(torch.ops.kernels.flash_attn_fwd.default,)),
+)}
+
+
+def get_attention(name: str) -> Attention:
     if name not in ATTENTIONS:
         raise ValueError(f"unknown attention {name!r}: choose one of {sorted(ATTENTIONS)} (attn=NAME)")
     return ATTENTIONS[name]
-
-
-def sdpa_backend(name: str | None) -> AbstractContextManager:
-    """A fresh context pinning SDPA to backend `name` (nullcontext for None): the contexts are single-use."""
-    return nullcontext() if name is None else sdpa_kernel(SDPA_BACKENDS[name])
-
-
-def sdpa_backend_in_use(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str | None = None,
-                        masked: bool = False) -> str:
-    """The SDPA backend (a key of SDPA_BACKENDS) torch dispatches these inputs to, pinned to
-    `backend` if given, as sdpa_attention calls it (masked: with the dense document mask);
-    RuntimeError if that backend cannot run them."""
-    B, _, T, _ = q.shape
-    mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=q.device).expand(B, 1, T, T) if masked else None
-    with sdpa_backend(backend):
-        # torch's own dispatcher choice (private API: there is no public one); same rules as the real call
-        choice = SDPBackend(torch._fused_sdp_choice(q, k, v, mask, 0.0, not masked))
-    return next(name for name, b in SDPA_BACKENDS.items() if b == choice)
-
-
-def probe_sdpa_backend(seq_len: int, n_head: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-                       backend: str | None = None, masked: bool = False) -> str:
-    """sdpa_backend_in_use for the model's own inputs: strided views of one (B, T, 3, H, D) projection,
-    for one sequence (torch's choice does not depend on the batch, which need not fit in memory here)."""
-    qkv = torch.empty(1, seq_len, 3, n_head, head_dim, device=device, dtype=dtype)
-    return sdpa_backend_in_use(*qkv.permute(2, 0, 3, 1, 4), backend=backend, masked=masked)

@@ -1,10 +1,12 @@
 """A small causal GPT: pre-LN blocks, learned or rotary positions, tied head, pluggable attention.
 
-The attention function comes from model/attention.py by name; this file never knows which one runs.
+The attention comes in as an entry of model/attention.py's registry; this file calls its `fn` and
+never knows which one runs, nor whether the sequence it sees is all of one or a context-parallel
+rank's shard of it (the caller passes the tokens' positions then) or how documents are marked in
+the tokens (the caller passes their ids).
 """
 
 import contextlib
-import functools
 import math
 from collections.abc import Callable
 
@@ -13,19 +15,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from configs.schema import ModelConfig
-from data.tokenizer import EOT
 from kernels import attention_flops
 from kernels.cross_entropy import full_cross_entropy, linear_cross_entropy
-from model.attention import ATTENTION_OPS, AttentionFn, get_attention
-from model.context_parallel import ContextParallel
-
-
-def document_ids(idx: torch.Tensor) -> torch.Tensor:
-    """(B, T) int32 id of each token's document: an end-of-text token ends its document, so the
-    tokens after it start the next one (the count of end-of-text tokens before each position)."""
-    eot = (idx == EOT).to(torch.int32)
-    return torch.cumsum(eot, dim=1, dtype=torch.int32) - eot
+from model.attention import Attention, AttentionFn, get_attention
+from model.config import ModelConfig
 
 
 def padded_vocab(vocab_size: int) -> int:
@@ -55,7 +48,7 @@ class Rotary(nn.Module):
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, attention: AttentionFn, rotary: Rotary | None):
+    def __init__(self, cfg: ModelConfig, attention: AttentionFn | None, rotary: Rotary | None):
         super().__init__()
         self.n_head = cfg.n_head
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=cfg.bias)
@@ -65,26 +58,15 @@ class CausalSelfAttention(nn.Module):
         self.rotary = rotary
         self.dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None, cp: ContextParallel | None = None,
-                pos: torch.Tensor | None = None) -> torch.Tensor:
-        """x (B, T, C); with cp, T is this rank's shard of the sequence and pos its positions."""
-        if cp is not None:
-            return self._sharded(x, cp, pos)
-        return self._attend(x, functools.partial(self.attention, doc_ids=doc_ids), pos)
-
-    # the ring communicates, so a compiled model runs this block eagerly; a graph break inside it
-    # (strided q, k, v views crossing it) fails in torch 2.13's AOT view replay, one around it does not
-    @torch.compiler.disable
-    def _sharded(self, x: torch.Tensor, cp: ContextParallel, pos: torch.Tensor) -> torch.Tensor:
-        return self._attend(x, cp.attention, pos)
-
-    def _attend(self, x: torch.Tensor, attention: Callable, pos: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, pos: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """x (B, T, C); pos (T,): the tokens' positions, if not 0..T-1."""
         B, T, C = x.shape
         # (B, T, 3, H, D) -> three (B, H, T, D) strided views; the kernels take strides, no copy
         q, k, v = self.qkv(x).view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4)
         if self.rotary is not None:
             q, k = self.rotary(q, pos), self.rotary(k, pos)
-        y = attention(q, k, v)  # (B, H, T, D)
+        y = self.attention(q, k, v) if doc_ids is None else self.attention(q, k, v, doc_ids=doc_ids)  # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, C)
         return self.dropout(self.proj(y))
 
@@ -102,40 +84,45 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, attention: AttentionFn, rotary: Rotary | None):
+    def __init__(self, cfg: ModelConfig, attention: AttentionFn | None, rotary: Rotary | None):
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
         self.attn = CausalSelfAttention(cfg, attention, rotary)
         self.ln2 = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None, cp: ContextParallel | None = None,
-                pos: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x), doc_ids, cp, pos)
+    def forward(self, x: torch.Tensor, pos: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x), pos, doc_ids)
         return x + self.mlp(self.ln2(x))
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: ModelConfig, attn: str, ac: str = "none", doc_mask: bool = False,
-                 cp: ContextParallel | None = None):
-        """attn: a name in model/attention.py; ac: activation checkpointing per block, none | selective |
-        full; doc_mask: attend within packed documents, each ended by the end-of-text token; cp: split
-        every sequence over these ranks in forward(idx, targets) (ring attention; generate() does not)."""
+    def __init__(self, cfg: ModelConfig, attention: Attention | str, ac: str = "none"):
+        """attention: an entry of model/attention.py's registry, or its name; ac: activation
+        checkpointing per block, none | selective | full."""
         super().__init__()
-        self.cfg, self.ac, self.doc_mask, self.cp = cfg, ac, doc_mask, cp
+        self.cfg, self.ac = cfg, ac
         self.vocab_size = padded_vocab(cfg.vocab_size)
-        attention = get_attention(attn)
         head_dim = cfg.d_model // cfg.n_head
         # one table shared by all layers
         rotary = Rotary(head_dim, cfg.max_seq_len, cfg.rope_theta) if cfg.pos_emb == "rope" else None
         self.tok_emb = nn.Embedding(self.vocab_size, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model) if rotary is None else None
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg, attention, rotary) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(Block(cfg, None, rotary) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
         self.head = nn.Linear(cfg.d_model, self.vocab_size, bias=False)
         self.head.weight = self.tok_emb.weight  # tied: https://arxiv.org/abs/1608.05859
         self.apply(self._init_weights)
+        self.set_attention(attention)
+
+    def set_attention(self, attention: Attention | str) -> None:
+        """The attention every block calls from now on (the weights do not depend on it): e.g. the
+        plain kernels again, for generating whole sequences after training on context-parallel shards."""
+        self.attention = get_attention(attention) if isinstance(attention, str) else attention
+        for block in self.blocks:
+            block.attn.attention = self.attention.fn
 
     def _init_weights(self, module: nn.Module) -> None:
         # GPT-2 init; residual projections scaled by 1/sqrt(2 * n_layer) so the residual stream's
@@ -162,31 +149,25 @@ class GPT(nn.Module):
         attention = attention_flops(1, self.cfg.n_head, seq_len, seq_len, head_dim, causal=True) / seq_len
         return 6 * self.num_params(matmul_only=True) + 3 * self.cfg.n_layer * attention
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, split: bool = True):
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, pos: torch.Tensor | None = None,
+                doc_ids: torch.Tensor | None = None):
         """idx (B, T) token ids -> (logits (B, T, V), None); with targets (B, T), (logits, mean loss),
         where model.loss=chunked returns no logits: it never makes them (kernels/cross_entropy.py).
-        With cp every rank of it passes the same idx and targets and gets the logits of its shard
-        (cp.shard) and the mean loss over its shard's tokens; split=False runs the whole sequence in
-        this process alone (generate())."""
-        cp = self.cp if split else None
-        if idx.size(1) > self.cfg.max_seq_len:
-            raise ValueError(f"sequence of {idx.size(1)} tokens exceeds model.max_seq_len {self.cfg.max_seq_len}")
-        pos = None
-        if cp is not None:
-            pos = cp.positions(idx.size(1), idx.device)
-            idx, targets = cp.shard(idx), None if targets is None else cp.shard(targets)
+        pos (T,): the tokens' positions in their sequence if not 0..T-1 (a context-parallel shard);
+        doc_ids (B, T): attend within packed documents, each a run of equal ids."""
         B, T = idx.shape
+        if pos is None and T > self.cfg.max_seq_len:
+            raise ValueError(f"sequence of {T} tokens exceeds model.max_seq_len {self.cfg.max_seq_len}")
         x = self.tok_emb(idx)  # (B, T, C)
         if self.pos_emb is not None:
             x = x + self.pos_emb(torch.arange(T, device=idx.device) if pos is None else pos)
         x = self.drop(x)
-        doc_ids = document_ids(idx) if self.doc_mask else None
         recompute = self.ac != "none" and self.training and torch.is_grad_enabled()
         for block in self.blocks:
             if recompute:
-                x = checkpoint(block, x, doc_ids, cp, pos, use_reentrant=False, context_fn=self._ac_context)
+                x = checkpoint(block, x, pos, doc_ids, use_reentrant=False, context_fn=self._ac_context)
             else:
-                x = block(x, doc_ids, cp, pos)
+                x = block(x, pos, doc_ids)
         x = self.ln_f(x)
         if targets is not None and self.cfg.loss == "chunked":
             loss = linear_cross_entropy(x.view(B * T, -1), self.head.weight, targets.view(-1), self.cfg.loss_chunk,
@@ -199,21 +180,24 @@ class GPT(nn.Module):
 
     def _ac_context(self):
         """Activation checkpointing of a block: full recomputes it all in the backward; selective
-        keeps what the attention kernels returned (output and LSE) and recomputes the rest; with
-        context parallelism the ring is not one such op, so selective recomputes it too."""
+        keeps what the attention's op returned (output and LSE; the registry's saved_ops) and
+        recomputes the rest, the attention too where it is not one such op."""
         if self.ac == "full":
             return contextlib.nullcontext(), contextlib.nullcontext()
+        saved = self.attention.saved_ops
         return create_selective_checkpoint_contexts(
-            lambda ctx, op, *args, **kwargs: CheckpointPolicy.MUST_SAVE if op in ATTENTION_OPS
+            lambda ctx, op, *args, **kwargs: CheckpointPolicy.MUST_SAVE if op in saved
             else CheckpointPolicy.PREFER_RECOMPUTE)
 
     @torch.no_grad()
-    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 0.8,
-                 top_k: int | None = 200, generator: torch.Generator | None = None) -> torch.Tensor:
-        """Extends idx (B, T) by max_new_tokens sampled tokens (no KV cache: recomputes the window)."""
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 0.8, top_k: int | None = 200,
+                 generator: torch.Generator | None = None,
+                 doc_ids_of: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+        """Extends idx (B, T) by max_new_tokens sampled tokens (no KV cache: recomputes the window);
+        doc_ids_of: the document ids of a window, for a model that attends within documents."""
         for _ in range(max_new_tokens):
             window = idx[:, -self.cfg.max_seq_len:]
-            logits, _ = self(window, split=False)
+            logits, _ = self(window, doc_ids=None if doc_ids_of is None else doc_ids_of(window))
             logits = logits[:, -1, : self.cfg.vocab_size].float() / temperature  # drop padded ids
             if top_k is not None:
                 kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]

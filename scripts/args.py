@@ -4,7 +4,7 @@ argparse prints its usage above the error; ArgumentParser here prints the error 
 types below name the value and what is allowed. Every check runs on the arguments alone, before a
 script asks for a GPU (so each is testable on any machine) and before it creates a file. The Hydra
 scripts compose their config here before @hydra.main runs (Hydra reports a bad override in a block
-of lines), as configs/preflight.py does for train.py; train_config() checks the train.py overrides
+of lines), as trainer/preflight.py does for train.py; train_config() checks the train.py overrides
 that a benchmark passes on, before its first run.
 """
 
@@ -21,7 +21,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException
 
-from configs.preflight import one_line
+from configs.overrides import one_line
 from configs.store import register_configs
 from configs.validate import ConfigError, validate
 

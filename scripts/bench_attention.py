@@ -32,7 +32,8 @@ from triton.testing import do_bench
 
 from kernels import attention_flops, flash_attention
 from kernels.flash_attn import LAUNCHERS
-from model.attention import hidden_keys, naive_attention
+from configs.runtime import SDPA_BACKENDS
+from model.attention import ATTENTIONS, hidden_keys
 from scripts.args import (ArgumentParser, directory, names, non_negative_int, positive_int, positive_ints,
                           require_cuda)
 
@@ -53,8 +54,8 @@ FIELDS = ["impl", "D", "T", "B", "H", "fwd_ms", "fwdbwd_ms",
 # Per-shape state (flex's block mask and compiled graph) is built in the factory, outside timing.
 # ---------------------------------------------------------------------------
 
-def _triton(T):
-    return lambda q, k, v: flash_attention(q, k, v, causal=True)
+def _as_trained(attention):
+    return lambda T: attention.fn  # causal, as the model calls it
 
 
 def _sdpa(backend):
@@ -78,14 +79,12 @@ def _flex(T):
     return lambda q, k, v: compiled(q, k, v, block_mask=block_mask)
 
 
-IMPLS = {
-    "triton": _triton,
-    "sdpa_flash": _sdpa(SDPBackend.FLASH_ATTENTION),
-    "sdpa_cudnn": _sdpa(SDPBackend.CUDNN_ATTENTION),
-    "sdpa_efficient": _sdpa(SDPBackend.EFFICIENT_ATTENTION),
-    "flex": _flex,
-    "naive": lambda T: naive_attention,
-}
+# the training attentions of model/attention.py as the model calls them; SDPA once per backend,
+# pinned, so that a row names the kernel that ran (its math backend is naive's work again); and
+# FlexAttention, which training does not run
+IMPLS = {**{name: _as_trained(a) for name, a in ATTENTIONS.items() if name != "sdpa"},
+         **{f"sdpa_{name}": _sdpa(backend) for name, backend in SDPA_BACKENDS.items() if name != "math"},
+         "flex": _flex}
 
 # ---------------------------------------------------------------------------
 # Measurement
@@ -141,7 +140,7 @@ def check_triton(get_qkv, dout, T):
     """Print max |triton - sdpa_flash| of the output and of dq, dk, dv (a sanity line, not a test)."""
     q, k, v = get_qkv()
     results = []
-    for make in (_triton, IMPLS["sdpa_flash"]):
+    for make in (IMPLS["triton"], IMPLS["sdpa_flash"]):
         out = make(T)(q, k, v)
         results.append((out, *torch.autograd.grad(out, (q, k, v), dout)))
     diffs = [(a.float() - b.float()).abs().max().item() for a, b in zip(*results)]

@@ -22,7 +22,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # scripts/ sits beside the packages
 
-from data.metrics import read_metrics  # noqa: E402
+from trainer.metrics import read_metrics  # noqa: E402
 from scripts.args import (ArgumentParser, directory, positive_int, positive_ints, require_cuda,  # noqa: E402
                           train_config)
 

@@ -47,14 +47,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/ sits be
 import train  # noqa: E402
 from configs.overrides import quoted_where_needed  # noqa: E402
 from configs.runtime import resolve_device, uses_bf16  # noqa: E402
-from configs.schema import TrainConfig  # noqa: E402
+from configs.schema import TrainConfig, plain  # noqa: E402
 from configs.store import register_configs  # noqa: E402
 from configs.validate import ConfigError, validate  # noqa: E402
 from data import DatasetError  # noqa: E402
-from data.checkpoint import CheckpointError  # noqa: E402
-from data.metrics import read_metrics  # noqa: E402
+from trainer.checkpoint import CheckpointError  # noqa: E402
+from trainer.metrics import read_metrics  # noqa: E402
 from data.prepare import dataset_dir  # noqa: E402
 from model.attention import ATTENTIONS  # noqa: E402
+from trainer.report import open_wandb  # noqa: E402
 from scripts.args import fail, hydra_config, unwritable  # noqa: E402
 
 NAN = float("nan")
@@ -68,7 +69,8 @@ VAL_REL_TOL = 0.01  # bf16: final val losses within 1% of the reference's
 
 @dataclass
 class EquivalenceConfig(TrainConfig):
-    attns: list[str] = field(default_factory=lambda: ["sdpa", "naive", "triton"])  # the first is the reference
+    # the first is the reference: PyTorch's own, then every other attention of the registry
+    attns: list[str] = field(default_factory=lambda: ["sdpa", *(name for name in ATTENTIONS if name != "sdpa")])
     print_every: int = 10  # steps between rows of the printed table
 
 
@@ -217,9 +219,9 @@ def plot(runs: dict, reference: str, result: dict, title: str, path: Path) -> No
 def log_wandb(cfg: DictConfig, out_dir: Path, runs: dict, result: dict, png: Path) -> None:
     import wandb  # slow to import; only needed here
 
-    run = train.open_wandb(cfg, out_dir, group=cfg.wandb.group or "equivalence", job_type="equivalence",
+    run = open_wandb(cfg, out_dir, group=cfg.wandb.group or "equivalence", job_type="equivalence",
                            name=f"equivalence-{cfg.model.name}-T{cfg.seq_len}",
-                           config={**train.plain(cfg), **result["environment"], "mode": result["mode"]})
+                           config={**plain(cfg), **result["environment"], "mode": result["mode"]})
     series = {f"loss/{n}": r["loss"] for n, r in runs.items()}
     series |= {f"abs_diff/{n}": d for n, d in result["abs_diff"].items()}
     if result["spread_abs_diff"]:

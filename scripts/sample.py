@@ -24,7 +24,7 @@ from configs.runtime import autocast, resolve_device  # noqa: E402
 from configs.schema import AttnName, ModelConfig  # noqa: E402
 from configs.validate import ConfigError  # noqa: E402
 from data import get_encoding  # noqa: E402
-from data.checkpoint import CheckpointError, checkpoint_path, load_checkpoint, load_weights  # noqa: E402
+from trainer.checkpoint import CheckpointError, checkpoint_path, load_checkpoint, load_weights  # noqa: E402
 from model import GPT  # noqa: E402
 from scripts.args import fail, hydra_config  # noqa: E402
 

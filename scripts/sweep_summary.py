@@ -37,7 +37,7 @@ from omegaconf.errors import OmegaConfBaseException  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/ sits beside the packages
 
-from data.metrics import read_metrics, steady  # noqa: E402
+from trainer.metrics import read_metrics, steady  # noqa: E402
 from scripts.args import ArgumentParser, directory, fail, unwritable  # noqa: E402
 
 COLUMNS = ["attn", "seq_len", "status", "steps", "tokens_per_s", "mfu",

@@ -11,7 +11,7 @@ from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 
 from configs.store import register_configs
-from data.metrics import read_metrics
+from trainer.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from kernels.ring_attention import ring_attention, ring_attn_backward, ring_attn_forward
-from model.context_parallel import ContextParallel
+from trainer.parallel import ContextParallel
 
 
 def inputs(T: int, H: int, H_kv: int, D: int, dtype=torch.float32) -> tuple[torch.Tensor, ...]:

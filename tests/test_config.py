@@ -10,16 +10,21 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from configs.validate import validate
-from model import GPT
+from model import ATTENTIONS, GPT
 from tests.helpers import CONFIGS, compose
 
 
 def options(group: str) -> list[str]:
+    """A group's choices: its YAML files, or for attn the registry's entries (configs/store.py)."""
+    if group == "attn":
+        return sorted(ATTENTIONS)
     return sorted(p.stem for p in (CONFIGS / group).glob("*.yaml"))
 
 
 def test_groups_have_the_documented_options():
     assert options("attn") == ["naive", "sdpa", "triton"]
+    for name in options("attn"):  # each attention of the registry is an attn= choice
+        assert compose([f"attn={name}"]).attn.name == name
     assert {"tiny", "small", "gpt2_small"} <= set(options("model"))
     assert {"shakespeare", "tinystories", "fineweb_edu"} <= set(options("data"))
 

@@ -14,7 +14,7 @@ import torch
 
 import train as train_module
 from configs.validate import ConfigError, batch_size_per_process, validate
-from model.context_parallel import ContextParallel, unshard
+from trainer.parallel import ContextParallel, unshard
 from tests.helpers import REPO, TINY, compose, metrics, torchrun
 from tests.ring_worker import inputs
 from tests.test_flash_attn import _assert_within_reference_error, _dense, _error_scales

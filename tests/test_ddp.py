@@ -52,8 +52,9 @@ def test_more_processes_than_gpus_is_refused(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    with pytest.raises(ConfigError, match="needs GPU 1, but only 1 are visible: lower --nproc_per_node"):
-        train_module.setup_distributed(compose(TINY[:-1]))
+    with pytest.raises(ConfigError, match="LOCAL_RANK=1: needs GPU 1, but only 1 are visible: lower "
+                                          "--nproc_per_node"):
+        validate(compose(TINY[:-1] + ["device=cuda"]), world=2)
 
 
 FSDP_RUN = TINY + ["attn=triton", "model.n_layer=2", "batch_tokens=128", "log_interval=1", "eval_interval=2",

@@ -28,10 +28,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from configs import preflight
-from data import checkpoint
-from data.checkpoint import CheckpointError, load_checkpoint
-from data.metrics import json_line, read_metrics
+from trainer import preflight
+from trainer import checkpoint
+from trainer.checkpoint import CheckpointError, load_checkpoint
+from trainer.metrics import json_line, read_metrics
 from tests.helpers import REPO, TINY, torchrun, wandb_file
 from tests.wandb_records import ending
 
@@ -345,7 +345,7 @@ def test_a_full_disk_during_a_save_keeps_the_last_checkpoint(data_root, tmp_path
     disk = tmp_path / "disk"
     disk.mkdir()
     cmd = command(data_root, f"hydra.run.dir={disk / 'run'}", "ckpt_interval=3", "max_steps=9")
-    check = ("import json, sys; from pathlib import Path; from data.checkpoint import load_checkpoint; "
+    check = ("import json, sys; from pathlib import Path; from trainer.checkpoint import load_checkpoint; "
              f"run = Path({str(disk / 'run')!r}); "
              "print(json.dumps({'step': load_checkpoint(run / 'ckpt.pt')['step'], "
              "'files': sorted(p.name for p in run.iterdir())}))")
@@ -430,7 +430,7 @@ def test_an_online_dataset_without_the_hub_is_one_line_and_leaves_nothing(tmp_pa
                tmp_path, env={"HF_HUB_OFFLINE": "1"})
     assert done.returncode == 2
     line = stderr_line_after_logging(done)
-    assert "cannot reach" in line and "python -m data.prepare tinystories" in line
+    assert "cannot reach" in line and "python scripts/prepare_data.py tinystories" in line
     assert not (tmp_path / "data" / "tinystories").exists() and not list(tmp_path.glob("outputs/*/*"))
 
 

@@ -17,9 +17,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from configs.schema import ModelConfig
-from data.tokenizer import EOT
+from data.tokenizer import EOT, document_ids
 from model import ATTENTIONS, GPT, get_attention
-from model.gpt import Rotary, document_ids
+from model.gpt import Rotary
 from tests.helpers import assert_within_own_error
 
 
@@ -36,10 +36,10 @@ def twin_models(cfg: ModelConfig, attns: tuple[str, ...], dtype: torch.dtype) ->
     return models
 
 
-def logits_and_grads(model: GPT, idx: torch.Tensor, targets: torch.Tensor):
+def logits_and_grads(model: GPT, idx: torch.Tensor, targets: torch.Tensor, doc_ids: torch.Tensor | None = None):
     with torch.no_grad():
-        logits, _ = model(idx)
-    _, loss = model(idx, targets)
+        logits, _ = model(idx, doc_ids=doc_ids)
+    _, loss = model(idx, targets, doc_ids=doc_ids)
     loss.backward()
     return logits, {n: p.grad for n, p in model.named_parameters()}
 
@@ -219,7 +219,7 @@ def test_every_attention_masks_documents_alike():
     for attn, dtype in (("naive", torch.float32), ("sdpa", torch.float32), ("triton", torch.float32),
                         ("sdpa64", torch.float64)):
         torch.manual_seed(0)
-        results[attn] = logits_and_grads(GPT(cfg, attn.removesuffix("64"), doc_mask=True).to(dtype), idx, targets)
+        results[attn] = logits_and_grads(GPT(cfg, attn.removesuffix("64")).to(dtype), idx, targets, document_ids(idx))
     torch.manual_seed(0)
     unmasked = logits_and_grads(GPT(cfg, "sdpa"), idx, targets)
     assert not torch.allclose(unmasked[0], results["sdpa"][0], rtol=1e-3, atol=1e-4)  # the mask matters here
@@ -237,15 +237,15 @@ def test_a_packed_document_scores_as_if_it_were_alone(attn):
     cfg = tiny_config(n_layer=2, n_head=2, d_model=32, max_seq_len=64, pos_emb="rope", loss="full")
     torch.manual_seed(0)
     dtype = torch.float32 if attn == "triton" else torch.float64
-    model = GPT(cfg, attn, doc_mask=True).to(dtype)
-    reference = GPT(cfg, "sdpa", doc_mask=True).double()
+    model = GPT(cfg, attn).to(dtype)
+    reference = GPT(cfg, "sdpa").double()
     reference.load_state_dict(model.state_dict())
     idx, docs = _packed([9, 1, 17, 12], seed=2)
     with torch.no_grad():
-        packed = model(idx)[0][0]  # (T, V)
+        packed = model(idx, doc_ids=document_ids(idx))[0][0]  # (T, V)
         start = 0
         for doc in docs:
-            alone, exact = (m(doc[None])[0][0] for m in (model, reference))
+            alone, exact = (m(doc[None], doc_ids=document_ids(doc[None]))[0][0] for m in (model, reference))
             assert_within_own_error(f"document at {start}", packed[start:start + len(doc)], exact, alone,
                                     longest_sum(cfg, idx, backward=False))
             start += len(doc)

@@ -11,6 +11,7 @@
 """
 
 import csv
+import dataclasses
 import importlib.util
 import json
 import math
@@ -80,7 +81,8 @@ def test_a_wrong_softmax_scale_is_caught(data_root, tmp_path, monkeypatch):
     def unscaled_attention(q, k, v, doc_ids=None):  # the classic bug: scores not divided by sqrt(head_dim)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1.0)
 
-    monkeypatch.setitem(attention.ATTENTIONS, "naive", unscaled_attention)
+    naive = attention.ATTENTIONS["naive"]
+    monkeypatch.setitem(attention.ATTENTIONS, "naive", dataclasses.replace(naive, fn=unscaled_attention))
     cfg = compose_equivalence(TINY + [f"data.root={data_root}", "max_steps=10", "attns=[sdpa,naive]",
                                       "wandb.mode=disabled"])
     result = equivalence.check(cfg, tmp_path)

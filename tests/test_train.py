@@ -173,7 +173,7 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(data_root, tmp_path, mo
 
 def test_cuda_oom_is_recorded_and_does_not_raise(data_root, tmp_path, monkeypatch):
     # the CPU cannot run out of GPU memory: raise the real exception type where the model runs
-    def forward_out_of_memory(self, idx, targets=None):
+    def forward_out_of_memory(self, *args, **kwargs):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 45.00 GiB")
 
     monkeypatch.setattr(train_module.GPT, "forward", forward_out_of_memory)

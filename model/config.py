@@ -1,0 +1,41 @@
+"""The model's typed config: plain dataclasses, so the model needs no Hydra (configs/schema.py
+registers them for the command line)."""
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from omegaconf import MISSING
+
+
+class PosEmb(StrEnum):
+    learned = "learned"
+    rope = "rope"
+
+
+class Loss(StrEnum):
+    chunked = "chunked"  # linear + cross-entropy a chunk of tokens at a time (kernels/cross_entropy.py)
+    full = "full"  # the (tokens x vocab) logits, then cross-entropy
+
+
+class Checkpointing(StrEnum):
+    none = "none"
+    selective = "selective"  # keep what the attention op returned (output and LSE), recompute the rest of each block
+    full = "full"  # recompute each block in the backward
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING
+    n_layer: int = 12
+    n_head: int = 12
+    d_model: int = 768
+    # learned position table size; seq_len may not exceed it (RoPE has no table but keeps the cap)
+    max_seq_len: int = 1024
+    vocab_size: int = 50257  # GPT-2 BPE; the model pads it to a multiple of 64
+    pos_emb: PosEmb = PosEmb.learned
+    rope_theta: float = 10000.0
+    dropout: float = 0.0
+    bias: bool = False
+    loss: Loss = Loss.chunked
+    loss_chunk: int = 4096  # tokens per chunk of the chunked loss
+    z_loss: float = 0.0  # weight of lse^2 in the loss (PaLM's z-loss); 0 disables

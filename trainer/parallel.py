@@ -1,0 +1,214 @@
+"""How one training job is laid out over its processes: one object for all of it.
+
+Under torchrun every process drives one GPU (or the CPU, through gloo). The processes form a
+(world / cp) x cp grid: the cp ranks of a row split each of its sequences (context parallelism,
+ring attention), the rows are data-parallel, each drawing its own slice of the global batch.
+Gradients are averaged over all processes: by DDP, which keeps the whole model and AdamW state on
+every process, or by FSDP2 (fully_shard per block and on the rest), which shards weights, gradients
+and optimizer state. Checkpoints hold whole tensors either way (state_dict / load_state_dict).
+
+Context parallelism, zigzag: the T tokens of a window are cut into 2N chunks and rank r of the N
+keeps chunks r and 2N-1-r, so every rank has the same causal attention work
+(kernels/ring_attention.py explains the ring and why this layout balances it). The model sees its
+shard and the shard's global positions (RoPE, the learned table); its attention is the ring over
+the registry's kernels.
+"""
+
+import dataclasses
+import functools
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from kernels.ring_attention import ring_attention
+from model.attention import Attention
+
+# checkpoints hold whole tensors whatever the sharding: gathered to rank 0 (on the CPU) to save,
+# and every rank loads the whole checkpoint and keeps its shard
+_WHOLE = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+@dataclass(frozen=True)
+class ContextParallel:
+    group: dist.ProcessGroup
+    rank: int  # in the group
+    size: int
+
+    @classmethod
+    def of(cls, group: dist.ProcessGroup) -> "ContextParallel":
+        return cls(group, dist.get_rank(group), dist.get_world_size(group))
+
+    def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """This rank's two chunks of x along dim (the sequence), in order: (..., T / N, ...)."""
+        if x.size(dim) % (2 * self.size):
+            raise ValueError(f"context parallelism over {self.size} ranks needs a sequence length divisible by "
+                             f"{2 * self.size} (two equal chunks per rank), got {x.size(dim)}")
+        chunks = x.chunk(2 * self.size, dim)
+        return torch.cat((chunks[self.rank], chunks[2 * self.size - 1 - self.rank]), dim)
+
+    def positions(self, seq_len: int, device: torch.device) -> torch.Tensor:
+        """(seq_len / N,) int64: the global positions of this rank's tokens."""
+        return self.shard(torch.arange(seq_len, device=device), dim=0)
+
+
+def unshard(shards: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
+    """The whole tensor from every rank's shard (rank order): the inverse of ContextParallel.shard."""
+    n = len(shards)
+    halves = [h for s in shards for h in s.chunk(2, dim)]  # rank r's chunks r and 2n-1-r
+    order = [halves[2 * r] for r in range(n)] + [halves[2 * r + 1] for r in reversed(range(n))]
+    return torch.cat(order, dim)
+
+
+@dataclass
+class Parallel:
+    rank: int
+    world: int
+    local_rank: int  # on this node: which process prepares the node's data
+    device: torch.device
+    dp: int  # data-parallel processes: world / cp
+    dp_rank: int  # this process's row of the grid: which slice of the global batch it draws
+    cp: ContextParallel | None  # None: each process holds whole sequences
+    sharded: bool  # FSDP2 (parallel.dp=fsdp under torchrun): state dicts are collective
+
+    @classmethod
+    def start(cls, device: torch.device, cp: int = 1, fsdp: bool = False) -> "Parallel":
+        """One process alone, or this process's place among torchrun's (process group, device, grid)."""
+        if "RANK" not in os.environ:
+            return cls(0, 1, 0, device, 1, 0, None, False)
+        rank, world, local_rank = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+        if device.type == "cuda":
+            device = torch.device(f"cuda:{local_rank}")
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                device_id=device if device.type == "cuda" else None)
+        if cp == 1:
+            return cls(rank, world, local_rank, device, world, rank, None, fsdp)
+        mesh = init_device_mesh(device.type, (world // cp, cp), mesh_dim_names=("dp", "cp"))
+        return cls(rank, world, local_rank, device, world // cp, mesh.get_local_rank("dp"),
+                   ContextParallel.of(mesh.get_group("cp")), fsdp)
+
+    @property
+    def master(self) -> bool:  # rank 0 alone writes: run dir, metrics, W&B, checkpoints, progress bar
+        return self.rank == 0
+
+    # ------------------------------------------------------------------ the model
+
+    def attention(self, attention: Attention) -> Attention:
+        """The attention the model calls: under context parallelism the ring over it (one op no
+        more: selective activation checkpointing recomputes it)."""
+        if self.cp is None:
+            return attention
+        return dataclasses.replace(attention, fn=functools.partial(ring_attention, group=self.cp.group),
+                                   saved_ops=())
+
+    def shard(self, model: nn.Module) -> None:
+        """FSDP2 in place (before the optimizer is made: it holds the shards): each block, then the
+        rest (embedding, tied head, final norm); a block's weights are gathered for its forward and
+        backward, its gradients reduce-scattered (averaged over all processes, as DDP does)."""
+        if not self.sharded:
+            return
+        mesh = init_device_mesh(self.device.type, (self.world,))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+
+    def wrap(self, model: nn.Module, compile: bool) -> nn.Module:
+        """What the loop calls: compiled and/or in DDP. The ring communicates, so a compiled model
+        runs the attention blocks eagerly; a graph break inside them (strided q, k, v views crossing
+        it) fails in torch's AOT view replay, one around them does not."""
+        if compile and self.cp is not None:
+            for block in model.blocks:
+                block.attn.forward = torch.compiler.disable(block.attn.forward)
+        if compile:
+            model = torch.compile(model)
+        if self.world > 1 and not self.sharded:
+            # gradients live in the all-reduce buckets: no copy in and out of them after backward
+            model = DDP(model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                        gradient_as_bucket_view=True)
+        return model
+
+    def split(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(x, y, positions) of this rank's part of a batch of windows: its shard of each sequence and
+        the shard's global positions under context parallelism, else the windows (positions None)."""
+        if self.cp is None:
+            return x, y, None
+        return self.cp.shard(x), self.cp.shard(y), self.cp.positions(x.size(1), x.device)
+
+    # ------------------------------------------------------------------ a step
+
+    def sync_gradients(self, model: nn.Module, raw_model: nn.Module, now: bool) -> None:
+        """Whether this micro-step's backward reduces gradients over the processes (the last of an
+        accumulation only)."""
+        if self.sharded:
+            raw_model.set_requires_gradient_sync(now)
+        elif self.world > 1:
+            model.require_backward_grad_sync = now
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm  # sharded: the norm over all shards
+
+    def mean(self, t: torch.Tensor) -> torch.Tensor:
+        """t averaged over the processes, in place (each computed it on its own slice)."""
+        if self.world > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.AVG)
+        return t
+
+    def after_forward_only(self, raw_model: nn.Module) -> None:
+        """A forward without backward (evaluation) leaves FSDP's root weights gathered: reshard them."""
+        if self.sharded:
+            raw_model.reshard()
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self, raw_model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+        """(model, optimizer) state as whole tensors; sharded, every rank must call it and rank 0's
+        holds them."""
+        if self.sharded:
+            return (get_model_state_dict(raw_model, options=_WHOLE),
+                    get_optimizer_state_dict(raw_model, optimizer, options=_WHOLE))
+        return raw_model.state_dict(), optimizer.state_dict()
+
+    def load_state_dict(self, raw_model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict,
+                        optimizer_state: dict, load_weights) -> None:
+        """The inverse of state_dict, on every rank; load_weights(model, state) loads an unsharded one."""
+        if self.sharded:
+            whole = StateDictOptions(full_state_dict=True)
+            set_model_state_dict(raw_model, model_state, options=whole)
+            set_optimizer_state_dict(raw_model, optimizer, optimizer_state, options=whole)
+        else:
+            load_weights(raw_model, model_state)
+            optimizer.load_state_dict(optimizer_state)
+
+    # ------------------------------------------------------------------ agreement and the end
+
+    def all_agree(self, ok: bool) -> bool:
+        """True on every rank only if ok is True on every rank."""
+        if self.world == 1:
+            return ok
+        flag = torch.tensor(int(ok), device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier()
+
+    def close(self) -> None:
+        if self.world == 1:
+            return
+        if dist.get_backend() == "gloo":
+            # gloo's worker threads free a finished collective's tensors under the GIL; a process group
+            # destroyed before that (its destructor joins them with the GIL held) hangs: let them finish
+            time.sleep(0.1)
+        dist.destroy_process_group()

@@ -1,0 +1,135 @@
+"""What train.py does before Hydra starts: a bad config gets one line, and every run a dir of its own.
+
+Hydra creates the run dir, writes .hydra/ and opens train.log before the task starts, and reports a
+bad override in a block of lines. preflight(argv) runs first: it composes the command line's config
+itself, validates it (configs/validate.py), and only then picks the run dir and claims it (created
+if new, locked for the life of the process), passing it to Hydra as an override (quoted: any path
+the filesystem takes works). A bad config exits with code 2 and one line on stderr, having created
+nothing. A resume runs in the original run's dir without a new Hydra record there. A default,
+timestamped dir that another run took in the same second gets a suffix; an explicit hydra.run.dir
+that holds another run is refused, unless that run stopped before its first checkpoint: it starts
+again in place. Multirun (-m) jobs are validated one by one in train(); the sweep dir is claimed
+here the same way.
+"""
+
+import contextlib
+import io
+import os
+import re
+import sys
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from hydra._internal.utils import get_args_parser
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from configs.overrides import check_additions, one_line, override, quoted_where_needed
+from configs.store import register_configs
+from configs.validate import ConfigError, validate
+from trainer.checkpoint import CheckpointError
+from trainer.rundir import claim_new, claim_run_dir, resume_target
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def _compose(overrides: list[str]):
+    register_configs()  # train.py's schema (idempotent): preflight runs before anything else did it
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        return compose("config", overrides=overrides, return_hydra_config=True)
+
+
+def _exit(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def _check_additions(overrides: list[str]) -> None:
+    """+key=, ++key= and ~key against the config composed without them (configs/overrides.py)."""
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except HydraException:
+        return  # Hydra reports it
+    others = [o.input_line for o in parsed if not (o.is_add() or o.is_force_add() or o.is_delete())]
+    if len(others) == len(parsed):
+        return
+    try:
+        composed = _compose([o for o in others if "," not in o])  # a sweep list composes one job at a time
+    except (HydraException, OmegaConfBaseException):
+        return  # Hydra reports it
+    groups = {p.name for p in CONFIGS.iterdir() if p.is_dir() and not p.name.startswith("_")}
+    try:
+        check_additions(overrides, composed, groups)
+    except ConfigError as e:
+        _exit(str(e))
+
+
+def _parse_args(argv: list[str]):
+    """Hydra's own argument parser on argv, its error in one line (its flags go before the overrides)."""
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            return get_args_parser().parse_args(argv)
+    except SystemExit:
+        message = err.getvalue().strip().splitlines()[-1].split("error: ", 1)[-1]
+        _exit(f"{message} (Hydra's flags -m, --cfg, ... go before the overrides: python train.py -m seq_len=256,512)")
+
+
+def _check_sweep(overrides: list[str]) -> DictConfig:
+    """The first job's config; every value of every sweep list composes (a typo or a value of the
+    wrong type is one line here, not a block from Hydra after the sweep dir exists)."""
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    values = {o.get_key_element(): list(o.sweep_string_iterator()) for o in parsed if o.is_sweep_override()}
+    base = [o.input_line for o in parsed if not o.is_sweep_override()]
+    first = [f"{key}={v[0]}" for key, v in values.items()]
+    try:
+        cfg = _compose(quoted_where_needed(base + first))
+        for key, options in values.items():
+            for value in options[1:]:
+                _compose(quoted_where_needed(base + [f for f in first if not f.startswith(f"{key}=")] +
+                                             [f"{key}={value}"]))
+    except (HydraException, OmegaConfBaseException) as e:
+        _exit(one_line(e))
+    return cfg
+
+
+def preflight(argv: list[str]) -> list[str]:
+    """Checks train.py's command line before Hydra runs; returns the overrides to add to it (argv
+    must be quoted_where_needed already)."""
+    args = _parse_args(argv)
+    _check_additions(args.overrides)
+    if args.multirun:
+        if any(re.match(r"\+*hydra\.sweep\.dir=", arg) for arg in args.overrides):
+            return []
+        cfg = _check_sweep(args.overrides)
+        return [override("hydra.sweep.dir", str(claim_new(Path(cfg.hydra.sweep.dir))))]
+    if len(args.overrides) < len(argv):  # --cfg, --help, -cn ...: Hydra's own business
+        return []
+    try:
+        cfg = _compose(argv)
+    except (HydraException, OmegaConfBaseException) as e:
+        _exit(one_line(e))
+    task = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])
+    explicit = any(re.match(r"\+*hydra\.run\.dir=", arg) for arg in argv)
+    try:
+        validate(task, int(os.environ.get("WORLD_SIZE", "1")))
+        if task.resume:
+            ckpt, run_dir = resume_target(task.resume)
+            run_dir = run_dir.resolve()
+            if explicit and Path(cfg.hydra.run.dir).resolve() != run_dir:
+                raise ConfigError(f"hydra.run.dir={cfg.hydra.run.dir} and resume={task.resume}: a resumed run goes "
+                                  f"on in its own dir, {run_dir}: drop hydra.run.dir")
+            claim_run_dir(run_dir, fresh=ckpt is None)
+            if ckpt is not None:  # the original run's dir, held from here on; Hydra records nothing new there
+                return [override("hydra.run.dir", str(run_dir)), "hydra.output_subdir=null"]
+            return [override("hydra.run.dir", str(run_dir))]
+        if explicit and not str(cfg.hydra.run.dir).strip():
+            raise ConfigError("hydra.run.dir='': name a directory for the run (or leave it out for a new one "
+                              "under outputs/)")
+        run_dir = Path(cfg.hydra.run.dir) if explicit else claim_new(Path(cfg.hydra.run.dir))
+        claim_run_dir(run_dir, fresh=True)
+    except (ConfigError, CheckpointError) as e:
+        _exit(str(e))
+    return [override("hydra.run.dir", str(run_dir))]

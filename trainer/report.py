@@ -1,0 +1,136 @@
+"""What a run reports, and where: tokens/s, MFU and peak memory per log interval (Meter), written to
+metrics.jsonl and the W&B run (RunLog) by rank 0.
+
+W&B runs in the mode configs/runtime.py resolves (wandb.mode, else WANDB_MODE, else offline); an
+online run that has no API key or cannot reach W&B says why in one line and logs offline instead.
+"""
+
+import contextlib
+import math
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig
+
+from configs.runtime import wandb_mode, wandb_online_problem
+from configs.schema import plain
+from data.files import atomic_write
+from trainer.metrics import json_line, read_metrics, steady
+
+# dense bf16 tensor-core peak by datasheet, for MFU; substrings of torch.cuda.get_device_name()
+GPU_PEAK_BF16_FLOPS = {"H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "H800": 989e12, "GH200": 989e12,
+                       "A100": 312e12, "A800": 312e12, "L40S": 362e12, "L40": 181e12, "L4": 121e12, "A10G": 70e12,
+                       "RTX 4090": 165e12, "RTX 3090": 71e12}
+
+
+def gpu_peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in GPU_PEAK_BF16_FLOPS.items() if key in name), None)
+
+
+class Meter:
+    """Tokens/s, MFU and peak memory between log points, and the history of logged records."""
+
+    def __init__(self, tokens_per_step: int, flops_per_token: float, device: torch.device, world: int):
+        self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
+        self.device, self.world = device, world
+        self.peak_flops = gpu_peak_flops(device)
+        self.history: list[dict] = []
+        self.peaks = {"peak_mem_alloc_gib": None, "peak_mem_reserved_gib": None}  # GPU only
+        self.restart()
+
+    def restart(self) -> None:
+        """Starts a throughput interval: after setup and after each record."""
+        self.t0, self.tokens = time.perf_counter(), 0
+
+    def count_step(self) -> None:
+        self.tokens += self.tokens_per_step
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Evaluation and checkpointing inside are not training time."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the queued training work is training time
+        start = time.perf_counter()
+        yield
+        self.t0 += time.perf_counter() - start
+
+    def record(self, **values) -> dict:
+        """The record of the interval since the last one; the caller has synced the device."""
+        tok_s = self.tokens / (time.perf_counter() - self.t0)
+        rec = {**values, "tokens_per_s": tok_s, "tokens_per_s_per_gpu": tok_s / self.world,
+               "mfu": self.flops_per_token * tok_s / (self.peak_flops * self.world) if self.peak_flops else None,
+               **self._memory()}
+        for k in self.peaks:
+            if rec[k] is not None:
+                self.peaks[k] = max(self.peaks[k] or 0.0, rec[k])
+        self.history.append(rec)
+        self.restart()
+        return rec
+
+    def _memory(self) -> dict:
+        """Peak allocated/reserved GiB since the previous record (max over ranks); None on CPU."""
+        if self.device.type != "cuda":
+            return dict.fromkeys(self.peaks)
+        peaks = torch.tensor([torch.cuda.max_memory_allocated(self.device), torch.cuda.max_memory_reserved(self.device)],
+                             dtype=torch.float64, device=self.device) / 2**30
+        torch.cuda.reset_peak_memory_stats(self.device)
+        if self.world > 1:
+            dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
+        return {"peak_mem_alloc_gib": peaks[0].item(), "peak_mem_reserved_gib": peaks[1].item()}
+
+    def summary(self) -> dict:
+        records = steady(self.history)
+        return {"mean_tokens_per_s": sum(r["tokens_per_s"] for r in records) / len(records) if records else None,
+                **self.peaks}
+
+
+class RunLog:
+    """Rank 0's metrics sinks: metrics.jsonl in the run dir and the W&B run."""
+
+    def __init__(self, run_dir: Path, cfg: DictConfig, wandb_id: str | None, resume_step: int | None):
+        self.path = run_dir / "metrics.jsonl"
+        if resume_step is not None and self.path.exists():
+            # keep the curve single-valued: drop what the interrupted run logged past its checkpoint
+            kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step]
+            atomic_write(self.path, "".join(json_line(r) for r in kept).encode())
+        group = cfg.wandb.group
+        if group is None and HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+            group = "sweep-" + Path(HydraConfig.get().sweep.dir).as_posix().replace("/", "_")
+        self.run = open_wandb(cfg, run_dir, group=group, config=plain(cfg), id=wandb_id,
+                              name=cfg.wandb.name or f"{cfg.attn.name}-T{cfg.seq_len}-{cfg.model.name}",
+                              resume="allow" if wandb_id else None)
+
+    def log(self, record: dict) -> None:
+        with self.path.open("a") as f:
+            f.write(json_line(record))
+        numbers = {k: v for k, v in record.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+        self.run.log(numbers, step=record["step"])
+
+    def finish(self, summary: dict) -> None:
+        self.run.summary.update({k: v for k, v in summary.items() if k != "sample"})
+        if summary["status"] == "stopped":  # W&B shows it as preempted, to be resumed
+            self.run.mark_preempting()
+        self.run.finish(exit_code=0 if summary["status"] == "ok" else 1)
+
+
+def open_wandb(cfg: DictConfig, run_dir: Path, **kwargs):
+    """wandb.init in the mode cfg resolves to (configs/runtime.py): online where W&B can be reached
+    with a key, else offline with one line saying why and how to upload the run later."""
+    import wandb  # slow to import: only the processes that log pay for it
+
+    mode = wandb_mode(cfg.wandb.mode)
+    if mode == "online" and (problem := wandb_online_problem()):
+        print(f"wandb: {problem}; logging offline instead (upload it later: wandb sync "
+              f"{shlex.quote(str(run_dir / 'wandb'))}/offline-run-*)", file=sys.stderr)
+        mode = "offline"
+    return wandb.init(project=cfg.wandb.project, entity=cfg.wandb.entity, tags=list(cfg.wandb.tags), mode=mode,
+                      dir=str(run_dir), **kwargs)
