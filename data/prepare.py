@@ -141,6 +141,7 @@ def _check_hub(cfg: DataConfig) -> None:
 
 def _hf_docs(cfg: DataConfig, cache_dir: Path) -> tuple[datasets.Dataset, str]:
     _check_hub(cfg)
+    verbosity = datasets.logging.get_verbosity()
     datasets.logging.set_verbosity(logging.CRITICAL)  # its reader errors come back as our one line below
     try:
         stream = datasets.load_dataset(cfg.hf_path, cfg.hf_name, split=cfg.hf_split, streaming=True)
@@ -167,6 +168,8 @@ def _hf_docs(cfg: DataConfig, cache_dir: Path) -> tuple[datasets.Dataset, str]:
             raise root from None
         said = " ".join(str(root).split())[:200] or "no documents"
         raise DatasetError(f"data.hf_path={cfg.hf_path}: {type(root).__name__}: {said}") from e
+    finally:
+        datasets.logging.set_verbosity(verbosity)
     subset = f" ({cfg.hf_name})" if cfg.hf_name else ""
     source = f"{len(docs)} documents of {cfg.hf_path}{subset}, split {cfg.hf_split}, field {cfg.text_field}"
     return docs, source

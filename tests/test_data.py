@@ -1,7 +1,8 @@
 """Proves data/ on real inputs: the real GPT-2 tokenizer offline, the real Shakespeare plays
 prepared into exact, pinned token counts that decode back to the source text, idempotent and
-crash-safe preparation, the Hugging Face code path on a local dataset, and a loader whose batches
-come from the data and replay exactly after a checkpoint restore.
+crash-safe preparation, two real processes preparing one dataset in turn, the Hugging Face code
+path on a local dataset, corpora that make no dataset refused in one line, and a loader whose
+batches come from the data and replay exactly after a checkpoint restore.
 
 Run: .venv/bin/python -m pytest tests/test_data.py -q   (about 20 s on a laptop CPU, no network)
 """

@@ -3,16 +3,24 @@
 - SIGKILL at seeded random steps and in the middle of a checkpoint write, SIGINT, and a metrics
   line cut short: after each, resume=<dir> goes on, and the metrics equal the uninterrupted run's
   exactly, no row duplicated or missing (FAULT_SEED picks the kill points; fixed by default);
-- a checkpoint truncated, with a zeroed block, or with flipped bits is refused in one line;
+- SIGTERM, SIGUSR1 and SIGHUP (a scheduler's signals), also in the middle of a save: the step
+  finishes, is checkpointed, W&B is closed as preempted, one line gives the resume command (in a
+  run dir with a space and non-ASCII characters, run through the shell's reading of it), the exit
+  code is 128 + the signal, and the resumed run equals the uninterrupted one; under torchrun a
+  signal to one rank stops both after the same step;
+- a run killed before its first checkpoint starts again in place, by the same command or resume=;
+- a checkpoint truncated, with a zeroed block, or with flipped bits, or of another format, keys,
+  types or weights is refused in one line;
 - two runs into one dir: one proceeds, the other gets one line, the first's files are untouched;
   two runs started together into default dirs get one dir each;
 - a diverging run stops, its last checkpoint loadable and finite, and resumes with a sane lr;
 - a full disk during a save (a small tmpfs in a private mount namespace): one line, no temp file,
   the last checkpoint intact;
-- bad config values: exit code 2, one line on stderr naming the key, nothing created;
+- bad config values, +/++/~ overrides the schema lacks, bad flags and sweep values that do not
+  compose: exit code 2, one line on stderr naming the key, nothing created;
 - an online dataset without the hub: one line, nothing left; a bad sweep job: skipped with its reason.
 
-    .venv/bin/python -m pytest tests/test_failures.py -q      # about two minutes on 2 cores
+    .venv/bin/python -m pytest tests/test_failures.py -q      # about four minutes on 2 cores
 """
 
 import os
