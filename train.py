@@ -29,7 +29,8 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from configs.overrides import quoted_where_needed, shell_override
-from configs.runtime import autocast, probe_sdpa_backend, resolve_device, sdpa_backend, uses_bf16
+from configs.runtime import (autocast, autocast_dtype, grad_scaler, precision, precision_line, probe_sdpa_backend,
+                             resolve_device, sdpa_backend)
 from configs.schema import plain
 from configs.store import register_configs
 from configs.validate import ConfigError, batch_size_per_process, check_resume, validate
@@ -95,6 +96,7 @@ class Run:
     model: torch.nn.Module  # what the loop calls: compiled and/or wrapped in DDP
     raw_model: GPT  # what a checkpoint holds
     optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler  # dtype=float16's loss scale; disabled (every call a no-op) otherwise
     train_loader: TokenWindows
     val_loader: TokenWindows | None  # None with eval_steps=0
     meter: Meter
@@ -103,7 +105,8 @@ class Run:
     step: int = 0
     best_val: float = math.inf
     last_val: float | None = None
-    first_bad_step: torch.Tensor | None = None  # on the device: the first step whose gradient was not finite
+    # on the device: the first step that diverged (its gradient norm, under fp16 its loss, was not finite)
+    first_bad_step: torch.Tensor | None = None
     saved_step: int | None = None  # of the last checkpoint written (or resumed from)
     val_start: dict = field(default_factory=dict)
 
@@ -125,7 +128,7 @@ def state_dict(run: Run) -> dict:
             "rng": {"cpu": torch.get_rng_state(),
                     "cuda": torch.cuda.get_rng_state(run.device) if run.device.type == "cuda" else None},
             "config": plain(run.cfg), "world_size": run.par.world, "data_parallel": run.par.dp,
-            "wandb_id": run.log.run.id if run.log else None}
+            "wandb_id": run.log.run.id if run.log else None, "grad_scaler": run.scaler.state_dict()}
 
 
 def load_state_dict(run: Run, state: dict) -> None:
@@ -133,6 +136,8 @@ def load_state_dict(run: Run, state: dict) -> None:
     run.par.load_state_dict(run.raw_model, run.optimizer, state["model"], state["optimizer"],
                             lambda model, weights: load_weights(model, weights, run.cfg.resume))
     run.train_loader.load_state_dict(state["loader"])
+    if state["grad_scaler"]:  # {} from a run without fp16 (dtype=auto on another GPU): a fresh scale
+        run.scaler.load_state_dict(state["grad_scaler"])
     torch.set_rng_state(state["rng"]["cpu"])
     if run.device.type == "cuda" and state["rng"]["cuda"] is not None:
         torch.cuda.set_rng_state(state["rng"]["cuda"], run.device)
@@ -166,7 +171,8 @@ def setup(cfg: DictConfig, run_dir: Path) -> Run:
     info = run_info(cfg, par, raw_model)
     par.shard(raw_model)  # before the optimizer: it holds the shards
     run = Run(cfg=cfg, run_dir=run_dir, par=par, model=raw_model, raw_model=raw_model,
-              optimizer=make_optimizer(raw_model, cfg), train_loader=train_loader, val_loader=val_loader,
+              optimizer=make_optimizer(raw_model, cfg), scaler=grad_scaler(cfg.dtype, par.device),
+              train_loader=train_loader, val_loader=val_loader,
               val_start=val_loader.state_dict() if val_loader else {}, info=info,
               meter=Meter(info["tokens_per_step"], raw_model.flops_per_token(cfg.seq_len), par.device, par.world),
               first_bad_step=torch.zeros((), dtype=torch.long, device=par.device))
@@ -179,6 +185,7 @@ def setup(cfg: DictConfig, run_dir: Path) -> Run:
     if run.master:
         run.log = RunLog(run.run_dir, cfg, ckpt["wandb_id"] if ckpt else None, ckpt["step"] if ckpt else None)
         run.log.run.config.update(info, allow_val_change=True)
+        print(precision_line(cfg.dtype, par.device))
         print(f"run dir {run.run_dir} | {info}", flush=True)
     run.meter.restart()
     return run
@@ -221,9 +228,9 @@ def run_info(cfg: DictConfig, par: Parallel, model: GPT) -> dict:
     info = {"params": model.num_params(), "tokens_per_step": cfg.batch_size * cfg.seq_len * cfg.grad_accum * par.dp,
             "world_size": par.world, "cp": cfg.parallel.cp, "dp": str(cfg.parallel.dp),
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-            "torch": torch.__version__, "triton": triton_version()}
+            "torch": torch.__version__, "triton": triton_version(), "precision": precision(cfg.dtype, device)}
     if cfg.attn.name == "sdpa":
-        dtype = torch.bfloat16 if uses_bf16(cfg.dtype, device) else torch.float32
+        dtype = autocast_dtype(cfg.dtype, device) or torch.float32
         try:
             head_dim = cfg.model.d_model // cfg.model.n_head
             info["sdpa_backend"] = probe_sdpa_backend(cfg.seq_len, cfg.model.n_head, head_dim, dtype, device,
@@ -257,25 +264,38 @@ def train_step(run: Run) -> tuple[torch.Tensor, torch.Tensor, float]:
         # reduce gradients over the processes only on the last micro-step
         run.par.sync_gradients(run.model, run.raw_model, micro == cfg.grad_accum - 1)
         loss = forward(run, run.train_loader)
-        (loss / cfg.grad_accum).backward()
+        run.scaler.scale(loss / cfg.grad_accum).backward()
         loss_sum += loss.detach()
+    run.scaler.unscale_(run.optimizer)  # fp16: clip (and log) the true gradients, not the scaled ones
     grad_norm = run.par.clip_grad_norm(run.model, cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf)
-    # a non-finite gradient never reaches the weights: the fused AdamW skips the whole update on
-    # the device (no host sync); the loop stops at its next sync point (check_finite)
-    bad = ~torch.isfinite(grad_norm)
-    run.optimizer.found_inf = bad.float()
-    run.optimizer.step()
+    bad = optimizer_step(run, grad_norm, loss_sum)
     run.optimizer.zero_grad(set_to_none=True)
     run.step += 1
     run.first_bad_step = torch.where(bad & (run.first_bad_step == 0), run.step, run.first_bad_step)
     return loss_sum / cfg.grad_accum, grad_norm, lr
 
 
+def optimizer_step(run: Run, grad_norm: torch.Tensor, loss_sum: torch.Tensor) -> torch.Tensor:
+    """The optimizer step, skipped on the device (no host sync) where a gradient is not finite;
+    returns whether this step diverged, on the device: the loop stops at its next sync (check_finite)."""
+    if run.scaler.is_enabled():
+        # fp16: an overflow under the loss scale is the scaler's to skip, halving the scale (the fused
+        # AdamW reads its found_inf), and no divergence; a loss that is not finite still is one
+        run.scaler.step(run.optimizer)
+        run.scaler.update()
+        return ~torch.isfinite(loss_sum)
+    bad = ~torch.isfinite(grad_norm)
+    run.optimizer.found_inf = bad.float()  # the fused AdamW skips the whole update
+    run.optimizer.step()
+    return bad
+
+
 def check_finite(run: Run, loss: float | None = None) -> None:
-    """Raises Diverged if a step since the start had a non-finite gradient, or `loss` is not finite."""
+    """Raises Diverged if a step since the start diverged (optimizer_step says which do), or `loss` is not finite."""
     bad_step = int(run.first_bad_step.item())
     if bad_step or (loss is not None and not math.isfinite(loss)):
-        what = f"the gradient norm at step {bad_step}" if bad_step else f"the loss at step {run.step}"
+        what = (f"the {'loss' if run.scaler.is_enabled() else 'gradient norm'} at step {bad_step}" if bad_step
+                else f"the loss at step {run.step}")
         raise Diverged(f"training diverged: {what} is not finite; that update was skipped and the run stopped "
                        f"(optim.lr={run.cfg.optim.lr})")
 

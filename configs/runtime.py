@@ -30,15 +30,56 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def uses_bf16(dtype: str, device: torch.device) -> bool:
-    """The autocast policy: bf16 when asked for, or by default (dtype=auto) on CUDA; else fp32."""
-    return dtype == "bfloat16" or (dtype == "auto" and device.type == "cuda")
+# bf16 autocast needs compute capability 8.0 (Ampere): our Triton kernels' bf16 tl.dot does not
+# compile below it, and torch only emulates bf16 there (torch.cuda.is_bf16_supported() counts that)
+BF16_MIN_CAPABILITY = (8, 0)
+
+
+def autocast_dtype(dtype: str, device: torch.device) -> torch.dtype | None:
+    """The autocast policy: the dtype forward passes run in, None for fp32. dtype=auto: bf16 on a
+    CUDA GPU of compute capability >= 8.0, fp16 (with loss scaling: grad_scaler) on an older one,
+    fp32 on the CPU. ValueError for dtype=bfloat16 on a GPU below 8.0."""
+    if dtype == "float32" or (dtype == "auto" and device.type != "cuda"):
+        return None
+    if dtype == "float16":
+        return torch.float16
+    if device.type != "cuda":  # dtype=bfloat16 on the CPU
+        return torch.bfloat16
+    capability = torch.cuda.get_device_capability(device)
+    if capability >= BF16_MIN_CAPABILITY:
+        return torch.bfloat16
+    if dtype == "bfloat16":
+        raise ValueError(f"needs a GPU of compute capability {_version(BF16_MIN_CAPABILITY)} or newer (bf16 tensor "
+                         f"cores); {device} is {_version(capability)}: use dtype=float16 or auto")
+    return torch.float16
+
+
+def _version(capability: tuple[int, int]) -> str:
+    return ".".join(map(str, capability))
+
+
+def precision(dtype: str, device: torch.device) -> str:
+    """The name of what forward passes run in: float32, bfloat16 or float16."""
+    return str(autocast_dtype(dtype, device) or torch.float32).removeprefix("torch.")
+
+
+def precision_line(dtype: str, device: torch.device) -> str:
+    """What dtype means here, and why, for a run's first lines: 'dtype=auto: bfloat16 (CUDA capability 9.0)'."""
+    why = f"CUDA capability {_version(torch.cuda.get_device_capability(device))}" if device.type == "cuda" else "CPU"
+    name = precision(dtype, device)
+    return f"dtype={dtype}: {name} ({why}{', dynamic loss scaling' if name == 'float16' else ''})"
 
 
 def autocast(dtype: str, device: torch.device) -> AbstractContextManager:
     """The context that forward passes run under (a fresh one each call: it is single-use)."""
-    return torch.autocast(device.type, dtype=torch.bfloat16) if uses_bf16(dtype, device) else nullcontext()
+    amp = autocast_dtype(dtype, device)
+    return torch.autocast(device.type, dtype=amp) if amp else nullcontext()
 
+
+def grad_scaler(dtype: str, device: torch.device) -> torch.amp.GradScaler:
+    """The loss scaler of a run: on under fp16 autocast, whose 5 exponent bits flush gradients below
+    6e-8 to zero (bf16 has fp32's 8 and needs none); disabled, every call is a no-op."""
+    return torch.amp.GradScaler(device.type, enabled=autocast_dtype(dtype, device) == torch.float16)
 
 
 SDPA_BACKENDS = {

@@ -33,9 +33,10 @@ class SdpaBackend(StrEnum):
 
 
 class Dtype(StrEnum):
-    auto = "auto"  # bf16 autocast on CUDA, fp32 on the CPU
+    auto = "auto"  # bf16 autocast on CUDA from compute capability 8.0, fp16 below, fp32 on the CPU
     float32 = "float32"
     bfloat16 = "bfloat16"
+    float16 = "float16"  # autocast with dynamic loss scaling: for GPUs without bf16 (T4, V100)
 
 
 class WandbMode(StrEnum):

@@ -15,7 +15,7 @@ from omegaconf import MISSING as OMEGACONF_MISSING
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from configs.runtime import resolve_device, wandb_mode
+from configs.runtime import autocast_dtype, resolve_device, wandb_mode
 from configs.schema import AttnConfig, DataConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, WandbConfig
 from data.tokenizer import VOCAB_SIZE
 from model.attention import ATTENTIONS
@@ -61,9 +61,13 @@ def validate(cfg: DictConfig, world: int = 1) -> None:
     _at_least(cfg, "ckpt_interval", -1)
     _at_least(cfg, "seed data_seed", 0)
     try:
-        resolve_device(cfg.device)
+        device = resolve_device(cfg.device)
     except ValueError as e:
         _fail("device", cfg.device, str(e))
+    try:  # bfloat16 and float16 run on the CPU too (autocast there has both): the tests train in each
+        autocast_dtype(cfg.dtype, device)
+    except ValueError as e:
+        _fail("dtype", cfg.dtype, str(e))
     _parallel(cfg, world)
     dp = data_parallel_size(cfg, world)
     if cfg.batch_tokens is not None and cfg.batch_tokens % (cfg.seq_len * dp):

@@ -2,10 +2,11 @@
 
 For each attn x ac, seq_len doubles from --min until a step runs out of memory (recorded, and the
 next cell goes on) or passes --max; each rung trains experiment=long_context (GPT-2-small shape,
-one sequence per step, RoPE, chunked loss, bf16) for 3 steps, 1 from 524,288 on where a step takes
-minutes. Every rung runs in this one process (a fresh model and optimizer, the CUDA cache emptied
-between them). Autotuning is off (FLASH_ATTENTION_AUTOTUNE=0): at these lengths one benchmark
-pass of every config would cost minutes. Writes long_context.csv, .md and .png into --out.
+one sequence per step, RoPE, chunked loss, dtype=auto: bf16 from compute capability 8.0) for 3
+steps, 1 from 524,288 on where a step takes minutes. Every rung runs in this one process (a fresh
+model and optimizer, the CUDA cache emptied between them). Autotuning is off
+(FLASH_ATTENTION_AUTOTUNE=0): at these lengths one benchmark pass of every config would cost
+minutes. Writes long_context.csv, .md and .png into --out; the plot's title names the precision.
 
     python scripts/long_context.py                               # naive, sdpa, triton x none, selective, full
     python scripts/long_context.py --attns triton --acs full --max 1048576
@@ -32,6 +33,7 @@ from omegaconf import DictConfig  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/ sits beside the packages
 
 import train  # noqa: E402
+from configs.runtime import precision, resolve_device  # noqa: E402
 from configs.schema import AttnName, Checkpointing  # noqa: E402
 from scripts.args import ArgumentParser, directory, fail, names, positive_int, require_cuda, train_config  # noqa: E402
 
@@ -97,7 +99,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
         ax.set(xlabel="seq_len (one sequence per step)", ylabel=label)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle(f"GPT-2-small shape, one sequence per step, bf16, RoPE, chunked loss | {title}", fontsize=9)
+    fig.suptitle(f"GPT-2-small shape, one sequence per step, RoPE, chunked loss | {title}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -149,7 +151,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--out", type=directory, default=f"bench/long_context_{time.strftime('%Y-%m-%d_%H-%M-%S')}",
                    help="a new folder: each rung trains into a run dir of its own there")
     p.add_argument("--from-csv", type=Path, help="no training: table and plot of the rows in this CSV")
-    p.add_argument("--title", default="", help="with --from-csv: where the rows were measured")
+    p.add_argument("--title", default="", help="with --from-csv: where the rows were measured (GPU, precision, torch)")
     p.add_argument("overrides", nargs="*", help="more train.py overrides, e.g. model.loss_chunk=2048")
     args = p.parse_args()
     if args.min > args.max:
@@ -186,7 +188,9 @@ def main():
         writer = csv.DictWriter(f, fieldnames=FIELDS, extrasaction="ignore", restval="")
         writer.writeheader()
         writer.writerows(rows)
-    write(rows, args.attns, args.acs, args.out, f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    cfg = next(iter(configs.values()))  # every rung runs in the same precision
+    write(rows, args.attns, args.acs, args.out, f"{torch.cuda.get_device_name()}, "
+          f"{precision(cfg.dtype, resolve_device(cfg.device))}, torch {torch.__version__}")
 
 
 def write(rows: list[dict], attns: list[str], acs: list[str], out: Path, title: str) -> None:

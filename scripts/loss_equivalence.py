@@ -14,11 +14,12 @@ reference. The tolerance follows from the arithmetic, so it depends on the preci
   for the final val loss (measured differences: README). The bound assumes stable training: at a
   gradient-norm spike the same small weight differences move the loss a lot, so the check prints
   the reference's grad norm at the first step over the bound.
-- spread (bf16 autocast, or any CUDA run, where train.py enables TF32): rounding is ~1e-3 relative and
-  grows chaotically over hundreds of steps, so a fixed bound would be a guess. Instead the reference
-  trains once more with data_seed + 1 (only the batch order changes): the difference between two
-  equally valid runs. Backends must differ from the reference by <= SPREAD_FACTOR x that spread (mean
-  |Δloss| over the second half of training) and agree on the final val loss within 1% relative.
+- spread (bf16 or fp16 autocast, or any CUDA run, where train.py enables TF32): rounding is ~1e-3
+  relative and grows chaotically over hundreds of steps, so a fixed bound would be a guess. Instead
+  the reference trains once more with data_seed + 1 (only the batch order changes): the difference
+  between two equally valid runs. Backends must differ from the reference by <= SPREAD_FACTOR x
+  that spread (mean |Δloss| over the second half of training) and agree on the final val loss
+  within 1% relative.
 
 Writes into the Hydra run dir one subdir per training run, equivalence.json and equivalence.png
 (curves overlaid; |Δ| per step underneath, log scale, with the tolerance), logs the same to W&B
@@ -46,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/ sits be
 
 import train  # noqa: E402
 from configs.overrides import quoted_where_needed  # noqa: E402
-from configs.runtime import resolve_device, uses_bf16  # noqa: E402
+from configs.runtime import autocast_dtype, resolve_device  # noqa: E402
 from configs.schema import TrainConfig, plain  # noqa: E402
 from configs.store import register_configs  # noqa: E402
 from configs.validate import ConfigError, validate  # noqa: E402
@@ -94,9 +95,9 @@ def check_config(cfg: DictConfig) -> None:
 
 
 def precision_mode(cfg: DictConfig) -> str:
-    """'strict' for fp32 on the CPU; 'spread' for bf16 autocast or CUDA (train.py turns TF32 on)."""
+    """'strict' for fp32 on the CPU; 'spread' for bf16 or fp16 autocast or CUDA (train.py turns TF32 on)."""
     device = resolve_device(cfg.device)
-    return "strict" if device.type == "cpu" and not uses_bf16(cfg.dtype, device) else "spread"
+    return "strict" if device.type == "cpu" and autocast_dtype(cfg.dtype, device) is None else "spread"
 
 
 def train_curve(cfg: DictConfig, attn: str, run_dir: Path, data_seed: int | None = None) -> dict:

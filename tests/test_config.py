@@ -62,7 +62,7 @@ def test_every_experiment_preset_is_a_valid_config(experiment):
 
 @pytest.mark.parametrize("override", ["model.n_layers=4", "optim.learning_rate=1e-3", "seq_len=long",
                                       "attn=flash", "model=huge", "data=nosuchdata", "wandb.mod=online",
-                                      "model.pos_emb=alibi", "dtype=float16", "attn.sdpa_backend=fast",
+                                      "model.pos_emb=alibi", "dtype=fp16", "attn.sdpa_backend=fast",
                                       "data.source=web", "wandb.mode=on", "optim.name=sgd"])
 def test_typos_and_unknown_options_fail_at_compose_time(override):
     with pytest.raises(ConfigCompositionException):

@@ -17,12 +17,15 @@ import torch
 from data.files import atomic_write
 
 CHECKPOINT_NAME = "ckpt.pt"
-FORMAT_VERSION = 1  # bumped when KEYS or what they hold change; files without the field are format 1
+FORMAT_VERSION = 2  # bumped when KEYS or what they hold change; files without the field are format 1
 KEYS = ("step", "model", "optimizer", "loader", "best_val_loss", "rng", "config", "world_size", "data_parallel",
-        "wandb_id")
+        "wandb_id", "grad_scaler")
+# format 2 added grad_scaler (dtype=float16's loss scale). A format 1 file still loads: its run could
+# not be fp16, and what a run without a scaler saves is {} (a disabled GradScaler's state_dict)
+_FORMAT_1_MISSING = {"grad_scaler": {}}
 _BOOKKEEPING = ("format_version", "sha256")
 _TYPES = {"step": int, "model": dict, "optimizer": dict, "loader": dict, "rng": dict, "config": dict,
-          "world_size": int, "data_parallel": int}
+          "world_size": int, "data_parallel": int, "grad_scaler": dict}
 
 
 class CheckpointError(ValueError):
@@ -104,9 +107,11 @@ def load_checkpoint(path: Path) -> dict:
         raise CheckpointError(f"{damaged} (its contents do not match the checksum written with them); "
                               "nothing can be loaded from it")
     version = state.get("format_version", 1)
-    if version != FORMAT_VERSION:
-        raise CheckpointError(f"checkpoint {path} is format {version}; this code reads format {FORMAT_VERSION}: use "
-                              "the version of flash-gpt that wrote it")
+    if version not in (1, FORMAT_VERSION):
+        raise CheckpointError(f"checkpoint {path} is format {version}; this code reads formats 1 and {FORMAT_VERSION}: "
+                              "use the version of flash-gpt that wrote it")
+    if version == 1:
+        state = {**_FORMAT_1_MISSING, **state}
     missing = [k for k in KEYS if k not in state]
     extra = [str(k) for k in state if k not in KEYS and k not in _BOOKKEEPING]
     if missing or extra:
