@@ -542,7 +542,7 @@ def _check_inputs(q, k, v):
 
 def _empty_bhtd(B, H, T, D, like):
     """A (B, H, T, D) tensor laid out in (B, T, H, D) memory order."""
-    return torch.empty((B, T, H, D), dtype=like.dtype, device=like.device).transpose(1, 2)
+    return torch.empty_strided((B, H, T, D), (T * H * D, D, H * D, 1), dtype=like.dtype, device=like.device)
 
 
 def _interpreted_bf16(q):
@@ -551,21 +551,24 @@ def _interpreted_bf16(q):
 
 
 def _meta(q, k, causal, docs, tma):
-    """(tuning key, constexprs) of a call: a new sequence length retunes only past a power of two."""
+    """(tuning key, constexprs) of a call: a new sequence length retunes only past a power of two.
+    Raises ValueError where the GPU cannot run the dtype (looked up here, where torch.compile does
+    not trace: inside the launchers, once per input signature)."""
+    if q.is_cuda and q.dtype == torch.bfloat16 and not tuning.chip(q.device.index).bf16:
+        chip = tuning.chip(q.device.index)
+        raise ValueError(f"flash_attention: bfloat16 needs a GPU of compute capability 8.0 or newer; {chip.name} "
+                         f"is {chip.capability[0]}.{chip.capability[1]}: use torch.float16")
     D, T, S = q.shape[3], q.shape[2], k.shape[2]
     block_d = max(16, triton.next_power_of_2(D))
     doc_mask = docs is not None
     key = (q.device.index, q.dtype, block_d, causal, doc_mask, tma, triton.next_power_of_2(T),
            triton.next_power_of_2(S))
+    # the precision of fp32 inputs' dots ("ieee": true fp32); irrelevant for fp16/bf16, whose dots
+    # are named tf32 only where the GPU has it (Ampere on)
+    tf32 = q.dtype != torch.float32 and (not q.is_cuda or tuning.chip(q.device.index).tf32)
     constexprs = {"HEAD_DIM": D, "BLOCK_D": block_d, "CAUSAL": causal, "DOC_MASK": doc_mask,
-                  "INPUT_PRECISION": "ieee" if q.dtype == torch.float32 else "tf32",  # tf32 only matters for fp32
-                  "TMA": tma}
+                  "INPUT_PRECISION": "tf32" if tf32 else "ieee", "TMA": tma}
     return key, constexprs
-
-
-@functools.cache
-def _has_tma(device_index: int) -> bool:
-    return torch.version.hip is None and torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
 def _tma(*streamed: torch.Tensor) -> bool:
@@ -574,7 +577,7 @@ def _tma(*streamed: torch.Tensor) -> bool:
     expanded gradient's stride 0 does), and the base and every other stride 16-byte aligned (TMA's
     requirements); FLASH_ATTENTION_TMA=0 turns it off (for comparison)."""
     t = streamed[0]
-    if not t.is_cuda or isinstance(_fwd_kernel, InterpretedFunction) or not _has_tma(t.device.index):
+    if not t.is_cuda or isinstance(_fwd_kernel, InterpretedFunction) or not tuning.chip(t.device.index).tma:
         return False
     if os.environ.get("FLASH_ATTENTION_TMA", "1") == "0":
         return False
@@ -620,13 +623,28 @@ def _check_docs(q, k, doc_ids, causal):
         raise ValueError("flash_attention: doc_ids needs self-attention (seq_len of q equal to k's) and integer ids")
 
 
+def _layout(*tensors: torch.Tensor) -> tuple:
+    """What checks and compiled launches depend on in these tensors: shape, strides, dtype, device
+    and 16-byte alignment. Calls with equal layouts (and flags) reuse both."""
+    return tuple((t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0) for t in tensors)
+
+
+_CHECKED: set[tuple] = set()  # the layouts (and causal flags) whose checks passed
+
+
 def _checked(q, k, v, causal, doc_ids) -> Documents | None:
     """The Documents of doc_ids, once q, k, v and doc_ids are known good (ValueError otherwise)."""
-    _check_inputs(q, k, v)
-    if doc_ids is None:
-        return None
-    _check_docs(q, k, doc_ids, causal)
-    return documents(doc_ids)
+    tensors = (q, k, v) if doc_ids is None else (q, k, v, doc_ids)
+    # traced by torch.compile, tensors have no addresses: checked every time (at trace time only)
+    cacheable = not torch.compiler.is_compiling() and all(isinstance(t, torch.Tensor) for t in tensors)
+    layout = (causal, *_layout(*tensors)) if cacheable else None
+    if layout is None or layout not in _CHECKED:
+        _check_inputs(q, k, v)
+        if doc_ids is not None:
+            _check_docs(q, k, doc_ids, causal)
+        if layout is not None:
+            _CHECKED.add(layout)
+    return None if doc_ids is None else documents(doc_ids)
 
 
 # --------------------------------------------------------------------------------------------
@@ -641,11 +659,17 @@ def _forward(q, k, v, causal, scale, docs):
     (B, H, T, D), (H_kv, S) = q.shape, k.shape[1:3]
     o = _empty_bhtd(B, H, T, D, q)
     lse = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
+    tensors = (q, k, v, o, lse, *(docs or (lse, lse)))  # lse stands in for absent documents: unread
+    # o, lse (and the documents' bounds) are fresh from torch's allocator, 512-byte aligned: q, k, v decide
+    signature = (*_layout(q, k, v), causal, scale, docs is None, os.environ.get("FLASH_ATTENTION_TMA"))
+    if bound := _FWD.bound_for(signature):
+        bound(*tensors)
+        return o, lse
     key, constexprs = _meta(q, k, causal, docs, _tma(k, v))
     with on_device(q):
-        _FWD(lambda c: (triton.cdiv(T, c["BLOCK_M"]), H, B),
-             (q, k, v, o, lse, *(docs or (lse, lse)), *q.stride(), *k.stride(), *v.stride(), *o.stride(),
-              H, H // H_kv, T, S, scale * _LOG2E.value), key, **constexprs)
+        _FWD.bind(signature, lambda c: (triton.cdiv(T, c["BLOCK_M"]), H, B),
+                  (*tensors, *q.stride(), *k.stride(), *v.stride(), *o.stride(), H, H // H_kv, T, S,
+                   scale * _LOG2E.value), key, **constexprs)
     return o, lse
 
 
@@ -655,20 +679,27 @@ def _backward(do, q, k, v, o, lse, causal, scale, docs):
         grads = _backward(do.float(), q.float(), k.float(), v.float(), o.float(), lse, causal, scale, docs)
         return tuple(g.to(torch.bfloat16) for g in grads)
     (B, H, T, D), (H_kv, S) = q.shape, k.shape[1:3]
-    key, constexprs = _meta(q, k, causal, docs, _tma(q, k, v, do))
     delta = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
     dq, dk, dv = _empty_bhtd(B, H, T, D, q), _empty_bhtd(B, H_kv, S, D, k), _empty_bhtd(B, H_kv, S, D, v)
-    docs = docs or (delta, delta)  # unread without documents
+    bounds = docs or (delta, delta)  # delta stands in for absent documents: unread
+    pre, dkdv, dq_ = (o, do, delta), (q, k, v, do, lse, delta, dk, dv, *bounds), (q, k, v, do, lse, delta, dq, *bounds)
+    # the outputs and delta are fresh from torch's allocator (512-byte aligned), shaped by q and k
+    signature = (*_layout(q, k, v, do, o, lse), causal, scale, docs is None, os.environ.get("FLASH_ATTENTION_TMA"))
+    launches = [launcher.bound_for(signature) for launcher in (_PREPROCESS, _DKDV, _DQ)]
+    if all(launches):
+        for launch, tensors in zip(launches, (pre, dkdv, dq_), strict=True):
+            launch(*tensors)
+        return dq, dk, dv
+    key, constexprs = _meta(q, k, causal, docs, _tma(q, k, v, do))
     strides = (*q.stride(), *k.stride(), *v.stride(), *do.stride())
     sizes = (H, H // H_kv, T, S, scale, scale * _LOG2E.value)
     with on_device(q):
-        _PREPROCESS(lambda c: (triton.cdiv(T, c["BLOCK_M"]), H, B), (o, do, delta, *o.stride(), *do.stride(), H, T),
-                    key, HEAD_DIM=D, BLOCK_D=constexprs["BLOCK_D"])
-        _DKDV(lambda c: (triton.cdiv(S, c["BLOCK_N"]), H_kv, B),
-              (q, k, v, do, lse, delta, dk, dv, *docs, *strides, *dk.stride(), *dv.stride(), *sizes), key,
-              **constexprs)
-        _DQ(lambda c: (triton.cdiv(T, c["BLOCK_M"]), H, B),
-            (q, k, v, do, lse, delta, dq, *docs, *strides, *dq.stride(), *sizes), key, **constexprs)
+        _PREPROCESS.bind(signature, lambda c: (triton.cdiv(T, c["BLOCK_M"]), H, B),
+                         (*pre, *o.stride(), *do.stride(), H, T), key, HEAD_DIM=D, BLOCK_D=constexprs["BLOCK_D"])
+        _DKDV.bind(signature, lambda c: (triton.cdiv(S, c["BLOCK_N"]), H_kv, B),
+                   (*dkdv, *strides, *dk.stride(), *dv.stride(), *sizes), key, **constexprs)
+        _DQ.bind(signature, lambda c: (triton.cdiv(T, c["BLOCK_M"]), H, B),
+                 (*dq_, *strides, *dq.stride(), *sizes), key, **constexprs)
     return dq, dk, dv
 
 
@@ -696,35 +727,36 @@ def flash_attn_backward(do, q, k, v, o, lse, causal=True, softmax_scale=None, do
 # Under torch.compile the launchers run inside custom ops, opaque nodes with shape-only fake
 # implementations, so a compiled model keeps one graph; their backward is registered with
 # register_autograd (Dynamo cannot trace a hand-written autograd.Function whose q, k and v are
-# one tensor). Eager calls take a plain autograd.Function: the custom-op dispatch costs host time
-# that short sequences cannot hide (docs/perf-notes.md, v3). Both take the documents' bounds,
-# computed once per call by flash_attention.
+# one tensor). They are registered with define/impl, whose dispatch calls the Python function
+# directly (torch.library.custom_op wraps it in more Python per call). Eager calls take a plain
+# autograd.Function: any dispatch costs host time that short sequences cannot hide
+# (docs/perf-notes.md, v3). Both take the documents' bounds, computed once per call by
+# flash_attention.
+
+torch.library.define("kernels::flash_attn_fwd", "(Tensor q, Tensor k, Tensor v, bool causal, float scale, "
+                     "Tensor? doc_start, Tensor? doc_end) -> (Tensor, Tensor)")
+torch.library.define("kernels::flash_attn_bwd", "(Tensor do, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, "
+                     "bool causal, float scale, Tensor? doc_start, Tensor? doc_end) -> (Tensor, Tensor, Tensor)")
 
 
-@torch.library.custom_op("kernels::flash_attn_fwd", mutates_args=())
-def _flash_attn_fwd_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
-    doc_start: Optional[torch.Tensor], doc_end: Optional[torch.Tensor],
-) -> tuple[torch.Tensor, torch.Tensor]:
+@torch.library.impl("kernels::flash_attn_fwd", ("cpu", "cuda"))
+def _flash_attn_fwd_op(q, k, v, causal, scale, doc_start, doc_end):
     return _forward(q, k, v, causal, scale, None if doc_start is None else Documents(doc_start, doc_end))
 
 
-@_flash_attn_fwd_op.register_fake
+@torch.library.register_fake("kernels::flash_attn_fwd")
 def _(q, k, v, causal, scale, doc_start, doc_end):
     _check_inputs(q, k, v)
     B, H, T, D = q.shape
     return _empty_bhtd(B, H, T, D, q), q.new_empty((B, H, T), dtype=torch.float32)
 
 
-@torch.library.custom_op("kernels::flash_attn_bwd", mutates_args=())
-def _flash_attn_bwd_op(
-    do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
-    causal: bool, scale: float, doc_start: Optional[torch.Tensor], doc_end: Optional[torch.Tensor],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+@torch.library.impl("kernels::flash_attn_bwd", ("cpu", "cuda"))
+def _flash_attn_bwd_op(do, q, k, v, o, lse, causal, scale, doc_start, doc_end):
     return _backward(do, q, k, v, o, lse, causal, scale, None if doc_start is None else Documents(doc_start, doc_end))
 
 
-@_flash_attn_bwd_op.register_fake
+@torch.library.register_fake("kernels::flash_attn_bwd")
 def _(do, q, k, v, o, lse, causal, scale, doc_start, doc_end):
     (B, H, T, D), (H_kv, S) = q.shape, k.shape[1:3]
     return _empty_bhtd(B, H, T, D, q), _empty_bhtd(B, H_kv, S, D, k), _empty_bhtd(B, H_kv, S, D, v)
@@ -739,11 +771,11 @@ def _op_setup_context(ctx, inputs, output):
 
 def _op_backward(ctx, do, dlse):  # dlse: LSE is an output for the backward only, never differentiated
     q, k, v, o, lse, doc_start, doc_end = ctx.saved_tensors
-    dq, dk, dv = _flash_attn_bwd_op(do, q, k, v, o, lse, ctx.causal, ctx.scale, doc_start, doc_end)
+    dq, dk, dv = torch.ops.kernels.flash_attn_bwd(do, q, k, v, o, lse, ctx.causal, ctx.scale, doc_start, doc_end)
     return dq, dk, dv, None, None, None, None
 
 
-_flash_attn_fwd_op.register_autograd(_op_backward, setup_context=_op_setup_context)
+torch.library.register_autograd("kernels::flash_attn_fwd", _op_backward, setup_context=_op_setup_context)
 
 
 class FlashAttentionFunction(torch.autograd.Function):
@@ -785,5 +817,5 @@ def flash_attention(q, k, v, causal=True, softmax_scale=None, doc_ids=None):
     # the custom op where something watches the dispatcher: torch.compile, and modes such as
     # selective activation checkpointing, which must see the attention as one op to keep it
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
-        return _flash_attn_fwd_op(q, k, v, bool(causal), scale, *(docs or (None, None)))[0]
+        return torch.ops.kernels.flash_attn_fwd(q, k, v, bool(causal), scale, *(docs or (None, None)))[0]
     return FlashAttentionFunction.apply(q, k, v, bool(causal), scale, docs)

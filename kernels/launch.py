@@ -1,24 +1,34 @@
 """Launches a @triton.jit kernel on the device its tensors live on, with a config chosen per shape.
 
 CUDA tensors run the compiled kernel under the config that autotuning picked for the shape's
-tuning key (benchmarked once per key among the candidates that fit; the first that fits when
-FLASH_ATTENTION_AUTOTUNE=0). CPU tensors, and any tensors when TRITON_INTERPRET=1 was set before
-import, run the kernel's interpreted twin (kernels/interpreter.py) under one small fixed config, so
-that nothing is benchmarked there.
+tuning key (benchmarked once per key among the candidates that fit the GPU; with
+FLASH_ATTENTION_AUTOTUNE=0 the first of them that compiles and launches). CPU tensors, and any
+tensors when TRITON_INTERPRET=1 was set before import, run the kernel's interpreted twin
+(kernels/interpreter.py) under one small fixed config, so that nothing is benchmarked there.
+
+A launch through Triton's front door binds and specializes every argument again (~100 us of
+Python per launch on the H100 machine's host, more than a short sequence's kernel takes).
+`Launcher.bind` returns a `Bound` launch instead: the compiled kernel, its grid and every
+argument that is not a tensor, fixed for one input signature; calling it passes the tensors'
+addresses straight to Triton's C launcher. kernels/flash_attn.py keeps one per signature.
 """
 
 import contextlib
+import functools
 import os
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import triton
 from triton.compiler.errors import CompilationError
-from triton.runtime import _allocation
+from triton import knobs
+from triton.runtime import _allocation, driver
 from triton.runtime.errors import OutOfResources
 from triton.runtime.interpreter import InterpretedFunction
 from triton.testing import do_bench
 
+from kernels import tuning
 from kernels.interpreter import interpreted, interpreting
 
 Grid = Callable[[dict], tuple[int, ...]]  # config kwargs -> launch grid
@@ -31,24 +41,25 @@ def autotuning() -> bool:
 class Launcher:
     """One kernel, its candidate configs in order of preference, and the choices made so far.
 
-    prune(configs, constexprs, itemsize) keeps the configs that fit the chip for those constexprs
-    and that input width (None: all); it never returns an empty list.
+    prune(configs, constexprs, itemsize, chip) keeps the configs that fit the chip for those
+    constexprs and that input width (None: all); it raises tuning.NoConfigFits if none does.
     """
 
     def __init__(self, kernel, configs: list[triton.Config], cpu_config: triton.Config,
-                 prune: Callable[[list[triton.Config], dict, int], list[triton.Config]] | None = None):
+                 prune: Callable[[list[triton.Config], dict, int, tuning.Chip], list[triton.Config]] | None = None):
         self.kernel, self.configs, self.cpu_config, self.prune = kernel, configs, cpu_config, prune
         self.chosen: dict[tuple, triton.Config] = {}  # tuning key -> config
         self.compiled: dict[tuple, object] = {}  # (config, constexprs, device, specialization) -> CompiledKernel
+        self.bound: dict[tuple, Bound] = {}  # the caller's input signature -> its launch
         self._pinned: triton.Config | None = None
 
     @property
     def name(self) -> str:
         return self.kernel.__name__
 
-    def candidates(self, constexprs: dict, itemsize: int) -> list[triton.Config]:
-        """The configs autotuning chooses among for these constexprs and input width."""
-        return self.prune(self.configs, constexprs, itemsize) if self.prune else self.configs
+    def candidates(self, constexprs: dict, itemsize: int, chip: tuning.Chip) -> list[triton.Config]:
+        """The configs autotuning chooses among for these constexprs, input width and GPU."""
+        return self.prune(self.configs, constexprs, itemsize, chip) if self.prune else self.configs
 
     @contextlib.contextmanager
     def pinned(self, config: triton.Config):
@@ -67,16 +78,39 @@ class Launcher:
                 interpreted(self.kernel)[grid(config.kwargs)](*args, **constexprs, **config.kwargs)
             return
         config = self._pinned or self.chosen.get(key)
-        if config is None:
-            config = self._tune(grid, args, constexprs, args[0].element_size())
-            self.chosen[key] = config
-        self._launch(config, grid, args, constexprs)
+        if config is not None:
+            self._launch(config, grid, args, constexprs)
+        elif autotuning():
+            self.chosen[key] = config = self._tune(grid, args, constexprs)
+            self._launch(config, grid, args, constexprs)
+        else:
+            self.chosen[key] = self._first_that_launches(grid, args, constexprs)
+
+    def bound_for(self, signature: tuple) -> "Bound | None":
+        """The launch bound for this input signature by an earlier call of `bind` (None while a
+        config is pinned: the pin decides)."""
+        return None if self._pinned else self.bound.get(signature)
+
+    def bind(self, signature: tuple, grid: Grid, args: tuple, key: tuple, **constexprs) -> None:
+        """Launches like __call__, then binds the compiled kernel, its grid and args' non-tensor
+        arguments to `signature`, which must fix all of them, and the leading tensors' dtypes and
+        16-byte alignment (nothing is bound on the CPU or while a config is pinned)."""
+        self(grid, args, key, **constexprs)
+        if args[0].device.type == "cpu" or isinstance(self.kernel, InterpretedFunction) or self._pinned:
+            return
+        config = self.chosen[key]
+        compiled = self.compiled[self._compiled_key(config, args, constexprs)]
+        n = next(i for i, a in enumerate(args) if not isinstance(a, torch.Tensor))
+        named = {**constexprs, **config.kwargs}
+        tail = (*args[n:], *(named[name] for name in self.kernel.arg_names[len(args):]))
+        dims = (*grid(config.kwargs), 1, 1)[:3]
+        self.bound[signature] = Bound(compiled, dims, tail, args[0].device.index, bool(constexprs.get("TMA")))
 
     def _launch(self, config: triton.Config, grid: Grid, args: tuple, constexprs: dict) -> None:
         # Triton's own launch path binds and specializes every argument on every call (tens of
         # microseconds, several times a training step); the compiled kernel is cached here per
         # (config, constexprs, device, specialization) and launched directly
-        key = (config, *constexprs.items(), args[0].device.index, *map(_specialization, args))
+        key = self._compiled_key(config, args, constexprs)
         if constexprs.get("TMA"):
             _ensure_allocator()
         compiled = self.compiled.get(key)
@@ -87,9 +121,27 @@ class Launcher:
         dims = (*grid(config.kwargs), 1, 1)[:3]  # the compiled kernel's launcher takes exactly three
         compiled[dims](*args, *(named[name] for name in self.kernel.arg_names[len(args):]))
 
-    def _tune(self, grid: Grid, args: tuple, constexprs: dict, itemsize: int) -> triton.Config:
-        configs = self.candidates(constexprs, itemsize)
-        if len(configs) == 1 or not autotuning():
+    @staticmethod
+    def _compiled_key(config: triton.Config, args: tuple, constexprs: dict) -> tuple:
+        return (config, *constexprs.items(), args[0].device.index, *map(_specialization, args))
+
+    def _first_that_launches(self, grid: Grid, args: tuple, constexprs: dict) -> triton.Config:
+        """Launches the first candidate that compiles and fits the GPU (the estimate in
+        kernels/tuning.py counts tiles, the compiler all of it); returns it."""
+        configs = self.candidates(constexprs, args[0].element_size(), tuning.chip(args[0].device.index))
+        for config in configs:
+            try:
+                self._launch(config, grid, args, constexprs)
+                return config
+            except (OutOfResources, CompilationError):  # raised before the launch: nothing ran
+                continue
+        chip = tuning.chip(args[0].device.index)
+        raise tuning.NoConfigFits(f"{self.name}: none of {len(configs)} tile configs at head dim tile "
+                                  f"{constexprs.get('BLOCK_D')} fits the shared memory of {chip.name}")
+
+    def _tune(self, grid: Grid, args: tuple, constexprs: dict) -> triton.Config:
+        configs = self.candidates(constexprs, args[0].element_size(), tuning.chip(args[0].device.index))
+        if len(configs) == 1:
             return configs[0]
         # a tuned kernel writes each output element once, from inputs it does not write: benchmarking
         # cannot corrupt them (an in-place kernel gets one config, and never reaches this loop)
@@ -101,6 +153,35 @@ class Launcher:
             except (OutOfResources, CompilationError):  # does not fit after all: not a candidate
                 continue
         return min(timings, key=timings.get) if timings else configs[-1]
+
+
+class Bound(NamedTuple):
+    """One compiled kernel launched with a fixed grid and fixed non-tensor arguments."""
+    compiled: object  # triton's CompiledKernel
+    grid: tuple[int, int, int]
+    tail: tuple  # every argument after the leading tensors, constexprs included, in order
+    device: int
+    tma: bool
+
+    def __call__(self, *tensors: torch.Tensor) -> None:
+        """Launches on the current stream of the tensors' device. Their addresses go in as integers
+        (no per-pointer driver query); the caller's signature fixes their 16-byte alignment."""
+        if self.tma:
+            _ensure_allocator()
+        with on_device_index(self.device):
+            if _hooked():  # a profiler listens to launches: Triton's front door, with its metadata
+                self.compiled[self.grid](*tensors, *self.tail)
+                return
+            c = self.compiled
+            # Triton's C launcher: grid, stream, function, metadata, launch metadata and hooks (none), args
+            c.run(*self.grid, _stream_of()(self.device), c.function, c.packed_metadata, None, None, None,
+                  *[t.data_ptr() for t in tensors], *self.tail)
+
+
+def _hooked() -> bool:
+    """Whether Triton's launch hooks are set (a HookChain in triton 3.6, a callable or None before)."""
+    return any(getattr(hook, "calls", hook) for hook in (knobs.runtime.launch_enter_hook,
+                                                         knobs.runtime.launch_exit_hook))
 
 
 def _specialization(arg) -> tuple:
@@ -128,4 +209,15 @@ def _ensure_allocator() -> None:
 
 def on_device(t: torch.Tensor):
     """Triton launches on the current CUDA device: make it t's."""
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+    return on_device_index(t.device.index) if t.is_cuda else contextlib.nullcontext()
+
+
+def on_device_index(index: int):
+    """Makes CUDA device `index` current, where it is not already (checking costs less than switching)."""
+    return contextlib.nullcontext() if torch.cuda.current_device() == index else torch.cuda.device(index)
+
+
+@functools.cache
+def _stream_of():
+    """Triton's current-stream lookup (torch's raw stream handle), resolved once through its driver proxy."""
+    return driver.active.get_current_stream

@@ -1,19 +1,65 @@
-"""Block-size candidates for the attention kernels, and the pruning that keeps those that fit.
+"""Block-size candidates for the attention kernels, and the pruning that keeps those the GPU fits.
 
 Each list is in order of preference, from scripts/tune_attention.py on an H100 (causal bf16, D 64
-and 128; docs/perf-notes.md has the tables): autotuning benchmarks the candidates that fit, and
-with FLASH_ATTENTION_AUTOTUNE=0 the first that fits runs. The small tiles at the end are what
-fits at D = 256. On the CPU one small fixed config runs: blocks small enough that test shapes
-span several of them, and BLOCK_M != BLOCK_N both ways round to exercise the block arithmetic.
+and 128; docs/perf-notes.md has the tables): autotuning benchmarks the candidates that fit the
+running GPU, and with FLASH_ATTENTION_AUTOTUNE=0 the first of them that compiles and launches
+runs. The small tiles at the end are what fits at D = 256 or on a card with less shared memory.
+On the CPU one small fixed config runs: blocks small enough that test shapes span several of
+them, and BLOCK_M != BLOCK_N both ways round to exercise the block arithmetic.
 """
+
+import functools
+from typing import NamedTuple
 
 import triton
 
-# Per-program budgets, calibrated against Triton 3.6's sm_90 compiles (shared memory as
-# allocated; ptxas register and spill reports) for D in {64, 80, 128, 256}: H100 allows 227 KB
-# of shared memory per block, and every config above 192 live fp32 values per thread spilled.
-SMEM_BYTES = 226 * 1024
+
+class Chip(NamedTuple):
+    """What a config must fit, as the GPU reports it."""
+    name: str
+    capability: tuple[int, int]  # (major, minor): 8.0 Ampere, 8.9 Ada, 9.0 Hopper
+    smem_bytes: int  # shared memory one block may opt into (227 KB on an H100, 99 KB on an RTX 4090)
+    nvidia: bool = True
+
+    @property
+    def bf16(self) -> bool:
+        """tl.dot on bf16 needs Ampere's tensor cores (sm_80) or newer."""
+        return self.capability >= (8, 0)
+
+    @property
+    def tf32(self) -> bool:
+        return self.capability >= (8, 0)
+
+    @property
+    def tma(self) -> bool:
+        """TMA descriptors (and wgmma) exist from Hopper (sm_90) on."""
+        return self.nvidia and self.capability >= (9, 0)
+
+
+@functools.cache
+def chip(device_index: int) -> Chip:
+    """The Chip of CUDA device `device_index` (read once per process)."""
+    import torch
+    from triton.runtime import driver
+
+    props = torch.cuda.get_device_properties(device_index)
+    smem = driver.active.utils.get_device_properties(device_index)["max_shared_mem"]  # the opt-in maximum
+    return Chip(props.name, (props.major, props.minor), smem, nvidia=torch.version.hip is None)
+
+
+H100 = Chip("NVIDIA H100 80GB HBM3", (9, 0), 227 * 1024)  # what the lists below were tuned on
+
+
+class NoConfigFits(ValueError):
+    """No candidate fits this GPU at this head dim and input width."""
+
+
+# Registers: every NVIDIA GPU from Volta on gives a thread at most 255 32-bit registers, and on
+# Triton 3.6's sm_90 compiles every config above 192 live fp32 values per thread spilled.
 FP32_PER_THREAD = 192
+# Shared memory: the estimate below counts the tiles; Triton's barriers and layout conversions
+# take up to ~1 KB more (calibrated on sm_90 compiles for D in {64, 80, 128, 256})
+SMEM_RESERVED = 1024
 
 
 def _configs(resident: str, streamed: str, *candidates) -> list[triton.Config]:
@@ -22,15 +68,15 @@ def _configs(resident: str, streamed: str, *candidates) -> list[triton.Config]:
 
 
 def pruner(resident: str, streamed: str, resident_tiles: int, acc_tiles: int, score_tiles: int):
-    """prune(configs, constexprs, itemsize): the configs whose tiles fit in shared memory and
-    registers at the head-dim tile constexprs["BLOCK_D"] (or the smallest one, if none does).
+    """prune(configs, constexprs, itemsize, chip): the configs whose tiles fit in the chip's shared
+    memory and in registers at the head-dim tile constexprs["BLOCK_D"]; NoConfigFits if none does.
 
     Per program: resident_tiles (rows, D) input tiles stay in shared memory (Q; Q and dO; K and
     V), two streamed (rows, D) tiles are buffered per pipeline stage; acc_tiles (rows, D) fp32
     accumulators and score_tiles (resident rows, streamed rows) fp32 tiles live in registers.
     """
 
-    def prune(configs: list[triton.Config], constexprs: dict, itemsize: int) -> list[triton.Config]:
+    def prune(configs: list[triton.Config], constexprs: dict, itemsize: int, chip: Chip) -> list[triton.Config]:
         block_d = constexprs["BLOCK_D"]
 
         def area(c):
@@ -42,8 +88,14 @@ def pruner(resident: str, streamed: str, resident_tiles: int, acc_tiles: int, sc
         def fp32_per_thread(c):
             return (acc_tiles * c.kwargs[resident] * block_d + score_tiles * area(c)) / (32 * c.num_warps)
 
-        kept = [c for c in configs if smem(c) <= SMEM_BYTES and fp32_per_thread(c) <= FP32_PER_THREAD]
-        return kept or [min(configs, key=lambda c: (area(c), -c.num_warps))]
+        budget = chip.smem_bytes - SMEM_RESERVED
+        kept = [c for c in configs if smem(c) <= budget and fp32_per_thread(c) <= FP32_PER_THREAD]
+        if not kept:
+            need = min(smem(c) for c in configs)
+            raise NoConfigFits(f"flash_attention: no tile size fits head_dim {block_d} ({8 * itemsize}-bit) in the "
+                               f"{chip.smem_bytes // 1024} KB of shared memory per block of {chip.name}: the smallest "
+                               f"needs {-(-need // 1024)} KB; use a smaller head_dim or another attention")
+        return kept
 
     return prune
 

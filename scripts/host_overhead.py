@@ -5,10 +5,16 @@ look slow in eager benchmarks (docs/perf-notes.md, v2-v4 and v8). Host time here
 per call over a burst of calls whose GPU work is queued, not waited on. Rows:
 
   forward / backward launches   flash_attn_forward / flash_attn_backward, no autograd
+  ops forward+backward          the torch.library ops through the dispatcher, as torch.compile's
+                                generated code calls them
   autograd, engine thread       flash_attention(...).backward(do): the backward runs on
                                 autograd's CUDA device thread, as in training
   autograd, calling thread      the same with torch.autograd.set_multithreading_enabled(False)
   empty autograd.Function       forward and backward that launch nothing: autograd's own cost
+  12 chained, per call          12 attentions in a row (each one's output the next one's q) and
+                                one backward through all, as in a 12-layer model: the hand-over
+                                to autograd's thread is paid once per backward, not per call;
+                                the same for SDPA (the backend torch picks), C++ end to end
 
 then a cProfile of the calling-thread variant (the engine thread is invisible to cProfile).
 Needs a CUDA GPU:
@@ -78,12 +84,30 @@ def main() -> None:
             with torch.autograd.set_multithreading_enabled(False):
                 step()
 
+        def ops():
+            out, lse_ = torch.ops.kernels.flash_attn_fwd(q, k, v, True, D**-0.5, None, None)
+            torch.ops.kernels.flash_attn_bwd(do, q, k, v, out, lse_, True, D**-0.5, None, None)
+
+        def chained(attend, layers=12):
+            def run():
+                x = q
+                for _ in range(layers):
+                    x = attend(x, k, v)
+                x.backward(do)
+            return host_ms(run, calls=10) / layers
+
+        def sdpa(q_, k_, v_):
+            return torch.nn.functional.scaled_dot_product_attention(q_, k_, v_, is_causal=True)
+
         rows = {
             "forward launches": host_ms(lambda: flash_attn_forward(q, k, v)),
             "backward launches": host_ms(lambda: flash_attn_backward(do, q, k, v, o, lse)),
+            "ops forward+backward": host_ms(ops),
             "autograd fwd+bwd, engine thread": host_ms(step),
             "autograd fwd+bwd, calling thread": host_ms(single_thread_step),
             "empty autograd.Function fwd+bwd": host_ms(empty_step),
+            "12 chained, per call": chained(flash_attention),
+            "12 chained, per call, SDPA": chained(sdpa),
         }
         print(f"\nD={D} T={T}: GPU time of the kernels: forward {gpu_fwd:.3f} ms, backward {gpu_bwd:.3f} ms")
         for name, ms in rows.items():
