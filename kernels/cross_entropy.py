@@ -10,7 +10,11 @@ n stays on the device, so nothing syncs). On CUDA one Triton program per row doe
 loss and gradient in two passes over the row; elsewhere PyTorch does the same (_chunk_eager, the
 specification). Matmuls run in the autocast dtype when autocast is on, as the model's own head
 would; the softmax and all sums are fp32. Extra memory: one chunk's logits, dX, dW in fp32 (V x d).
+fp16 logits are the exception: computed here before any loss scale, p / n (n ~ 10^4 tokens) falls
+below fp16's range, so their gradient and its two matmuls stay in fp32 (slower, twice the chunk).
 """
+
+import contextlib
 
 import torch
 import triton
@@ -95,6 +99,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for start in range(0, x.shape[0], chunk):
             xc, yc = x[start:start + chunk], targets[start:start + chunk]
             logits = xc @ weight.T  # (c, V), in the autocast dtype if autocast is on
+            precise = logits.dtype == torch.float16  # see the module docstring
+            if precise:
+                logits = logits.float()
             if use_kernel:
                 loss_c, grad = _chunk_kernel(logits, yc, n, ignore_index, z_loss, want_dx or want_dw)
             else:
@@ -102,10 +109,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
             loss += loss_c
             if grad is not None:
                 grad = grad.to(logits.dtype)
-                if want_dx:
-                    dx[start:start + chunk] = grad @ weight
-                if want_dw:
-                    dw += grad.T @ xc
+                w_c, x_c = (weight.float(), xc.float()) if precise else (weight, xc)
+                with torch.autocast(x.device.type, enabled=False) if precise else contextlib.nullcontext():
+                    if want_dx:
+                        dx[start:start + chunk] = grad @ w_c
+                    if want_dw:
+                        dw += grad.T @ x_c
         ctx.save_for_backward(dx, dw)
         ctx.weight_dtype = weight.dtype
         return (loss / n).to(acc)
