@@ -181,7 +181,7 @@ def setup(cfg: DictConfig, run_dir: Path) -> Run:
         run.saved_step = run.step
     if par.world > 1:
         torch.manual_seed(cfg.seed + par.rank)  # same initial weights everywhere, but each rank its own dropout
-    run.model = par.wrap(raw_model, cfg.compile)
+    run.model = par.wrap(raw_model, cfg.compile, cfg.compile_mode)
     if run.master:
         run.log = RunLog(run.run_dir, cfg, ckpt["wandb_id"] if ckpt else None, ckpt["step"] if ckpt else None)
         run.log.run.config.update(info, allow_val_change=True)
@@ -253,9 +253,18 @@ def forward(run: Run, loader: TokenWindows) -> torch.Tensor:
         return run.model(x, y, pos, doc_ids)[1]
 
 
+def new_graph_step(run: Run) -> None:
+    """Under CUDA graphs (compile_mode=reduce-overhead) a replay reuses the memory of the graphs'
+    earlier outputs: called where all of them have been read (losses added up, gradients stepped and
+    dropped), never between the micro-steps whose gradients accumulate."""
+    if run.cfg.compile_mode == "reduce-overhead":
+        torch.compiler.cudagraph_mark_step_begin()
+
+
 def train_step(run: Run) -> tuple[torch.Tensor, torch.Tensor, float]:
     """One optimizer step over grad_accum micro-batches: (mean loss, grad norm) on the device, unsynced, and the lr."""
     cfg = run.cfg
+    new_graph_step(run)
     lr = lr_at(run.step, cfg)
     for group in run.optimizer.param_groups:
         group["lr"] = lr
@@ -304,7 +313,11 @@ def check_finite(run: Run, loss: float | None = None) -> None:
 def evaluate(run: Run) -> float:
     run.val_loader.load_state_dict(run.val_start)  # the same validation windows every time: comparable across steps
     run.model.eval()
-    loss = torch.stack([forward(run, run.val_loader).float() for _ in range(run.cfg.eval_steps)]).mean()
+    losses = []
+    for _ in range(run.cfg.eval_steps):
+        new_graph_step(run)
+        losses.append(forward(run, run.val_loader).float().clone())  # a copy outlives the next replay
+    loss = torch.stack(losses).mean()
     run.model.train()
     run.par.after_forward_only(run.raw_model)
     return run.par.mean(loss).item()  # each rank saw its slice of the global validation batch

@@ -18,7 +18,7 @@ from data.config import DataConfig, DataSource
 from model.attention import ATTENTIONS
 from model.config import Checkpointing, Loss, ModelConfig, PosEmb
 
-__all__ = ["AttnConfig", "AttnName", "Checkpointing", "DataConfig", "DataParallel", "DataSource", "Dtype", "Loss",
+__all__ = ["AttnConfig", "AttnName", "Checkpointing", "CompileMode", "DataConfig", "DataParallel", "DataSource", "Dtype", "Loss",
            "ModelConfig", "OptimConfig", "ParallelConfig", "PosEmb", "SdpaBackend", "TrainConfig", "WandbConfig",
            "WandbMode", "plain"]
 
@@ -37,6 +37,11 @@ class Dtype(StrEnum):
     float32 = "float32"
     bfloat16 = "bfloat16"
     float16 = "float16"  # autocast with dynamic loss scaling: for GPUs without bf16 (T4, V100)
+
+
+# torch.compile's mode, with compile=true; reduce-overhead replays each compiled graph as a CUDA
+# graph, one launch for all its kernels (no host time per kernel)
+CompileMode = StrEnum("CompileMode", {"default": "default", "reduce-overhead": "reduce-overhead"})
 
 
 class WandbMode(StrEnum):
@@ -113,6 +118,7 @@ class TrainConfig:
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
     dtype: Dtype = Dtype.auto
     compile: bool = False
+    compile_mode: CompileMode = CompileMode.default
     ac: Checkpointing = Checkpointing.none  # activation checkpointing per transformer block
     # a torch.profiler trace of steps 3-5 (and on CUDA a memory snapshot) in <run dir>/profile/
     profile: bool = False

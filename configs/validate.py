@@ -101,6 +101,9 @@ def validate(cfg: DictConfig, world: int = 1) -> None:
     _within(cfg, "optim.weight_decay", 0, math.inf)
     _within(cfg, "optim.grad_clip", 0, math.inf)
     validate_data(cfg)
+    if cfg.compile_mode != "default" and not (cfg.compile and device.type == "cuda"):
+        _fail("compile_mode", cfg.compile_mode, "needs compile=true on a CUDA device (CUDA graphs): add compile=true, "
+                                                "or leave compile_mode=default")
     if cfg.profile and cfg.max_steps < 5:
         _fail("max_steps", cfg.max_steps, "must be at least 5 with profile=true (it records steps 3-5)")
     if cfg.sample_tokens and not cfg.sample_prompt:

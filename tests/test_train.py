@@ -51,6 +51,21 @@ def test_each_sdpa_backend_trains_or_is_refused_in_one_line(backend, runnable, d
     assert summary["status"] == "ok" and summary["sdpa_backend"] == backend
 
 
+@pytest.mark.gpu
+def test_gpu_cuda_graphs_give_the_compiled_runs_losses(data_root, tmp_path):
+    # compile_mode=reduce-overhead replays each compiled graph (our kernels inside, their TMA
+    # descriptors written to scratch at each replay) as one CUDA graph: the same kernels on the same
+    # inputs, so the same bits as compile=true alone, eval and two micro-steps included
+    base = [o for o in TINY if o != "device=cpu"] + ["attn=triton", "device=cuda", f"data.root={data_root}",
+                                                     "max_steps=8", "log_interval=1", "eval_interval=4", "grad_accum=2",
+                                                     "compile=true", "wandb.mode=disabled"]
+    runs = {}
+    for mode in ("default", "reduce-overhead"):
+        assert train_module.train(compose(base + [f"compile_mode={mode}"]), tmp_path / mode)["status"] == "ok"
+        runs[mode] = [(r.get("loss"), r.get("val_loss")) for r in metrics(tmp_path / mode)]
+    assert runs["default"] == runs["reduce-overhead"] and len(runs["default"]) >= 8
+
+
 def test_wandb_offline_run_and_metrics_hold_throughput_and_memory(data_root, tmp_path):
     cfg = compose(TINY + [f"data.root={data_root}", "max_steps=6", "log_interval=2", "eval_interval=3",
                           "wandb.mode=offline"])

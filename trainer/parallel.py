@@ -122,15 +122,15 @@ class Parallel:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
 
-    def wrap(self, model: nn.Module, compile: bool) -> nn.Module:
-        """What the loop calls: compiled and/or in DDP. The ring communicates, so a compiled model
+    def wrap(self, model: nn.Module, compile: bool, mode: str = "default") -> nn.Module:
+        """What the loop calls: compiled (in torch.compile's `mode`) and/or in DDP. The ring communicates, so a compiled model
         runs the attention blocks eagerly; a graph break inside them (strided q, k, v views crossing
         it) fails in torch's AOT view replay, one around them does not."""
         if compile and self.cp is not None:
             for block in model.blocks:
                 block.attn.forward = torch.compiler.disable(block.attn.forward)
         if compile:
-            model = torch.compile(model)
+            model = torch.compile(model, mode=str(mode))
         if self.world > 1 and not self.sharded:
             # gradients live in the all-reduce buckets: no copy in and out of them after backward
             model = DDP(model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
