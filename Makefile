@@ -5,21 +5,33 @@
 PYTHON ?= python3
 VENV   := .venv
 PY     ?= $(VENV)/bin/python
-# torch 2.13.0: a local CPU wheel on our CI machines; on a CUDA machine pip's default build
-TORCH  ?= torch==2.13.0
 # the preset follows the hardware, and says so
 PRESET := $(shell nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
+# A CUDA machine gets the torch and triton the kernels were tuned and tested with on the H100
+# (TMA descriptors and Gluon change between triton releases); a CPU machine gets torch 2.13.0
+# (a local CPU wheel on our CI machines) and the newest triton, whose interpreter runs the tests.
+# Either is one override: make train TORCH=torch==2.13.0 TRITON=triton (not measured on a GPU).
+ifeq ($(PRESET),gpu)
+TORCH  ?= torch==2.11.0
+TRITON ?= triton==3.6.0
+else
+TORCH  ?= torch==2.13.0
+TRITON ?= triton>=3.6
+endif
+# one stamp per pair: naming another pair installs it into the same .venv
+STAMP  := $(VENV)/.installed-$(subst >,,$(subst =,,$(TORCH)-$(TRITON)))
 SETUP  := $(if $(filter command line,$(origin PY)),,setup)
 
 .PHONY: setup train test bench clean
 
-setup: $(VENV)/.installed
+setup: $(STAMP)
 
-$(VENV)/.installed: requirements.txt
+$(STAMP): requirements.txt
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
-	$(VENV)/bin/python -m pip install -q "$(TORCH)"
-	$(VENV)/bin/python -m pip install -q -r requirements.txt
+	$(VENV)/bin/python -m pip install -q "$(TORCH)" "$(TRITON)"
+	$(VENV)/bin/python -m pip install -q -r requirements.txt "$(TORCH)" "$(TRITON)"
+	@$(VENV)/bin/python -c "import torch, triton; print('installed torch', torch.__version__, 'triton', triton.__version__)"
 	touch $@
 
 train: $(SETUP)
