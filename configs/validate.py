@@ -64,11 +64,11 @@ def validate(cfg: DictConfig, world: int = 1) -> None:
         device = resolve_device(cfg.device)
     except ValueError as e:
         _fail("device", cfg.device, str(e))
+    _parallel(cfg, world)  # first: the GPU a process would use exists (the dtype check reads it)
     try:  # bfloat16 and float16 run on the CPU too (autocast there has both): the tests train in each
         autocast_dtype(cfg.dtype, device)
     except ValueError as e:
         _fail("dtype", cfg.dtype, str(e))
-    _parallel(cfg, world)
     dp = data_parallel_size(cfg, world)
     if cfg.batch_tokens is not None and cfg.batch_tokens % (cfg.seq_len * dp):
         _fail("batch_tokens", cfg.batch_tokens, f"must be a multiple of seq_len x data-parallel processes = "
