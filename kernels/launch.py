@@ -21,8 +21,8 @@ from typing import NamedTuple
 
 import torch
 import triton
-from triton.compiler.errors import CompilationError
 from triton import knobs
+from triton.compiler.errors import CompilationError
 from triton.runtime import _allocation, driver
 from triton.runtime.errors import OutOfResources
 from triton.runtime.interpreter import InterpretedFunction
