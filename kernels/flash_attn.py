@@ -30,10 +30,9 @@ there bf16 is computed in fp32 and rounded. kernels/flash_ref.py is the same alg
 PyTorch; kernels/launch.py picks block sizes per shape (kernels/tuning.py lists them).
 """
 
-import functools
 import math
 import os
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 import triton
