@@ -584,6 +584,22 @@ def _tma(*streamed: torch.Tensor) -> bool:
                and all(s * x.element_size() % 16 == 0 for s in x.stride()[:3]) for x in streamed)
 
 
+def unsupported(head_dim: int, dtype: torch.dtype, device: torch.device) -> str | None:
+    """Why the kernels cannot run head_dim in dtype on this device (None: they can), for a check
+    before training: bf16 below compute capability 8.0, or no tile config that fits the card."""
+    if device.type != "cuda":
+        return None
+    chip = tuning.chip(torch.cuda.current_device() if device.index is None else device.index)
+    if dtype == torch.bfloat16 and not chip.bf16:
+        return f"bfloat16 needs compute capability 8.0 or newer; {chip.name} is {chip.capability[0]}.{chip.capability[1]}"
+    try:
+        for launcher in LAUNCHERS.values():
+            launcher.candidates({"BLOCK_D": max(16, triton.next_power_of_2(head_dim))}, dtype.itemsize, chip)
+    except tuning.NoConfigFits as e:
+        return str(e).removeprefix("flash_attention: ")
+    return None
+
+
 def softmax_scale_of(q, softmax_scale=None) -> float:
     """The scale of the scores: softmax_scale, or 1 / sqrt(head_dim) when it is None."""
     return q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)

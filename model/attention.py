@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import MAX_HEAD_DIM, flash_attention
+from kernels import MAX_HEAD_DIM, flash_attention, unsupported
 
 AttentionFn = Callable[..., torch.Tensor]  # (q, k, v, doc_ids=None) -> (B, H, T, D)
 
@@ -60,6 +60,8 @@ class Attention:
     fn: AttentionFn
     about: str  # what runs, in a line
     max_head_dim: int | None = None  # None: any
+    # why (head_dim, dtype, device) cannot run, or None; None: anything runs
+    unsupported: Callable[[int, torch.dtype, torch.device], str | None] | None = None
     context_parallel: bool = False  # one sequence over several ranks: ring attention over its kernels
     # the ops selective activation checkpointing keeps (output and LSE); none: recomputed whole
     saved_ops: tuple = ()
@@ -73,7 +75,8 @@ ATTENTIONS = {a.name: a for a in (
                          torch.ops.aten._scaled_dot_product_efficient_attention.default,
                          torch.ops.aten._scaled_dot_product_cudnn_attention.default)),
     Attention("triton", triton_attention, "our FlashAttention-2 forward and backward Triton kernels",
-              max_head_dim=MAX_HEAD_DIM, context_parallel=True, saved_ops=(torch.ops.kernels.flash_attn_fwd.default,)),
+              max_head_dim=MAX_HEAD_DIM, unsupported=unsupported, context_parallel=True,
+              saved_ops=(torch.ops.kernels.flash_attn_fwd.default,)),
 )}
 
 

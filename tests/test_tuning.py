@@ -103,3 +103,17 @@ def test_gpu_a_config_the_compiler_refuses_is_skipped_without_autotuning(monkeyp
     assert list(launcher.chosen.values()) == [small]
     with launcher.pinned(small):
         assert torch.equal(fa.flash_attn_forward(q, k, v)[0], o)
+
+
+def test_what_a_card_cannot_run_is_known_before_training(monkeypatch):
+    # configs/validate.py asks this for attn=triton on CUDA: one line before anything is created
+    from kernels import unsupported
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(tuning, "chip", lambda index: CHIPS[-1])  # a T4
+    assert "bfloat16 needs compute capability 8.0 or newer; Tesla T4 is 7.5" in unsupported(64, torch.bfloat16, cuda)
+    assert "no tile size fits head_dim 256 (32-bit) in the 64 KB" in unsupported(256, torch.float32, cuda)
+    assert unsupported(64, torch.float16, cuda) is None
+    monkeypatch.setattr(tuning, "chip", lambda index: tuning.H100)
+    assert unsupported(256, torch.float32, cuda) is None and unsupported(256, torch.bfloat16, cuda) is None
+    assert unsupported(256, torch.float32, torch.device("cpu")) is None
