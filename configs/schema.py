@@ -18,9 +18,9 @@ from data.config import DataConfig, DataSource
 from model.attention import ATTENTIONS
 from model.config import Checkpointing, Loss, ModelConfig, PosEmb
 
-__all__ = ["AttnConfig", "AttnName", "Checkpointing", "CompileMode", "DataConfig", "DataParallel", "DataSource", "Dtype", "Loss",
-           "ModelConfig", "OptimConfig", "ParallelConfig", "PosEmb", "SdpaBackend", "TrainConfig", "WandbConfig",
-           "WandbMode", "plain"]
+__all__ = ["AttnConfig", "AttnName", "Checkpointing", "CompileMode", "DataConfig", "DataParallel", "DataSource",
+           "Dtype", "Loss", "ModelConfig", "OptimConfig", "ParallelConfig", "PosEmb", "SdpaBackend", "TrainConfig",
+           "WandbConfig", "WandbMode", "plain"]
 
 AttnName = StrEnum("AttnName", {name: name for name in ATTENTIONS})  # attn=: one per registered attention
 

@@ -591,7 +591,8 @@ def unsupported(head_dim: int, dtype: torch.dtype, device: torch.device) -> str 
         return None
     chip = tuning.chip(torch.cuda.current_device() if device.index is None else device.index)
     if dtype == torch.bfloat16 and not chip.bf16:
-        return f"bfloat16 needs compute capability 8.0 or newer; {chip.name} is {chip.capability[0]}.{chip.capability[1]}"
+        major, minor = chip.capability
+        return f"bfloat16 needs compute capability 8.0 or newer; {chip.name} is {major}.{minor}"
     try:
         for launcher in LAUNCHERS.values():
             launcher.candidates({"BLOCK_D": max(16, triton.next_power_of_2(head_dim))}, dtype.itemsize, chip)

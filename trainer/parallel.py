@@ -123,9 +123,10 @@ class Parallel:
         fully_shard(model, mesh=mesh)
 
     def wrap(self, model: nn.Module, compile: bool, mode: str = "default") -> nn.Module:
-        """What the loop calls: compiled (in torch.compile's `mode`) and/or in DDP. The ring communicates, so a compiled model
-        runs the attention blocks eagerly; a graph break inside them (strided q, k, v views crossing
-        it) fails in torch's AOT view replay, one around them does not."""
+        """What the loop calls: compiled (in torch.compile's `mode`) and/or in DDP. The ring
+        communicates, so a compiled model runs the attention blocks eagerly; a graph break inside
+        them (strided q, k, v views crossing it) fails in torch's AOT view replay, one around them
+        does not."""
         if compile and self.cp is not None:
             for block in model.blocks:
                 block.attn.forward = torch.compiler.disable(block.attn.forward)
