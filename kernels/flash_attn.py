@@ -553,10 +553,8 @@ def _meta(q, k, causal, docs, tma):
     """(tuning key, constexprs) of a call: a new sequence length retunes only past a power of two.
     Raises ValueError where the GPU cannot run the dtype (looked up here, where torch.compile does
     not trace: inside the launchers, once per input signature)."""
-    if q.is_cuda and q.dtype == torch.bfloat16 and not tuning.chip(q.device.index).bf16:
-        chip = tuning.chip(q.device.index)
-        raise ValueError(f"flash_attention: bfloat16 needs a GPU of compute capability 8.0 or newer; {chip.name} "
-                         f"is {chip.capability[0]}.{chip.capability[1]}: use torch.float16")
+    if q.is_cuda and (why := _bf16_missing(q.dtype, tuning.chip(q.device.index))):
+        raise ValueError(f"flash_attention: {why}: use torch.float16")
     D, T, S = q.shape[3], q.shape[2], k.shape[2]
     block_d = max(16, triton.next_power_of_2(D))
     doc_mask = docs is not None
@@ -584,15 +582,22 @@ def _tma(*streamed: torch.Tensor) -> bool:
                and all(s * x.element_size() % 16 == 0 for s in x.stride()[:3]) for x in streamed)
 
 
+def _bf16_missing(dtype: torch.dtype, chip: tuning.Chip) -> str | None:
+    """Why the card cannot run bf16 matmuls, if dtype is bf16 and it cannot (None otherwise)."""
+    if dtype == torch.bfloat16 and not chip.bf16:
+        major, minor = chip.capability
+        return f"bfloat16 needs compute capability 8.0 or newer; {chip.name} is {major}.{minor}"
+    return None
+
+
 def unsupported(head_dim: int, dtype: torch.dtype, device: torch.device) -> str | None:
     """Why the kernels cannot run head_dim in dtype on this device (None: they can), for a check
     before training: bf16 below compute capability 8.0, or no tile config that fits the card."""
     if device.type != "cuda":
         return None
     chip = tuning.chip(torch.cuda.current_device() if device.index is None else device.index)
-    if dtype == torch.bfloat16 and not chip.bf16:
-        major, minor = chip.capability
-        return f"bfloat16 needs compute capability 8.0 or newer; {chip.name} is {major}.{minor}"
+    if why := _bf16_missing(dtype, chip):
+        return why
     try:
         for launcher in LAUNCHERS.values():
             launcher.candidates({"BLOCK_D": max(16, triton.next_power_of_2(head_dim))}, dtype.itemsize, chip)
