@@ -34,7 +34,7 @@ import pytest
 import torch
 import triton
 
-from kernels import flash_attention, flash_attn_forward
+from kernels import flash_attention, flash_attn_backward, flash_attn_forward
 from kernels import tuning
 from kernels.flash_attn import LAUNCHERS
 from kernels.flash_ref import attention_probs, attention_reference
@@ -421,6 +421,41 @@ def test_cpu_tensors_run_interpreted_and_cuda_tensors_compiled_in_one_process(in
     run = subprocess.run([sys.executable, "-c", script], env=env, cwd=REPO, capture_output=True, text=True, check=False)
     assert run.returncode == 0, run.stderr[-2000:]
     assert float(run.stdout) < 1e-5
+
+
+def _rows_past_2_31(T, H, D, dtype, device):
+    """q, k, v and dO (1, H, T, D), each a view of one buffer whose rows are 2**26 elements apart,
+    [q | k | v | dO] at the start of each: a fused projection stretched so that rows 32 on lie
+    2**31 elements or more past their head's start. Only those rows are written: the rest of the
+    buffer (~2.6e9 elements) is never touched, so it costs address space, not memory."""
+    row = 2**26
+    buffer = torch.empty((T - 1) * row + 4 * H * D, dtype=dtype, device=device)
+    views = [buffer.as_strided((1, H, T, D), (buffer.numel(), D, row, 1), i * H * D) for i in range(4)]
+    gen = torch.Generator().manual_seed(T)
+    for view in views:
+        view.copy_(torch.randn(view.shape, generator=gen).to(dtype))
+    return views
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("tma", ["1", "0"])
+def test_offsets_past_2_31_within_one_head(device, tma, monkeypatch):
+    # a million-token sequence's fused qkv puts a head's last rows past 2**31 elements: the
+    # kernels' offsets are int64, so they read and write those rows as they do any other (the
+    # same bits as compact copies of the same values); int32 offsets would wrap
+    if device == "cpu" and tma == "0":
+        pytest.skip("the CPU runs the pointer path either way")
+    monkeypatch.setenv("FLASH_ATTENTION_TMA", tma)
+    dtype = F16 if device == "cpu" else BF16
+    q, k, v, do = _rows_past_2_31(40, 2, 16, dtype, device)
+    assert (q.shape[2] - 1) * q.stride(2) >= 2**31
+    compact = [t.contiguous() for t in (q, k, v, do)]
+    o, lse = flash_attn_forward(q, k, v)
+    o_ref, lse_ref = flash_attn_forward(*compact[:3])
+    assert torch.equal(o, o_ref) and torch.equal(lse, lse_ref)
+    grads = flash_attn_backward(do, q, k, v, o, lse)
+    for got, want in zip(grads, flash_attn_backward(compact[3], *compact[:3], o_ref, lse_ref), strict=True):
+        assert torch.isfinite(got).all() and torch.equal(got, want)
 
 
 @pytest.mark.gpu
