@@ -164,9 +164,9 @@ def setup(cfg: DictConfig, run_dir: Path) -> Run:
     # each data-parallel rank takes its own slice of one global batch (data/loader.py)
     data_seed = cfg.seed if cfg.data_seed is None else cfg.data_seed
     train_loader = TokenWindows(dataset_dir, "train", cfg.seq_len, cfg.batch_size, par.device, data_seed,
-                                par.dp_rank, par.dp)
+                                par.dp_rank, par.dp, cfg.data.cycle)
     val_loader = (TokenWindows(dataset_dir, "val", cfg.seq_len, cfg.batch_size, par.device, cfg.seed, par.dp_rank,
-                               par.dp) if cfg.eval_steps else None)
+                               par.dp, cfg.data.cycle) if cfg.eval_steps else None)
     raw_model = build_model(cfg, par)
     info = run_info(cfg, par, raw_model)
     par.shard(raw_model)  # before the optimizer: it holds the shards

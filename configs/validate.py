@@ -57,7 +57,7 @@ def validate(cfg: DictConfig, world: int = 1) -> None:
     _int64(cfg)
     _at_least(cfg, "seq_len batch_size grad_accum max_steps log_interval model.n_layer model.n_head "
                    "model.d_model model.max_seq_len model.loss_chunk batch_tokens parallel.cp", 1)
-    _at_least(cfg, "eval_interval eval_steps optim.warmup_steps sample_tokens", 0)
+    _at_least(cfg, "eval_interval eval_steps optim.warmup_steps sample_tokens model.mlp_chunk", 0)
     _at_least(cfg, "ckpt_interval", -1)
     _at_least(cfg, "seed data_seed", 0)
     try:
@@ -173,12 +173,12 @@ def batch_size_per_process(cfg: DictConfig, world: int) -> int:
 
 # what a resume may change without breaking the run it continues: how long it runs and how it
 # reports, where it runs and how its sequences are split over GPUs, with which (equivalent)
-# attention kernel, loss and activation checkpointing, and the lr schedule, which depends on
+# attention kernel, loss, activation checkpointing and MLP tiling, and the lr schedule, which depends on
 # max_steps anyway. Everything else (model, data, batch, seeds, precision, AdamW's own constants)
 # would make a different run.
 RESUMABLE = ("max_steps", "log_interval", "eval_interval", "eval_steps", "ckpt_interval", "sample_tokens",
              "sample_prompt", "wandb.", "compile", "ac", "profile", "device", "resume", "attn.", "model.loss",
-             "data.root",
+             "model.mlp_chunk", "data.root",
              "optim.lr", "optim.min_lr_ratio", "optim.warmup_steps", "optim.grad_clip", "parallel.cp")
 
 

@@ -29,3 +29,6 @@ class DataConfig:
     root: str = ""
     # attend within documents only: a window holds several, each ended by GPT-2's end-of-text token
     doc_mask: bool = False
+    # a window longer than its split repeats the split from its start (the long-context ladder past
+    # the embedded data's 1.38M training tokens); shorter windows are drawn as without it
+    cycle: bool = False

@@ -66,15 +66,18 @@ class TokenWindows:
         seed: int = 0,
         rank: int = 0,
         world_size: int = 1,
+        cycle: bool = False,
     ):
         if split not in SPLITS:
             raise DatasetError(f"unknown split {split!r}: expected one of {SPLITS}")
         meta = load_meta(dataset_dir)
         self.n_tokens = meta["splits"][split]["tokens"]
-        if self.n_tokens < seq_len + 1:
+        # a window that wraps around the split: only if asked for, and only if it must
+        self.wraps = cycle and self.n_tokens < seq_len + 1
+        if self.n_tokens < seq_len + 1 and not self.wraps:
             raise DatasetError(
                 f"{split} split of {dataset_dir} has {self.n_tokens} tokens, need at least "
-                f"seq_len+1 = {seq_len + 1}: use a smaller seq_len or a bigger dataset"
+                f"seq_len+1 = {seq_len + 1}: use a smaller seq_len, a bigger dataset or data.cycle=true"
             )
         self.path = Path(dataset_dir) / f"{split}.bin"
         self.dtype = np.dtype(meta["dtype"])
@@ -91,9 +94,11 @@ class TokenWindows:
         data = np.memmap(self.path, dtype=self.dtype, mode="r")
         T = self.seq_len
         B = self.batch_size
-        starts = torch.randint(self.n_tokens - T, (B * self.world_size,), generator=self.generator)
+        n = self.n_tokens if self.wraps else self.n_tokens - T
+        starts = torch.randint(n, (B * self.world_size,), generator=self.generator)
         starts = starts[self.rank * B:(self.rank + 1) * B]  # this rank's slice of the global batch
-        windows = data[starts.numpy()[:, None] + np.arange(T + 1)].astype(np.int64)  # (B, T+1)
+        offsets = starts.numpy()[:, None] + np.arange(T + 1)  # (B, T+1)
+        windows = data[offsets % self.n_tokens if self.wraps else offsets].astype(np.int64)
         x = torch.from_numpy(np.ascontiguousarray(windows[:, :-1]))  # (B, T)
         y = torch.from_numpy(np.ascontiguousarray(windows[:, 1:]))  # (B, T)
         if self.device.type == "cuda":

@@ -21,6 +21,7 @@ class Checkpointing(StrEnum):
     none = "none"
     selective = "selective"  # keep what the attention op returned (output and LSE), recompute the rest of each block
     full = "full"  # recompute each block in the backward
+    offload = "offload"  # full, with each block's input kept in CPU memory until its backward (model/offload.py)
 
 
 @dataclass
@@ -38,4 +39,5 @@ class ModelConfig:
     bias: bool = False
     loss: Loss = Loss.chunked
     loss_chunk: int = 4096  # tokens per chunk of the chunked loss
+    mlp_chunk: int = 0  # tokens per chunk of a sequence-tiled MLP (model/gpt.py); 0: the whole sequence at once
     z_loss: float = 0.0  # weight of lse^2 in the loss (PaLM's z-loss); 0 disables

@@ -19,6 +19,7 @@ from kernels import attention_flops
 from kernels.cross_entropy import full_cross_entropy, linear_cross_entropy
 from model.attention import Attention, AttentionFn, get_attention
 from model.config import ModelConfig
+from model.offload import Offload
 
 
 def padded_vocab(vocab_size: int) -> int:
@@ -78,8 +79,19 @@ class MLP(nn.Module):
         self.proj = nn.Linear(4 * cfg.d_model, cfg.d_model, bias=cfg.bias)
         self.proj.residual_scaled = True
         self.dropout = nn.Dropout(cfg.dropout)
+        self.chunk = cfg.mlp_chunk
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (B, T, C). With model.mlp_chunk, the sequence goes through in chunks of that many tokens,
+        each checkpointed: the (T, 4C) hidden activation never exists whole, only one chunk's, in the
+        forward and again in the backward, at the price of running the chunk's forward twice."""
+        if not self.chunk or x.size(1) <= self.chunk:
+            return self._mlp(x)
+        grad = torch.is_grad_enabled()
+        return torch.cat([checkpoint(self._mlp, part, use_reentrant=False) if grad else self._mlp(part)
+                          for part in x.split(self.chunk, dim=1)], dim=1)
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         return self.dropout(self.proj(F.gelu(self.fc(x), approximate="tanh")))
 
 
@@ -100,9 +112,10 @@ class Block(nn.Module):
 class GPT(nn.Module):
     def __init__(self, cfg: ModelConfig, attention: Attention | str, ac: str = "none"):
         """attention: an entry of model/attention.py's registry, or its name; ac: activation
-        checkpointing per block, none | selective | full."""
+        checkpointing per block, none | selective | full | offload (model/config.py)."""
         super().__init__()
         self.cfg, self.ac = cfg, ac
+        self.offload = Offload() if ac == "offload" else None
         self.vocab_size = padded_vocab(cfg.vocab_size)
         head_dim = cfg.d_model // cfg.n_head
         # one table shared by all layers
@@ -163,9 +176,12 @@ class GPT(nn.Module):
             x = x + self.pos_emb(torch.arange(T, device=idx.device) if pos is None else pos)
         x = self.drop(x)
         recompute = self.ac != "none" and self.training and torch.is_grad_enabled()
+        if recompute and self.offload is not None:
+            self.offload.new_forward()
         for block in self.blocks:
             if recompute:
-                x = checkpoint(block, x, pos, doc_ids, use_reentrant=False, context_fn=self._ac_context)
+                with self.offload.hooks() if self.offload is not None else contextlib.nullcontext():
+                    x = checkpoint(block, x, pos, doc_ids, use_reentrant=False, context_fn=self._ac_context)
             else:
                 x = block(x, pos, doc_ids)
         x = self.ln_f(x)
@@ -179,10 +195,10 @@ class GPT(nn.Module):
         return logits, full_cross_entropy(logits.view(B * T, -1), targets.view(-1), z_loss=self.cfg.z_loss)
 
     def _ac_context(self):
-        """Activation checkpointing of a block: full recomputes it all in the backward; selective
-        keeps what the attention's op returned (output and LSE; the registry's saved_ops) and
-        recomputes the rest, the attention too where it is not one such op."""
-        if self.ac == "full":
+        """Activation checkpointing of a block: full (and offload) recomputes it all in the backward;
+        selective keeps what the attention's op returned (output and LSE; the registry's saved_ops)
+        and recomputes the rest, the attention too where it is not one such op."""
+        if self.ac != "selective":
             return contextlib.nullcontext(), contextlib.nullcontext()
         saved = self.attention.saved_ops
         return create_selective_checkpoint_contexts(

@@ -99,6 +99,11 @@ def positive_ints(text: str) -> list[int]:
     return _comma_list(text, positive_int, "a positive integer")
 
 
+def non_negative_ints(text: str) -> list[int]:
+    """'0,65536' -> [0, 65536]."""
+    return _comma_list(text, non_negative_int, "an integer >= 0")
+
+
 def names(choices: Iterable[str]) -> Callable[[str], list[str]]:
     """The type of a comma list of names from `choices`: 'a,b' -> ['a', 'b']."""
     choices = list(choices)

@@ -1,15 +1,18 @@
-"""The longest sequence one GPU trains: a ladder of seq_len per attention and activation checkpointing.
+"""The longest sequence one GPU trains: a ladder of seq_len per attention, activation checkpointing and MLP tiling.
 
-For each attn x ac, seq_len doubles from --min until a step runs out of memory (recorded, and the
-next cell goes on) or passes --max; each rung trains experiment=long_context (GPT-2-small shape,
-one sequence per step, RoPE, chunked loss, dtype=auto: bf16 from compute capability 8.0) for 3
-steps, 1 from 524,288 on where a step takes minutes. Every rung runs in this one process (a fresh
-model and optimizer, the CUDA cache emptied between them). Autotuning is off
+For each attn x ac x model.mlp_chunk, seq_len doubles from --min until a rung fails or passes
+--max. A failure (out of memory, a shape a kernel refuses, a kernel error) is recorded with its
+one-line reason and the next setting goes on. Each rung trains experiment=long_context (GPT-2-small
+shape, one sequence per step, RoPE, chunked loss, dtype=auto: bf16 from compute capability 8.0)
+for 3 steps, 1 from 524,288 on where a step takes minutes. Every rung runs in this one process (a
+fresh model and optimizer, the CUDA cache emptied between them). Autotuning is off
 (FLASH_ATTENTION_AUTOTUNE=0): at these lengths one benchmark pass of every config would cost
-minutes. Writes long_context.csv, .md and .png into --out; the plot's title names the precision.
+minutes. Beside the table, a straight-line fit of each setting's peak memory against seq_len
+predicts the longest sequence an 80 GB and a 141 GB card hold. Writes long_context.csv, .md and
+.png into --out; the plot's title names the precision.
 
-    python scripts/long_context.py                               # naive, sdpa, triton x none, selective, full
-    python scripts/long_context.py --attns triton --acs full --max 1048576
+    python scripts/long_context.py                               # naive, sdpa, triton x every ac
+    python scripts/long_context.py --attns triton,sdpa --acs full,offload --mlp-chunks 0,65536 --max 1048576
     python scripts/long_context.py --from-csv docs/long_context/long_context.csv --out docs/long_context --title ...
 """
 
@@ -35,10 +38,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/ sits be
 import train  # noqa: E402
 from configs.runtime import precision, resolve_device  # noqa: E402
 from configs.schema import AttnName, Checkpointing  # noqa: E402
-from scripts.args import ArgumentParser, directory, fail, names, positive_int, require_cuda, train_config  # noqa: E402
+from scripts.args import (ArgumentParser, directory, fail, names, non_negative_ints, positive_int,  # noqa: E402
+                          require_cuda, train_config)
 
-FIELDS = ["attn", "ac", "seq_len", "status", "steps", "tokens_per_s", "step_s", "peak_mem_alloc_gib"]
-TEXT_FIELDS = ("attn", "ac", "status")
+FIELDS = ["attn", "ac", "mlp_chunk", "seq_len", "status", "steps", "tokens_per_s", "step_s", "peak_mem_alloc_gib",
+          "reason"]
+TEXT_FIELDS = ("attn", "ac", "status", "reason")
+OPTIONAL = {"mlp_chunk": 0.0, "reason": ""}  # columns a CSV of an older version of this script lacks
+# allocated GiB a card leaves to tensors once the CUDA context and the allocator's slack are taken
+CARDS = {"80 GB": 78.0, "141 GB": 139.0}
 
 
 def ladder(low: int, high: int) -> list[int]:
@@ -46,25 +54,29 @@ def ladder(low: int, high: int) -> list[int]:
     return [low * 2**i for i in range((high // low).bit_length())]
 
 
-def rung_config(attn: str, ac: str, seq_len: int, extra: list[str]) -> DictConfig:
+def rung_config(attn: str, ac: str, mlp_chunk: int, seq_len: int, extra: list[str]) -> DictConfig:
     steps = 3 if seq_len < 524288 else 1
-    return train_config(["experiment=long_context", f"attn={attn}", f"ac={ac}", f"seq_len={seq_len}",
-                         f"max_steps={steps}", "wandb.mode=disabled", *extra])
+    return train_config(["experiment=long_context", f"attn={attn}", f"ac={ac}", f"model.mlp_chunk={mlp_chunk}",
+                         f"seq_len={seq_len}", f"max_steps={steps}", "wandb.mode=disabled", *extra])
+
+
+def one_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]
 
 
 def rung(cfg: DictConfig, out: Path) -> dict:
-    attn, ac, seq_len = str(cfg.attn.name), str(cfg.ac), cfg.seq_len
+    row = {"attn": str(cfg.attn.name), "ac": str(cfg.ac), "mlp_chunk": cfg.model.mlp_chunk, "seq_len": cfg.seq_len}
     start = time.perf_counter()
     try:
-        summary = train.train(cfg, out / f"{attn}_{ac}_T{seq_len}")
-    except (train.ConfigError, train.DatasetError) as e:  # e.g. a split shorter than seq_len
-        print(f"error: {e}")
-        return {"attn": attn, "ac": ac, "seq_len": seq_len, "status": "error"}
-    wall = time.perf_counter() - start
+        summary = train.train(cfg, out / f"{row['attn']}_{row['ac']}_mlp{row['mlp_chunk']}_T{row['seq_len']}")
+    except Exception as e:  # a shape a kernel refuses, a kernel error, a split too short: the rung failed
+        return {**row, "status": "oom" if isinstance(e, torch.OutOfMemoryError) else "error", "reason": one_line(e)}
     tok_s = summary["mean_tokens_per_s"]
-    return {"attn": attn, "ac": ac, "seq_len": seq_len, "status": summary["status"], "steps": summary["steps"],
-            "tokens_per_s": tok_s, "step_s": seq_len / tok_s if tok_s else None,
-            "peak_mem_alloc_gib": summary["peak_mem_alloc_gib"], "wall_s": wall}
+    reason = "CUDA out of memory" if summary["status"] == "oom" else ""
+    return {**row, "status": summary["status"], "steps": summary["steps"], "tokens_per_s": tok_s,
+            "step_s": row["seq_len"] / tok_s if tok_s else None, "peak_mem_alloc_gib": summary["peak_mem_alloc_gib"],
+            "reason": reason, "wall_s": time.perf_counter() - start}
 
 
 def free() -> None:
@@ -72,31 +84,77 @@ def free() -> None:
     torch.cuda.empty_cache()
 
 
-def table(rows: list[dict], attns: list[str], acs: list[str]) -> str:
-    lines = ["| attn | ac | longest seq_len | tokens/s there | step s | peak allocated GiB | first OOM |",
-             "|---|---|--:|--:|--:|--:|--:|"]
-    for attn in attns:
-        for ac in acs:
-            ok = [r for r in rows if (r["attn"], r["ac"], r["status"]) == (attn, ac, "ok")]
-            oom = [r["seq_len"] for r in rows if (r["attn"], r["ac"], r["status"]) == (attn, ac, "oom")]
-            best = max(ok, key=lambda r: r["seq_len"]) if ok else None
-            cells = ([f"{best['seq_len']:,.0f}", f"{best['tokens_per_s']:,.0f}", f"{best['step_s']:.1f}",
-                      f"{best['peak_mem_alloc_gib']:.1f}"] if best else ["—"] * 4)
-            lines.append(f"| {attn} | {ac} | " + " | ".join(cells) + f" | {f'{oom[0]:,.0f}' if oom else '—'} |")
+Setting = tuple[str, str, int]  # attn, ac, model.mlp_chunk
+
+
+def settings(rows: list[dict]) -> list[Setting]:
+    return list(dict.fromkeys((r["attn"], r["ac"], int(r["mlp_chunk"])) for r in rows))
+
+
+def label(setting: Setting) -> str:
+    attn, ac, mlp_chunk = setting
+    return f"{attn}, ac={ac}" + (f", mlp_chunk={mlp_chunk:,}" if mlp_chunk else "")
+
+
+def of(rows: list[dict], setting: Setting, status: str | None = None) -> list[dict]:
+    return sorted((r for r in rows if (r["attn"], r["ac"], int(r["mlp_chunk"])) == setting
+                   and (status is None or r["status"] == status)), key=lambda r: r["seq_len"])
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| attn | ac | mlp_chunk | longest seq_len | tokens/s there | step s | peak allocated GiB | first failure |",
+             "|---|---|--:|--:|--:|--:|--:|---|"]
+    for setting in settings(rows):
+        ok, failed = of(rows, setting, "ok"), [r for r in of(rows, setting) if r["status"] != "ok"]
+        best = ok[-1] if ok else None
+        cells = ([f"{best['seq_len']:,.0f}", f"{best['tokens_per_s']:,.0f}", f"{best['step_s']:.1f}",
+                  f"{best['peak_mem_alloc_gib']:.1f}"] if best else ["—"] * 4)
+        failure = (f"{failed[0]['seq_len']:,.0f}: {failed[0]['reason'] or failed[0]['status']}".replace("|", "/")
+                   if failed else "—")
+        attn, ac, mlp_chunk = setting
+        lines.append(f"| {attn} | {ac} | {mlp_chunk or '—'} | " + " | ".join(cells) + f" | {failure} |")
+    return "\n".join(lines)
+
+
+def fit(rows: list[dict]) -> dict[Setting, tuple[float, float]]:
+    """(fixed GiB, GiB per token) of each setting with two or more rungs that ran: least squares
+    of peak allocated memory against seq_len (activations grow linearly in it; weights and
+    optimizer state do not)."""
+    fits = {}
+    for setting in settings(rows):
+        ok = of(rows, setting, "ok")
+        if len(ok) >= 2:
+            t = torch.tensor([r["seq_len"] for r in ok], dtype=torch.float64)
+            gib = torch.tensor([r["peak_mem_alloc_gib"] for r in ok], dtype=torch.float64)
+            slope, fixed = torch.linalg.lstsq(torch.stack([t, torch.ones_like(t)], 1), gib[:, None]).solution[:, 0]
+            fits[setting] = (fixed.item(), slope.item())
+    return fits
+
+
+def fit_table(rows: list[dict]) -> str:
+    cards = list(CARDS)
+    lines = ["| setting | fixed GiB | GiB per 2^20 tokens | largest fit residual GiB | "
+             + " | ".join(f"longest on {c} ({CARDS[c]:.0f} GiB)" for c in cards) + " |",
+             "|---|--:|--:|--:|" + "--:|" * len(cards)]
+    for setting, (fixed, per_token) in fit(rows).items():
+        residual = max(abs(r["peak_mem_alloc_gib"] - fixed - per_token * r["seq_len"]) for r in of(rows, setting, "ok"))
+        longest = [f"{(CARDS[c] - fixed) / per_token:,.0f}" if per_token > 0 else "—" for c in cards]
+        lines.append(f"| {label(setting)} | {fixed:.2f} | {per_token * 2**20:.2f} | {residual:.2f} | "
+                     + " | ".join(longest) + " |")
     return "\n".join(lines)
 
 
 def plot(rows: list[dict], path: Path, title: str) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for i, key in enumerate(sorted({(r["attn"], r["ac"]) for r in rows})):
-        ok = sorted((r["seq_len"], r) for r in rows if (r["attn"], r["ac"]) == key and r["status"] == "ok")
-        style = dict(marker="o", color=f"C{i}", label=f"{key[0]}, ac={key[1]}")
+    for i, setting in enumerate(settings(rows)):
+        ok = of(rows, setting, "ok")
+        style = dict(marker="o", color=f"C{i % 10}", label=label(setting))
         if ok:
-            axes[0].plot([t for t, _ in ok], [r["tokens_per_s"] for _, r in ok], **style)
-            axes[1].plot([t for t, _ in ok], [r["peak_mem_alloc_gib"] for _, r in ok], **style)
-    for ax, label in zip(axes, ("tokens/s", "peak allocated GiB")):
+            axes[0].plot([r["seq_len"] for r in ok], [r["tokens_per_s"] for r in ok], **style)
+            axes[1].plot([r["seq_len"] for r in ok], [r["peak_mem_alloc_gib"] for r in ok], **style)
+    for ax, ylabel in zip(axes, ("tokens/s", "peak allocated GiB")):
         ax.set_xscale("log", base=2)
-        ax.set(xlabel="seq_len (one sequence per step)", ylabel=label)
+        ax.set(xlabel="seq_len (one sequence per step)", ylabel=ylabel)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle(f"GPT-2-small shape, one sequence per step, RoPE, chunked loss | {title}", fontsize=9)
@@ -126,12 +184,13 @@ def read_rows(path: Path) -> list[dict]:
         bad("", e.strerror)
     except (UnicodeDecodeError, csv.Error) as e:
         bad("", f"not CSV text ({e})")
-    missing = [k for k in FIELDS if k not in header]
+    missing = [k for k in FIELDS if k not in header and k not in OPTIONAL]
     if missing or not records:
         bad("", "it is empty" if not header else f"no column {', '.join(missing)}" if missing else "no rows")
     rows = []
     for line, r in enumerate(records, start=2):
-        row = {k: r[k] if k in TEXT_FIELDS else number(line, k, r[k]) for k in FIELDS}
+        row = {k: (r[k] if k in TEXT_FIELDS else number(line, k, r[k])) if k in r else OPTIONAL[k] for k in FIELDS}
+        row["mlp_chunk"] = int(row["mlp_chunk"] or 0)
         needed = ["seq_len"] + (["tokens_per_s", "step_s", "peak_mem_alloc_gib"] if row["status"] == "ok" else [])
         empty = [k for k in needed if row[k] is None]
         if empty:
@@ -146,6 +205,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--attns", type=names(attns), default=attns, help=f"comma subset of {','.join(attns)}")
     p.add_argument("--acs", type=names(acs), default=acs,
                    help=f"comma subset of {','.join(acs)} (activation checkpointing)")
+    p.add_argument("--mlp-chunks", type=non_negative_ints, default=[0],
+                   help="comma list of model.mlp_chunk values (0: the MLP untiled), e.g. 0,65536")
     p.add_argument("--min", type=positive_int, default=8192, help="the first seq_len of each ladder")
     p.add_argument("--max", type=positive_int, default=1048576, help="no seq_len beyond this")
     p.add_argument("--out", type=directory, default=f"bench/long_context_{time.strftime('%Y-%m-%d_%H-%M-%S')}",
@@ -164,37 +225,37 @@ def main():
     if args.from_csv:
         rows = read_rows(args.from_csv)
         args.out.mkdir(parents=True, exist_ok=True)
-        write(rows, args.attns, args.acs, args.out, args.title)
+        write(rows, args.out, args.title)
         return
     seq_lens = ladder(args.min, args.max)
+    grid = [(attn, ac, chunk) for attn in args.attns for ac in args.acs for chunk in args.mlp_chunks]
     # every rung's config checked before the first one trains, and before the GPU check
-    configs = {(attn, ac, seq_len): rung_config(attn, ac, seq_len, args.overrides)
-               for attn in args.attns for ac in args.acs for seq_len in seq_lens}
+    configs = {(*setting, seq_len): rung_config(*setting, seq_len, args.overrides)
+               for setting in grid for seq_len in seq_lens}
     require_cuda("long_context.py")
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
-    for attn in args.attns:
-        for ac in args.acs:
-            for seq_len in seq_lens:
-                row = rung(configs[attn, ac, seq_len], args.out)
-                free()
-                rows.append(row)
-                print(f"{attn:7s} ac={ac:9s} T={seq_len:>8,}: {row['status']}"
-                      + (f", {row['tokens_per_s']:,.0f} tokens/s, {row['peak_mem_alloc_gib']:.1f} GiB"
-                         if row["status"] == "ok" else ""), flush=True)
-                if row["status"] != "ok":
-                    break
-    with open(args.out / "long_context.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS, extrasaction="ignore", restval="")
-        writer.writeheader()
-        writer.writerows(rows)
+    for setting in grid:
+        for seq_len in seq_lens:
+            row = rung(configs[(*setting, seq_len)], args.out)
+            free()
+            rows.append(row)
+            print(f"{label(setting)} T={seq_len:,}: {row['status']}"
+                  + (f", {row['tokens_per_s']:,.0f} tokens/s, {row['peak_mem_alloc_gib']:.1f} GiB"
+                     if row["status"] == "ok" else f" ({row['reason']})"), flush=True)
+            with open(args.out / "long_context.csv", "w", newline="") as f:  # rewritten after each rung
+                writer = csv.DictWriter(f, fieldnames=FIELDS, extrasaction="ignore", restval="")
+                writer.writeheader()
+                writer.writerows(rows)
+            if row["status"] != "ok":
+                break
     cfg = next(iter(configs.values()))  # every rung runs in the same precision
-    write(rows, args.attns, args.acs, args.out, f"{torch.cuda.get_device_name()}, "
+    write(rows, args.out, f"{torch.cuda.get_device_name()}, "
           f"{precision(cfg.dtype, resolve_device(cfg.device))}, torch {torch.__version__}")
 
 
-def write(rows: list[dict], attns: list[str], acs: list[str], out: Path, title: str) -> None:
-    md = table(rows, attns, acs)
+def write(rows: list[dict], out: Path, title: str) -> None:
+    md = table(rows) + "\n\nPeak allocated memory against seq_len, fitted per setting:\n\n" + fit_table(rows)
     (out / "long_context.md").write_text(md + "\n")
     plot(rows, out / "long_context.png", title)
     print("\n" + md)

@@ -353,10 +353,27 @@ def test_smallest_possible_split_gives_the_whole_split(shakespeare):
     assert torch.equal(x[0], tokens[:-1]) and torch.equal(y[0], tokens[1:])
 
 
+def test_a_cycled_window_longer_than_its_split_repeats_it(shakespeare):
+    # data.cycle: a window of 2.5x the val split runs on from its random start, back to the split's
+    # start and round again; windows that fit are drawn as without cycle
+    tokens = torch.from_numpy(read_tokens(shakespeare / "val.bin").astype(np.int64))
+    T = VAL_TOKENS * 5 // 2
+    x, y = TokenWindows(shakespeare, "val", seq_len=T, batch_size=2, seed=4, cycle=True).next_batch()
+    cycled = tokens.repeat(4)
+    for row_x, row_y in zip(x, y, strict=True):
+        # where the window starts: the one offset whose next 64 tokens it begins with
+        (start,) = (cycled[:VAL_TOKENS + 63].unfold(0, 64, 1) == row_x[:64]).all(1).nonzero()[:, 0].tolist()
+        want = cycled[start:start + T + 1]
+        assert torch.equal(row_x, want[:-1]) and torch.equal(row_y, want[1:])
+    fits = [TokenWindows(shakespeare, "train", 32, 4, seed=7, cycle=cycle).next_batch()[0] for cycle in (False, True)]
+    assert torch.equal(*fits)
+
+
 def test_loader_errors_say_what_to_do(shakespeare, tmp_path):
     with pytest.raises(DatasetError, match=r"not found: run `python scripts/prepare_data.py nowhere` or let train.py"):
         TokenWindows(tmp_path / "nowhere", "train", 8, 2)
-    with pytest.raises(DatasetError, match=r"need at least seq_len\+1 = 151852: use a smaller seq_len"):
+    with pytest.raises(DatasetError, match=r"need at least seq_len\+1 = 151852: use a smaller seq_len, a bigger "
+                                           r"dataset or data.cycle=true"):
         TokenWindows(shakespeare, "val", seq_len=VAL_TOKENS, batch_size=1)
     with pytest.raises(DatasetError, match=r"unknown split 'test': expected one of \('train', 'val'\)"):
         TokenWindows(shakespeare, "test", 8, 2)

@@ -62,7 +62,8 @@ FSDP_RUN = TINY + ["attn=triton", "model.n_layer=2", "batch_tokens=128", "log_in
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("extra", [[], ["parallel.cp=2"]], ids=["fsdp", "fsdp-cp2"])
+@pytest.mark.parametrize("extra", [[], ["parallel.cp=2"], ["ac=offload", "model.mlp_chunk=5"]],
+                         ids=["fsdp", "fsdp-cp2", "fsdp-offload-tiled-mlp"])
 def test_sharded_runs_match_one_process_and_resume_exactly(data_root, tmp_path, extra):
     common = FSDP_RUN + [f"data.root={data_root}"] + extra
     torchrun(2, [str(REPO / "train.py"), *common, "max_steps=5", f"hydra.run.dir={tmp_path / 'whole'}"], tmp_path, timeout=600)

@@ -1,5 +1,5 @@
 """The GPT model: shapes, initial loss, that every attention computes the same function, and that
-activation checkpointing and the chunked loss change nothing but memory and time.
+activation checkpointing (offload too), the tiled MLP and the chunked loss change nothing but memory and time.
 
 naive and sdpa are compared in float64 (where both are exact up to rounding), triton through
 Triton's CPU interpreter in float32. A float32 result is bounded by the float64 reference's
@@ -158,9 +158,9 @@ def test_checkpointing_and_the_chunked_loss_change_nothing_but_memory(attn):
     gen = torch.Generator().manual_seed(5)
     batches = [tuple(torch.randint(0, 50257, (2, 40), generator=gen) for _ in range(2)) for _ in range(3)]
 
-    def run(ac, loss):
+    def run(ac, loss, mlp_chunk=0):
         torch.manual_seed(0)
-        model = GPT(dataclasses.replace(cfg, loss=loss), attn, ac)
+        model = GPT(dataclasses.replace(cfg, loss=loss, mlp_chunk=mlp_chunk), attn, ac)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         history = []
         for idx, targets in batches:
@@ -178,13 +178,79 @@ def test_checkpointing_and_the_chunked_loss_change_nothing_but_memory(attn):
     # the chunked loss's dX = dZ W sums over the vocabulary one chunk of tokens at a time: the BLAS
     # blocks (and so rounds) that sum by the chunk's size, so its floor is that of V terms
     n_terms = longest_sum(cfg, batches[0][0])
-    for ac, loss in (("none", "chunked"), ("selective", "chunked"), ("full", "chunked")):
-        for step, ((got, ref), (own, own_ref)) in enumerate(zip(run(ac, loss), textbook, strict=True)):
-            where = f"ac={ac} loss={loss} step {step}"
+    # the tiled MLP (15-token chunks of 40) draws its dropout masks chunk by chunk, as its float64 twin does
+    for ac, loss, mlp_chunk in (("none", "chunked", 0), ("selective", "chunked", 0), ("full", "chunked", 0),
+                                ("offload", "chunked", 0), ("none", "full", 15), ("offload", "chunked", 15)):
+        for step, ((got, ref), (own, own_ref)) in enumerate(zip(run(ac, loss, mlp_chunk), textbook, strict=True)):
+            where = f"ac={ac} loss={loss} mlp_chunk={mlp_chunk} step {step}"
             assert_within_own_error(f"{where} loss", got[0], ref[0], own[0], n_terms, own_ref64=own_ref[0])
             for name in got[1]:
                 assert_within_own_error(f"{where} {name}", got[1][name], ref[1][name], own[1][name], n_terms,
                                         own_ref64=own_ref[1][name])
+
+
+@pytest.mark.parametrize("attn", ["naive", "sdpa", "triton"])
+def test_offload_and_the_tiled_mlp_match_no_checkpointing(attn):
+    # fp32, three AdamW steps: ac=offload computes what ac=full does, bit for bit (the block inputs
+    # come back unchanged); the tiled MLP, alone or with offload, gives ac=none's losses and
+    # gradients to 1e-6 (its weight gradients are sums over chunks: fp32 rounding only)
+    cfg = tiny_config(n_layer=3, n_head=2, d_model=32, max_seq_len=40, pos_emb="rope", loss_chunk=23)
+    gen = torch.Generator().manual_seed(7)
+    batches = [tuple(torch.randint(0, 50257, (2, 40), generator=gen) for _ in range(2)) for _ in range(3)]
+
+    def run(ac, mlp_chunk=0):
+        torch.manual_seed(0)
+        model = GPT(dataclasses.replace(cfg, mlp_chunk=mlp_chunk), attn, ac)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        history = []
+        for idx, targets in batches:
+            _, loss = model(idx, targets)
+            loss.backward()
+            history.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+            opt.step()
+            opt.zero_grad()
+        return history
+
+    for (full_loss, full_grads), (loss, grads) in zip(run("full"), run("offload"), strict=True):
+        assert torch.equal(loss, full_loss) and all(torch.equal(grads[n], full_grads[n]) for n in grads)
+    plain = run("none")
+    for ac, mlp_chunk in (("none", 16), ("offload", 16), ("offload", 7)):
+        for step, ((loss, grads), (want, want_grads)) in enumerate(zip(run(ac, mlp_chunk), plain, strict=True)):
+            where = f"ac={ac} mlp_chunk={mlp_chunk} step {step}"
+            assert (loss - want).abs() <= 1e-6 * want.abs(), where
+            for n, g in grads.items():
+                assert (g - want_grads[n]).abs().max() <= 1e-6 * want_grads[n].abs().max(), f"{where} {n}"
+
+
+@pytest.mark.gpu
+def test_gpu_offload_and_the_tiled_mlp_lower_the_peak():
+    # bf16 autocast, one sequence of 16,384 tokens, 6 layers: ac=offload holds two blocks' fp32
+    # inputs on the GPU where ac=full holds six, and computes the same loss and gradients; the
+    # tiled MLP (2,048-token chunks) takes away at least the (T, 4C) bf16 hidden activation and
+    # its gradient
+    T, C, L = 16384, 256, 6
+    cfg = tiny_config(n_layer=L, n_head=4, d_model=C, max_seq_len=T, pos_emb="rope")
+    idx, targets = torch.randint(0, 50257, (2, 1, T), device="cuda")
+
+    def run(ac, mlp_chunk=0):
+        torch.manual_seed(0)
+        model = GPT(dataclasses.replace(cfg, mlp_chunk=mlp_chunk), "triton", ac).cuda()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            _, loss = model(idx, targets)
+        loss.backward()
+        torch.cuda.synchronize()
+        return loss.detach(), {n: p.grad for n, p in model.named_parameters()}, torch.cuda.max_memory_allocated() - base
+
+    (full_loss, full_grads, full), (loss, grads, offload) = run("full"), run("offload")
+    assert torch.equal(loss, full_loss) and all(torch.equal(grads[n], full_grads[n]) for n in grads)
+    _, _, tiled = run("offload", 2048)
+    print(f"peak above the weights, MiB: full {full / 2**20:.0f}, offload {offload / 2**20:.0f}, "
+          f"offload + tiled MLP {tiled / 2**20:.0f}")
+    assert full - offload >= (L - 3) * T * C * 4
+    assert offload - tiled >= 2 * T * 4 * C * 2
 
 
 def test_rotary_angles_are_exact_at_a_million_positions():

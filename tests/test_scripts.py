@@ -90,6 +90,7 @@ BAD = [
     case("long_context.py", "--attns nosuch", "argument --attns: 'nosuch'"),
     case("long_context.py", "--acs nosuch", "argument --acs: 'nosuch'"),
     case("long_context.py", "--min 0", "argument --min: '0'"),
+    case("long_context.py", "--mlp-chunks 0,-1", "argument --mlp-chunks: '0,-1': '-1' is not an integer >= 0"),
     case("long_context.py", "--min 4096 --max 2048", "--min: 4096 exceeds --max 2048"),
     case("long_context.py", "--attns sdpa --acs none --max 8192 model.n_head=5", "model.d_model=768"),
     case("long_context.py", "--attns sdpa --acs none --max 8192", "long_context.py needs a CUDA GPU", marks=NO_CUDA),
@@ -182,6 +183,27 @@ def test_a_bad_command_line_exits_2_with_one_line_and_creates_nothing(script, ar
     assert done.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), done.stderr[-2000:]
     assert expected in lines[0], lines[0]
     assert list(cwd.iterdir()) == [] and snapshot(inputs) == before
+
+
+def test_long_context_records_a_failed_rung_and_fits_memory(data_root, tmp_path):
+    from scripts import long_context as lc
+
+    # a rung that cannot run is a row with its one-line reason, not a traceback: here a window
+    # longer than the training split, with data.cycle off
+    cfg = compose(TINY + [f"data.root={data_root}", "seq_len=2000000", "model.max_seq_len=2000000",
+                          "wandb.mode=disabled", "data.cycle=false"])
+    row = lc.rung(cfg, tmp_path)
+    assert (row["status"], row["seq_len"], row["mlp_chunk"]) == ("error", 2000000, 0)
+    assert row["reason"].startswith("DatasetError: ") and "data.cycle=true" in row["reason"]
+    # peak = 2 GiB + 1 GiB per 2^20 tokens: the fit finds both, and the longest that fits
+    ok = [{"attn": "triton", "ac": "offload", "mlp_chunk": 65536, "seq_len": t, "status": "ok", "tokens_per_s": 1.0,
+           "step_s": 1.0, "peak_mem_alloc_gib": 2 + t / 2**20, "reason": ""} for t in (2**18, 2**19, 2**20)]
+    rows = ok + [{**row, "attn": "triton", "ac": "offload", "mlp_chunk": 65536, "seq_len": 2**21}]
+    ((fixed, per_token),) = lc.fit(rows).values()
+    assert fixed == pytest.approx(2) and per_token * 2**20 == pytest.approx(1)
+    table = lc.table(rows)
+    assert "| triton | offload | 65536 | 1,048,576 |" in table and "| 2,097,152: DatasetError: " in table
+    assert f"| {76 * 2**20:,} | {137 * 2**20:,} |" in lc.fit_table(rows)
 
 
 def test_host_overhead_has_a_help(tmp_path):
