@@ -14,6 +14,8 @@ from contextlib import AbstractContextManager, nullcontext
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from kernels.tuning import BF16_MIN_CAPABILITY  # bf16 autocast only where our kernels' bf16 runs
+
 
 def resolve_device(device: str) -> torch.device:
     """auto | cpu | cuda | cuda:N -> torch.device; ValueError naming what this machine has."""
@@ -28,11 +30,6 @@ def resolve_device(device: str) -> torch.device:
     if device != "cuda" and int(device[5:]) >= torch.cuda.device_count():
         raise ValueError(f"this machine has {torch.cuda.device_count()} CUDA GPU(s)")
     return torch.device(device)
-
-
-# bf16 autocast needs compute capability 8.0 (Ampere): our Triton kernels' bf16 tl.dot does not
-# compile below it, and torch only emulates bf16 there (torch.cuda.is_bf16_supported() counts that)
-BF16_MIN_CAPABILITY = (8, 0)
 
 
 def autocast_dtype(dtype: str, device: torch.device) -> torch.dtype | None:

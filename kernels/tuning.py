@@ -14,6 +14,12 @@ from typing import NamedTuple
 import triton
 
 
+# bf16 needs compute capability 8.0 (Ampere): tl.dot on bf16 does not compile below it, and torch
+# only emulates bf16 there (torch.cuda.is_bf16_supported() counts that). configs/runtime.py's
+# dtype=auto reads it too.
+BF16_MIN_CAPABILITY = (8, 0)
+
+
 class Chip(NamedTuple):
     """What a config must fit, as the GPU reports it."""
     name: str
@@ -23,8 +29,7 @@ class Chip(NamedTuple):
 
     @property
     def bf16(self) -> bool:
-        """tl.dot on bf16 needs Ampere's tensor cores (sm_80) or newer."""
-        return self.capability >= (8, 0)
+        return self.capability >= BF16_MIN_CAPABILITY
 
     @property
     def tf32(self) -> bool:

@@ -88,7 +88,7 @@ Setting = tuple[str, str, int]  # attn, ac, model.mlp_chunk
 
 
 def settings(rows: list[dict]) -> list[Setting]:
-    return list(dict.fromkeys((r["attn"], r["ac"], int(r["mlp_chunk"])) for r in rows))
+    return list(dict.fromkeys((r["attn"], r["ac"], r["mlp_chunk"]) for r in rows))
 
 
 def label(setting: Setting) -> str:
@@ -97,7 +97,7 @@ def label(setting: Setting) -> str:
 
 
 def of(rows: list[dict], setting: Setting, status: str | None = None) -> list[dict]:
-    return sorted((r for r in rows if (r["attn"], r["ac"], int(r["mlp_chunk"])) == setting
+    return sorted((r for r in rows if (r["attn"], r["ac"], r["mlp_chunk"]) == setting
                    and (status is None or r["status"] == status)), key=lambda r: r["seq_len"])
 
 
