@@ -700,11 +700,17 @@ def _backward(do, q, k, v, o, lse, causal, scale, docs):
     bounds = docs or (delta, delta)  # delta stands in for absent documents: unread
     pre, dkdv, dq_ = (o, do, delta), (q, k, v, do, lse, delta, dk, dv, *bounds), (q, k, v, do, lse, delta, dq, *bounds)
     # the outputs and delta are fresh from torch's allocator (512-byte aligned), shaped by q and k
-    signature = (*_layout(q, k, v, do, o, lse), causal, scale, docs is None, os.environ.get("FLASH_ATTENTION_TMA"))
-    launches = [launcher.bound_for(signature) for launcher in (_PREPROCESS, _DKDV, _DQ)]
+    signature = (*_layout(q, k, v, do, o, lse), causal, scale, docs is None, os.environ.get("FLASH_ATTENTION_TMA"),
+                 os.environ.get(BACKEND_VARIABLE))
+    gluon = _GLUON_BACKWARD.get(signature)
+    if gluon is None:
+        gluon = _GLUON_BACKWARD[signature] = _use_gluon(q, k, v, do, docs)
+    launches = [launcher.bound_for(signature) for launcher in ((_PREPROCESS,) if gluon else (_PREPROCESS, _DKDV, _DQ))]
     if all(launches):
-        for launch, tensors in zip(launches, (pre, dkdv, dq_), strict=True):
+        for launch, tensors in zip(launches, (pre, dkdv, dq_)):
             launch(*tensors)
+        if gluon:
+            _hopper().backward(do, q, k, v, lse, delta, dq, dk, dv, causal, scale)
         return dq, dk, dv
     key, constexprs = _meta(q, k, causal, docs, _tma(q, k, v, do))
     strides = (*q.stride(), *k.stride(), *v.stride(), *do.stride())
@@ -712,11 +718,72 @@ def _backward(do, q, k, v, o, lse, causal, scale, docs):
     with on_device(q):
         _PREPROCESS.bind(signature, lambda c: (triton.cdiv(T, c["BLOCK_M"]), H, B),
                          (*pre, *o.stride(), *do.stride(), H, T), key, HEAD_DIM=D, BLOCK_D=constexprs["BLOCK_D"])
+        if gluon:
+            _hopper().backward(do, q, k, v, lse, delta, dq, dk, dv, causal, scale)
+            return dq, dk, dv
         _DKDV.bind(signature, lambda c: (triton.cdiv(S, c["BLOCK_N"]), H_kv, B),
                    (*dkdv, *strides, *dk.stride(), *dv.stride(), *sizes), key, **constexprs)
         _DQ.bind(signature, lambda c: (triton.cdiv(T, c["BLOCK_M"]), H, B),
                  (*dq_, *strides, *dq.stride(), *sizes), key, **constexprs)
     return dq, dk, dv
+
+
+# --------------------------------------------------------------------------------------------
+# which backward runs: the Hopper kernel in Gluon where it covers the inputs, else the kernels above
+
+BACKEND_VARIABLE = "FLASH_ATTENTION_BACKEND"  # triton | gluon; unset: gluon where it runs, else triton
+GLUON_TRITON = "3.6."  # the triton release whose Gluon the Hopper kernel is written in
+_GLUON_BACKWARD: dict[tuple, bool] = {}  # input signature -> whether the Gluon backward runs it
+
+
+def gluon_missing(head_dim: int, dtype: torch.dtype, device: torch.device, documents: bool = False) -> str | None:
+    """Why the Hopper backward (kernels/flash_attn_hopper.py) cannot run this head dim, dtype,
+    device and masking (None: it can, for inputs whose strides suit TMA)."""
+    if device.type != "cuda" or isinstance(_fwd_kernel, InterpretedFunction):
+        return "it runs on CUDA GPUs only (Gluon has no interpreter)"
+    chip = tuning.chip(torch.cuda.current_device() if device.index is None else device.index)
+    if chip.capability != (9, 0):
+        return f"it is built for sm_90 (H100, H200); {chip.name} is sm_{chip.capability[0]}{chip.capability[1]}"
+    if not triton.__version__.startswith(GLUON_TRITON):
+        return f"it is written in triton {GLUON_TRITON}'s Gluon; this is triton {triton.__version__}"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"it takes float16 and bfloat16, not {dtype}"
+    if head_dim not in (64, 128):
+        return f"it takes head_dim 64 and 128, not {head_dim}"
+    if documents:
+        return "packed documents run on the Triton kernels"
+    return None
+
+
+def _hopper():
+    """kernels/flash_attn_hopper.py, imported on first use: Gluon's API is triton 3.6's, which other
+    triton versions need not have."""
+    from kernels import flash_attn_hopper
+    return flash_attn_hopper
+
+
+def _use_gluon(q, k, v, do, docs) -> bool:
+    """Whether the Gluon backward runs these inputs; ValueError where FLASH_ATTENTION_BACKEND=gluon
+    asks for it and it cannot."""
+    choice = os.environ.get(BACKEND_VARIABLE, "")
+    if choice not in ("", "triton", "gluon"):
+        raise ValueError(f"{BACKEND_VARIABLE}={choice}: use triton or gluon (or leave it unset)")
+    if choice == "triton":
+        return False
+    why = gluon_missing(q.shape[3], q.dtype, q.device, docs is not None)
+    if why is None and not _tma(q, k, v, do):
+        why = "q, k, v and dO need a contiguous head dim and 16-byte aligned strides (TMA)"
+    if why is not None and choice == "gluon":
+        raise ValueError(f"{BACKEND_VARIABLE}=gluon: the Hopper backward cannot run these inputs: {why}")
+    return why is None
+
+
+def backends(head_dim: int, dtype: torch.dtype, device: torch.device, documents: bool = False) -> dict[str, str]:
+    """Which kernels run the forward and the backward of attention with this head dim, dtype,
+    device and masking, for inputs laid out as the model lays them out (the run info logs it)."""
+    choice = os.environ.get(BACKEND_VARIABLE, "")
+    gluon = choice != "triton" and gluon_missing(head_dim, dtype, device, documents) is None
+    return {"forward": "triton", "backward": "gluon" if gluon else "triton"}
 
 
 def flash_attn_forward(q, k, v, causal=True, softmax_scale=None, doc_ids=None):

@@ -10,9 +10,11 @@ its inputs and the gradients it returns (the scores for naive, LSE and scratch f
     python scripts/bench_attention.py --quick --impls triton,sdpa_flash --out docs/bench
     python scripts/bench_attention.py --documents synthetic --head-dims 64 --seq-lens 32768
 """
+import contextlib
 import csv
 import gc
 import math
+import os
 import sys
 from datetime import datetime
 from pathlib import Path
@@ -82,9 +84,27 @@ def _flex(T):
 # the training attentions of model/attention.py as the model calls them; SDPA once per backend,
 # pinned, so that a row names the kernel that ran (its math backend is naive's work again); and
 # FlexAttention, which training does not run
+# triton_portable is our kernel with the Hopper backward turned off (the same as triton off sm_90)
 IMPLS = {**{name: _as_trained(a) for name, a in ATTENTIONS.items() if name != "sdpa"},
+         "triton_portable": _as_trained(ATTENTIONS["triton"]),
          **{f"sdpa_{name}": _sdpa(backend) for name, backend in SDPA_BACKENDS.items() if name != "math"},
          "flex": _flex}
+# environment variables a cell runs under, set for the whole cell: the backward reads them too
+CELL_ENV = {"triton_portable": {"FLASH_ATTENTION_BACKEND": "triton"}}
+
+
+@contextlib.contextmanager
+def environ(values: dict):
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 # ---------------------------------------------------------------------------
 # Measurement
@@ -156,8 +176,9 @@ def run_cell(name, B, H, T, D, leaves, get_qkv, dout, args):
         return row
     try:
         attn = IMPLS[name](T)
-        row["fwd_ms"], row["fwdbwd_ms"], row["peak_extra_mb"] = bench_one(
-            attn, leaves, get_qkv, dout, args.warmup, args.rep)
+        with environ(CELL_ENV.get(name, {})):
+            row["fwd_ms"], row["fwdbwd_ms"], row["peak_extra_mb"] = bench_one(
+                attn, leaves, get_qkv, dout, args.warmup, args.rep)
     except torch.cuda.OutOfMemoryError:
         row["status"] = "OOM"
     except CELL_ERRORS as e:

@@ -36,9 +36,17 @@ import triton
 
 from kernels import flash_attention, flash_attn_backward, flash_attn_forward
 from kernels import tuning
+import kernels.flash_attn as fa
 from kernels.flash_attn import LAUNCHERS
 from kernels.flash_ref import attention_probs, attention_reference
 from tests.helpers import REPO
+
+
+@pytest.fixture(autouse=True)
+def _portable_kernels(monkeypatch):
+    """These are the portable Triton kernels' tests, on every GPU; tests/test_hopper.py checks the
+    Hopper backward that replaces them on sm_90 by default."""
+    monkeypatch.setenv(fa.BACKEND_VARIABLE, "triton")
 
 
 # --------------------------------------------------------------------------------------------
@@ -195,7 +203,6 @@ def test_matches_float64_reference(case):
 def test_tma_path_in_the_interpreter(case, monkeypatch):
     # On Hopper the kernels stream tiles through TMA descriptors; forcing that path here runs the
     # same code in the interpreter (descriptor offsets, zero fill past the ends, GQA heads)
-    import kernels.flash_attn as fa
 
     monkeypatch.setattr(fa, "_tma", lambda *tensors: True)
     dtype, B, H, H_kv, T, S, D, causal, layout = case
@@ -539,7 +546,6 @@ def test_gpu_matches_float64_reference(case):
 def test_gpu_pointer_path_matches_float64_reference(case, monkeypatch):
     # the GPU runs the pointer loads where TMA cannot read the inputs (here 3 heads of D = 20 in
     # fp16: a 120-byte row stride) or where FLASH_ATTENTION_TMA=0 turns it off
-    import kernels.flash_attn as fa
 
     *case, tma_env = case
     monkeypatch.setenv("FLASH_ATTENTION_TMA", tma_env)
@@ -553,7 +559,6 @@ def test_gpu_pointer_path_matches_float64_reference(case, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9, reason="TMA needs sm_90+")
 def test_gpu_tma_where_it_can_read_the_inputs_and_the_same_bits_as_the_pointers():
-    import kernels.flash_attn as fa
 
     for layout in ("contiguous", "bthd", "packed"):
         q, k, v, do = _make_inputs(f"tma-{layout}", 2, 4, 2, 300, 300, 64, BF16, layout, device="cuda")

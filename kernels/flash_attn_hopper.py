@@ -1,0 +1,277 @@
+"""FlashAttention backward for Hopper (sm_90) in Gluon: one kernel, 5 matmuls per tile pair.
+
+The portable backward (kernels/flash_attn.py) runs two kernels, one owning K/V blocks and one
+owning Q blocks, so that every output element has a single writer; both recompute QK^T and dO V^T
+(7 matmuls per tile pair). Here one program owns a K/V block (BLOCK_N keys of one kv head) and
+streams every Q/dO block that sees it, of every query head of its group:
+
+    S^T  = K Q^T             (BLOCK_N, BLOCK_M)   wgmma, K and Q from shared memory
+    P^T  = exp2(S^T * scale * log2(e) - LSE)      LSE from the forward: no softmax pass
+    dP^T = V dO^T            (BLOCK_N, BLOCK_M)
+    dS^T = P^T * (dP^T - delta)                   delta = rowsum(dO * O), computed beforehand
+    dV  += P^T dO            (BLOCK_N, D)         A operand straight from registers
+    dK  += dS^T Q            (BLOCK_N, D)
+    dQ_j = dS K              (BLOCK_M, D)         dS^T goes through shared memory, read transposed
+
+dK and dV stay in registers until the end. dQ_j is one K/V block's share of a Q block's dQ, so
+programs must add their shares up. Unordered float atomics would make dQ differ run to run; here
+the adds to each Q block happen in a fixed order, longest key index first: a counter per
+(batch, head, Q block) says how many shares have landed, and program n adds only when it reaches
+(number of programs after n that see that block). The program of key block 0 adds last; instead
+of adding, it reads the sum, scales it and writes dQ in the inputs' dtype. Programs are launched
+in the same order, so a program waits only for programs that started before it (no deadlock on
+a full GPU), and under a causal mask the shortest programs (the last key blocks) lead, which is
+the order in which each Q block's shares become ready: a program rarely waits at all.
+
+Q and dO tiles arrive by TMA into a two-deep ring of shared-memory buffers, each guarded by an
+mbarrier; the next tile's copy is issued before this tile's matmuls. Host-side TMA descriptors
+over the (B, H, T, D) tensors (any strides with a contiguous head dim, 16-byte aligned) bound
+each head's rows: rows past T and keys past S arrive as zeros.
+
+Triton 3.6's Gluon (triton.experimental.gluon) is the language; Gluon has no interpreter, so this
+file runs only on an sm_90 GPU. tests/test_hopper.py compiles it for sm_90 on any machine
+(kernels/sm90.py stands in for the GPU) and checks it numerically where one is present.
+"""
+
+import math
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+_LOG2E = gl.constexpr(math.log2(math.e))
+HEAD_DIMS = (64, 128)
+DTYPES = (torch.float16, torch.bfloat16)
+# head dim -> (BLOCK_M, BLOCK_N): query rows per step, keys per program; 8 warps, 2-deep ring
+BLOCKS = {64: (64, 128), 128: (64, 128)}
+NUM_WARPS, STAGES = 8, 2
+
+
+@gluon.constexpr_function
+def _dq_layout(block_m, head_dim, num_warps):
+    """The (BLOCK_M, D) accumulator's wgmma layout: 16-row slices over 4 warps per 64 rows, the
+    remaining warps splitting D."""
+    along_m = min(num_warps, block_m // 16)
+    along_d = num_warps // along_m
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[along_m, along_d],
+                                     instr_shape=[16, head_dim // along_d, 16])
+
+
+@gluon.jit
+def _load_acquire(ptrs):
+    """ld.acquire.gpu of int32 pointers: what later loads and adds see follows what it read."""
+    return gl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [ptrs], dtype=gl.int32,
+                                     is_pure=False, pack=1)
+
+
+@gluon.jit
+def _bwd_kernel(
+    q_desc, k_desc, v_desc, do_desc,  # TMA descriptors of (B, H, T, D), (B, H_kv, S, D) x2, (B, H, T, D)
+    LSE, DELTA,  # (B, H, T) fp32, contiguous
+    DQ_ACC,  # (B, H, T, D) fp32, contiguous, zeroed: the shares added so far
+    SEM,  # (B, H, cdiv(T, BLOCK_M)) int32, zeroed: how many shares each Q block has
+    DQ, DK, DV,  # outputs, (B, H|H_kv, T|S, D) with these strides (head dim contiguous)
+    stride_dqb, stride_dqh, stride_dqt,
+    stride_dkb, stride_dkh, stride_dkn,
+    stride_dvb, stride_dvh, stride_dvn,
+    H, GROUP, T, S,
+    sm_scale, qk_scale,  # softmax_scale, and softmax_scale * log2(e)
+    HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr, num_warps: gl.constexpr,
+):
+    dtype: gl.constexpr = q_desc.dtype
+    n_blocks = gl.num_programs(0)
+    n = n_blocks - 1 - gl.program_id(0)  # last key blocks first (see the module docstring)
+    off_hkv = gl.program_id(1)
+    off_b = gl.program_id(2)
+    start_n = n * BLOCK_N
+
+    # wgmma accumulators: (BLOCK_N, BLOCK_M) for S^T and dP^T, (BLOCK_N, D) for dK and dV,
+    # (BLOCK_M, D) for a dQ share; P^T and dS^T feed dV and dK as register A operands
+    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                        instr_shape=[16, BLOCK_M, 16])
+    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                        instr_shape=[16, HEAD_DIM, 16])
+    dq_layout: gl.constexpr = _dq_layout(BLOCK_M, HEAD_DIM, num_warps)
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+
+    m_tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
+    n_tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+    ds_tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
+    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], n_tile)
+    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], n_tile)
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], m_tile)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], m_tile)
+    ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_tile)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+
+    mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [off_b, off_hkv, start_n, 0], kv_bar, k_smem.reshape([1, 1, BLOCK_N,
+                                                                                                 HEAD_DIM]))
+    tma.async_copy_global_to_shared(v_desc, [off_b, off_hkv, start_n, 0], kv_bar, v_smem.reshape([1, 1, BLOCK_N,
+                                                                                                 HEAD_DIM]))
+
+    # the Q blocks that see this key block, per query head: m_lo .. m_blocks - 1
+    m_blocks = gl.cdiv(T, BLOCK_M)
+    m_lo = 0
+    if CAUSAL:  # bottom-right: query i sees key j iff j <= i + S - T
+        m_lo = gl.maximum(start_n + T - S, 0) // BLOCK_M
+    steps = m_blocks - m_lo
+    total = steps * GROUP
+    tile_bytes: gl.constexpr = 2 * q_desc.block_type.nbytes
+    mbarrier.expect(ready.index(0), tile_bytes)
+    tma.async_copy_global_to_shared(q_desc, [off_b, off_hkv * GROUP, m_lo * BLOCK_M, 0], ready.index(0),
+                                    q_smem.index(0).reshape([1, 1, BLOCK_M, HEAD_DIM]))
+    tma.async_copy_global_to_shared(do_desc, [off_b, off_hkv * GROUP, m_lo * BLOCK_M, 0], ready.index(0),
+                                    do_smem.index(0).reshape([1, 1, BLOCK_M, HEAD_DIM]))
+
+    offs_m_t = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))  # S^T's columns: queries
+    cols_t = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))  # S^T's rows: keys
+    offs_m_q = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
+    offs_d_q = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, dq_layout))
+    zero_t = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)
+    zero_q = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout)
+    dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
+    dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
+    # under a causal mask a tile needs masking where a key may follow a query; the last key block
+    # may reach past S, whose zero keys would otherwise get weight exp2(-LSE)
+    past_s = start_n + BLOCK_N > S
+    mbarrier.wait(kv_bar, 0)
+
+    # one lane per thread for the dQ-order counter: each thread polls it and releases its own adds
+    lanes: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+    lane_zero = gl.zeros([32 * num_warps], gl.int32, lanes)
+    released = SEM + lane_zero  # the counter this program has yet to release, if pending
+    pending = n < 0
+    for j in range(total):
+        g = j // steps
+        start_m = (m_lo + j - g * steps) * BLOCK_M
+        off_h = off_hkv * GROUP + g
+        stage = j % STAGES
+        # the next tile's copy goes out now: its buffer's last readers (step j - 1's matmuls, all
+        # waited for) are behind every warp, which passed step j - 1's barrier before its dQ matmul
+        if j + 1 < total:
+            g1 = (j + 1) // steps
+            m1 = (m_lo + j + 1 - g1 * steps) * BLOCK_M
+            nxt = (j + 1) % STAGES
+            mbarrier.expect(ready.index(nxt), tile_bytes)
+            tma.async_copy_global_to_shared(q_desc, [off_b, off_hkv * GROUP + g1, m1, 0], ready.index(nxt),
+                                            q_smem.index(nxt).reshape([1, 1, BLOCK_M, HEAD_DIM]))
+            tma.async_copy_global_to_shared(do_desc, [off_b, off_hkv * GROUP + g1, m1, 0], ready.index(nxt),
+                                            do_smem.index(nxt).reshape([1, 1, BLOCK_M, HEAD_DIM]))
+        row0 = (off_b * H + off_h).to(gl.int64) * T
+        rows_t = start_m + offs_m_t
+        # rows past T: zero Q and dO with LSE = delta = 0 give P = 1 but dP = dS = 0 and dO = 0
+        lse = gl.load(LSE + row0 + rows_t, mask=rows_t < T, other=0.0) * _LOG2E
+        delta = gl.load(DELTA + row0 + rows_t, mask=rows_t < T, other=0.0)
+        # this Q block's counter, read now and compared after the matmuls, which hide its latency
+        m_idx = start_m // BLOCK_M
+        counter = SEM + (off_b * H + off_h) * m_blocks + m_idx + lane_zero
+        landed = _load_acquire(counter)
+        mbarrier.wait(ready.index(stage), (j // STAGES) & 1)
+        q_t = q_smem.index(stage)
+        do_t = do_smem.index(stage)
+
+        st = warpgroup_mma(k_smem, q_t.permute((1, 0)), zero_t, use_acc=False, is_async=True)
+        dpt = warpgroup_mma(v_smem, do_t.permute((1, 0)), zero_t, use_acc=False, is_async=True)
+        st = warpgroup_mma_wait(1, deps=[st])
+        pt = gl.exp2(st * qk_scale - lse[None, :])
+        masked = past_s
+        if CAUSAL:
+            masked = masked | (start_n + BLOCK_N - 1 > start_m + S - T)
+        if masked:  # selected after exp2: a row with LSE = -inf (it sees no key) is dropped, never NaN
+            visible = cols_t[:, None] < S
+            if CAUSAL:
+                visible = visible & (cols_t[:, None] <= rows_t[None, :] + (S - T))
+            pt = gl.where(visible, pt, 0.0)
+        dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do_t, dv, is_async=True)
+        dpt = warpgroup_mma_wait(1, deps=[dpt])
+        ds_lo = (pt * (dpt - delta[None, :])).to(dtype)
+        dk = warpgroup_mma(gl.convert_layout(ds_lo, a_layout), q_t, dk, is_async=True)
+        ds_buf = ds_smem.index(j % 2)  # two buffers: the barrier below also ends step j - 1's reads
+        ds_buf.store(ds_lo)
+        fence_async_shared()
+        gl.thread_barrier()
+        dq = warpgroup_mma(ds_buf.permute((1, 0)), k_smem, zero_q, use_acc=False, is_async=True)
+        dv, dk, dq = warpgroup_mma_wait(0, deps=[dv, dk, dq])
+
+        # the previous step's adds have long landed: release them now, cheaply
+        gl.atomic_add(released, lane_zero + 1, mask=(lane_zero == 0) & pending, sem="release")
+        # this block's share of dQ, added in key-block order (see the module docstring)
+        n_hi = n_blocks - 1
+        if CAUSAL:
+            n_hi = gl.minimum(n_hi, (start_m + BLOCK_M - 1 + S - T) // BLOCK_N)
+        turn = (n_hi - n) * (32 * num_warps)  # every thread of every later program has released
+        while gl.min(landed, 0) < turn:  # until every thread has seen every later share land
+            landed = _load_acquire(counter)
+        rows_q = start_m + offs_m_q
+        acc_ptrs = DQ_ACC + row0 * HEAD_DIM + rows_q[:, None] * HEAD_DIM + offs_d_q[None, :]
+        row_ok = rows_q[:, None] < T
+        pending = n != 0
+        released = counter
+        if n == 0:  # the last share: write dQ
+            dq += gl.load(acc_ptrs, mask=row_ok, other=0.0, cache_modifier=".cg")
+            dq_ptrs = (DQ + off_b.to(gl.int64) * stride_dqb + off_h.to(gl.int64) * stride_dqh
+                       + rows_q[:, None].to(gl.int64) * stride_dqt + offs_d_q[None, :])
+            gl.store(dq_ptrs, (dq * sm_scale).to(dtype), mask=row_ok)
+        else:
+            gl.atomic_add(acc_ptrs, dq, mask=row_ok, sem="relaxed")
+    gl.atomic_add(released, lane_zero + 1, mask=(lane_zero == 0) & pending, sem="release")
+
+    mbarrier.invalidate(kv_bar)
+    for s in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(s))
+    offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, kv_layout))
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
+    key_ok = offs_n[:, None] < S
+    kv_rows = offs_n[:, None].to(gl.int64)
+    dk_ptrs = DK + off_b.to(gl.int64) * stride_dkb + off_hkv.to(gl.int64) * stride_dkh + kv_rows * stride_dkn
+    gl.store(dk_ptrs + offs_d[None, :], (dk * sm_scale).to(dtype), mask=key_ok)
+    dv_ptrs = DV + off_b.to(gl.int64) * stride_dvb + off_hkv.to(gl.int64) * stride_dvh + kv_rows * stride_dvn
+    gl.store(dv_ptrs + offs_d[None, :], dv.to(dtype), mask=key_ok)
+
+
+def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
+    """A TMA descriptor over (B, H, T, D) t whose box is one head's `rows` rows."""
+    block = [1, 1, rows, t.shape[3]]
+    layout = gl.NVMMASharedLayout.get_default_for(block, gl.float16 if t.dtype == torch.float16 else gl.bfloat16)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+
+def _launch(do, q, k, v, lse, delta, dq, dk, dv, causal: bool, scale: float, warmup: bool = False):
+    (B, H, T, D), (H_kv, S) = q.shape, k.shape[1:3]
+    BLOCK_M, BLOCK_N = BLOCKS[D]
+    m_blocks = triton.cdiv(T, BLOCK_M)
+    dq_acc = torch.zeros((B, H, T, D), dtype=torch.float32, device=q.device)
+    sem = torch.zeros((B, H, m_blocks), dtype=torch.int32, device=q.device)
+    args = (_descriptor(q, BLOCK_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), _descriptor(do, BLOCK_M),
+            lse, delta, dq_acc, sem, dq, dk, dv,
+            *dq.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
+            H, H // H_kv, T, S, scale, scale * _LOG2E.value)
+    meta = dict(HEAD_DIM=D, CAUSAL=causal, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=STAGES, num_warps=NUM_WARPS)
+    grid = (triton.cdiv(S, BLOCK_N), H_kv, B)
+    if warmup:
+        return _bwd_kernel.warmup(*args, grid=grid, **meta)
+    return _bwd_kernel[grid](*args, **meta)
+
+
+def backward(do, q, k, v, lse, delta, dq, dk, dv, causal: bool, scale: float) -> None:
+    """Writes dq, dk, dv (shaped like q, k, v; head dim contiguous) from the forward's lse and
+    delta = rowsum(dO * O), both (B, H, T) fp32 contiguous. Deterministic."""
+    if causal and q.shape[2] > k.shape[2]:  # the first rows see no key: no program writes their dQ
+        dq.zero_()
+    _launch(do, q, k, v, lse, delta, dq, dk, dv, causal, scale)
+
+
+def compile_only(do, q, k, v, lse, delta, causal: bool):
+    """The compiled kernel for these inputs' layout, without launching it (kernels/sm90.py)."""
+    return _launch(do, q, k, v, lse, delta, torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+                   causal, q.shape[3] ** -0.5, warmup=True)

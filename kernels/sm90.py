@@ -1,0 +1,104 @@
+"""Compile Gluon kernels for an H100 (sm_90) on a machine without one.
+
+Triton asks its active driver which GPU it compiles for; this driver answers sm_90 and launches
+nothing, so `kernel.warmup(...)` runs the whole compiler (Gluon -> TTGIR -> PTX -> ptxas) and
+returns the cubin, its register and shared-memory counts, and SASS through the wheel's nvdisasm.
+CI compiles the Hopper kernels this way (tests/test_hopper.py), and it is how to read a kernel's
+SASS without spending GPU time:
+
+    python -m kernels.sm90            # registers, spills, shared memory of each Hopper kernel
+    python -m kernels.sm90 --sass     # and their SASS, written under bench/sass/
+"""
+
+import argparse
+import contextlib
+import pathlib
+import subprocess
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.backends.driver import DriverBase
+from triton.runtime import driver
+
+
+class StandIn(DriverBase):
+    """A Triton driver for an sm_90 GPU that is not there: it compiles, and launches nothing."""
+
+    @classmethod
+    def is_active(cls) -> bool:
+        return True
+
+    def map_python_to_cpp_type(self, ty: str) -> str:
+        return ty
+
+    def get_current_target(self) -> GPUTarget:
+        return GPUTarget("cuda", 90, 32)
+
+    def get_active_torch_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def get_benchmarker(self):
+        raise RuntimeError("kernels.sm90 compiles only: there is no GPU to time")
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device=None) -> int:
+        return 0
+
+
+@contextlib.contextmanager
+def stand_in():
+    """Triton compiles for sm_90 inside this block, whatever the machine has."""
+    previous = driver._active  # None until something asked: reset_active() would look for a real GPU
+    driver.set_active(StandIn())
+    try:
+        yield
+    finally:
+        driver._active = previous
+
+
+def compile_hopper(head_dim: int, dtype: torch.dtype, causal: bool):
+    """The compiled backward kernel for one configuration (compiled in a fresh Triton cache key
+    only when its source or options changed)."""
+    from kernels import flash_attn_hopper as hopper
+
+    B, H, H_kv, T, S = 1, 2, 1, 256, 256
+    q, do = (torch.empty(B, T, H, head_dim, dtype=dtype).transpose(1, 2) for _ in range(2))
+    k, v = (torch.empty(B, S, H_kv, head_dim, dtype=dtype).transpose(1, 2) for _ in range(2))
+    lse = delta = torch.empty(B, H, T)
+    with stand_in():
+        return hopper.compile_only(do, q, k, v, lse, delta, causal)
+
+
+def _sass(cubin: bytes, path: pathlib.Path) -> str:
+    nvdisasm = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    path.write_bytes(cubin)
+    return subprocess.run([str(nvdisasm), "-c", str(path)], check=True, capture_output=True, text=True).stdout
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sass", action="store_true", help="write each kernel's SASS under --out")
+    parser.add_argument("--out", default="bench/sass")
+    args = parser.parse_args()
+    out = pathlib.Path(args.out)
+    for dtype in (torch.bfloat16,):
+        for head_dim in (64, 128):
+            for causal in (True, False):
+                kernel = compile_hopper(head_dim, dtype, causal)
+                name = f"bwd_d{head_dim}_{'causal' if causal else 'full'}"
+                sass = ""
+                if args.sass:
+                    out.mkdir(parents=True, exist_ok=True)
+                    sass = _sass(kernel.asm["cubin"], out / f"{name}.cubin")
+                    (out / f"{name}.sass").write_text(sass)
+                print(f"{name}: {kernel.n_regs if hasattr(kernel, 'n_regs') else '?'} registers, "
+                      f"{kernel.metadata.shared} B shared, "
+                      f"{sum('HGMMA' in line for line in sass.splitlines()) if sass else '-'} HGMMA, "
+                      f"{sum('STL' in line for line in sass.splitlines()) if sass else '-'} STL")
+
+
+if __name__ == "__main__":
+    main()
