@@ -20,6 +20,9 @@ TRITON ?= triton>=3.6
 endif
 # one stamp per pair: naming another pair installs it into the same .venv
 STAMP  := $(VENV)/.installed-$(subst >,,$(subst =,,$(TORCH)-$(TRITON)))
+# the Hopper kernel is Gluon of this triton release; where the venv has another, the test suite
+# compiles the kernel for sm_90 with a copy of it kept apart (tests/test_hopper.py)
+GLUON_TRITON := triton==3.6.0
 SETUP  := $(if $(filter command line,$(origin PY)),,setup)
 
 .PHONY: setup train test bench clean
@@ -32,6 +35,8 @@ $(STAMP): requirements.txt
 	$(VENV)/bin/python -m pip install -q "$(TORCH)" "$(TRITON)"
 	$(VENV)/bin/python -m pip install -q -r requirements.txt "$(TORCH)" "$(TRITON)"
 	@$(VENV)/bin/python -c "import torch, triton; print('installed torch', torch.__version__, 'triton', triton.__version__)"
+	if ! $(VENV)/bin/python -c "import triton; assert triton.__version__.startswith('3.6.')" 2>/dev/null; then \
+	  $(VENV)/bin/python -m pip install -q --no-deps --target $(VENV)/gluon-triton "$(GLUON_TRITON)"; fi
 	touch $@
 
 train: $(SETUP)

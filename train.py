@@ -34,6 +34,7 @@ from configs.runtime import (autocast, autocast_dtype, grad_scaler, precision, p
 from configs.schema import plain
 from configs.store import register_configs
 from configs.validate import ConfigError, batch_size_per_process, check_resume, validate
+from kernels.flash_attn import backends as attention_backends
 from data import DatasetError, TokenWindows, document_ids, get_encoding
 from data.files import DiskFullError, atomic_write
 from data.prepare import prepare_on_node
@@ -229,6 +230,13 @@ def run_info(cfg: DictConfig, par: Parallel, model: GPT) -> dict:
             "world_size": par.world, "cp": cfg.parallel.cp, "dp": str(cfg.parallel.dp),
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "torch": torch.__version__, "triton": triton_version(), "precision": precision(cfg.dtype, device)}
+    if cfg.attn.name == "triton":  # which kernels run it: FLASH_ATTENTION_BACKEND may pick the Hopper backward
+        dtype = autocast_dtype(cfg.dtype, device) or torch.float32
+        try:
+            info["attention_kernels"] = attention_backends(cfg.model.d_model // cfg.model.n_head, dtype, device,
+                                                           cfg.data.doc_mask)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     if cfg.attn.name == "sdpa":
         dtype = autocast_dtype(cfg.dtype, device) or torch.float32
         try:

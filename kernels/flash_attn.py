@@ -705,12 +705,14 @@ def _backward(do, q, k, v, o, lse, causal, scale, docs):
     gluon = _GLUON_BACKWARD.get(signature)
     if gluon is None:
         gluon = _GLUON_BACKWARD[signature] = _use_gluon(q, k, v, do, docs)
-    launches = [launcher.bound_for(signature) for launcher in ((_PREPROCESS,) if gluon else (_PREPROCESS, _DKDV, _DQ))]
+    if gluon:
+        with on_device(q):
+            _hopper().backward(do, q, k, v, o, lse, dq, dk, dv, causal, scale)
+        return dq, dk, dv
+    launches = [launcher.bound_for(signature) for launcher in (_PREPROCESS, _DKDV, _DQ)]
     if all(launches):
-        for launch, tensors in zip(launches, (pre, dkdv, dq_)):
+        for launch, tensors in zip(launches, (pre, dkdv, dq_), strict=True):
             launch(*tensors)
-        if gluon:
-            _hopper().backward(do, q, k, v, lse, delta, dq, dk, dv, causal, scale)
         return dq, dk, dv
     key, constexprs = _meta(q, k, causal, docs, _tma(q, k, v, do))
     strides = (*q.stride(), *k.stride(), *v.stride(), *do.stride())
@@ -718,9 +720,6 @@ def _backward(do, q, k, v, o, lse, causal, scale, docs):
     with on_device(q):
         _PREPROCESS.bind(signature, lambda c: (triton.cdiv(T, c["BLOCK_M"]), H, B),
                          (*pre, *o.stride(), *do.stride(), H, T), key, HEAD_DIM=D, BLOCK_D=constexprs["BLOCK_D"])
-        if gluon:
-            _hopper().backward(do, q, k, v, lse, delta, dq, dk, dv, causal, scale)
-            return dq, dk, dv
         _DKDV.bind(signature, lambda c: (triton.cdiv(S, c["BLOCK_N"]), H_kv, B),
                    (*dkdv, *strides, *dk.stride(), *dv.stride(), *sizes), key, **constexprs)
         _DQ.bind(signature, lambda c: (triton.cdiv(T, c["BLOCK_M"]), H, B),
@@ -731,7 +730,9 @@ def _backward(do, q, k, v, o, lse, causal, scale, docs):
 # --------------------------------------------------------------------------------------------
 # which backward runs: the Hopper kernel in Gluon where it covers the inputs, else the kernels above
 
-BACKEND_VARIABLE = "FLASH_ATTENTION_BACKEND"  # triton | gluon; unset: gluon where it runs, else triton
+# triton | gluon; unset: triton. The Hopper backward is opt-in while it is slower than the Triton
+# kernels (docs/perf-notes.md, v10): FLASH_ATTENTION_BACKEND=gluon runs it, or raises saying why not
+BACKEND_VARIABLE = "FLASH_ATTENTION_BACKEND"
 GLUON_TRITON = "3.6."  # the triton release whose Gluon the Hopper kernel is written in
 _GLUON_BACKWARD: dict[tuple, bool] = {}  # input signature -> whether the Gluon backward runs it
 
@@ -763,26 +764,28 @@ def _hopper():
 
 
 def _use_gluon(q, k, v, do, docs) -> bool:
-    """Whether the Gluon backward runs these inputs; ValueError where FLASH_ATTENTION_BACKEND=gluon
-    asks for it and it cannot."""
+    """Whether the Gluon backward runs these inputs (FLASH_ATTENTION_BACKEND=gluon asks for it);
+    ValueError where it is asked for and cannot."""
     choice = os.environ.get(BACKEND_VARIABLE, "")
     if choice not in ("", "triton", "gluon"):
         raise ValueError(f"{BACKEND_VARIABLE}={choice}: use triton or gluon (or leave it unset)")
-    if choice == "triton":
+    if choice != "gluon":
         return False
     why = gluon_missing(q.shape[3], q.dtype, q.device, docs is not None)
     if why is None and not _tma(q, k, v, do):
         why = "q, k, v and dO need a contiguous head dim and 16-byte aligned strides (TMA)"
-    if why is not None and choice == "gluon":
+    if why is not None:
         raise ValueError(f"{BACKEND_VARIABLE}=gluon: the Hopper backward cannot run these inputs: {why}")
-    return why is None
+    return True
 
 
 def backends(head_dim: int, dtype: torch.dtype, device: torch.device, documents: bool = False) -> dict[str, str]:
     """Which kernels run the forward and the backward of attention with this head dim, dtype,
-    device and masking, for inputs laid out as the model lays them out (the run info logs it)."""
-    choice = os.environ.get(BACKEND_VARIABLE, "")
-    gluon = choice != "triton" and gluon_missing(head_dim, dtype, device, documents) is None
+    device and masking, for inputs laid out as the model lays them out (the run info logs it);
+    ValueError where FLASH_ATTENTION_BACKEND=gluon asks for what cannot run."""
+    gluon = os.environ.get(BACKEND_VARIABLE) == "gluon"
+    if gluon and (why := gluon_missing(head_dim, dtype, device, documents)):
+        raise ValueError(f"{BACKEND_VARIABLE}=gluon: the Hopper backward cannot run this model's attention: {why}")
     return {"forward": "triton", "backward": "gluon" if gluon else "triton"}
 
 

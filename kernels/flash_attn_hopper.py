@@ -37,17 +37,20 @@ import math
 
 import torch
 import triton
+import triton.language as tl
+from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
+from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 _LOG2E = gl.constexpr(math.log2(math.e))
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.float16, torch.bfloat16)
 # head dim -> (BLOCK_M, BLOCK_N): query rows per step, keys per program; 8 warps, 2-deep ring
-BLOCKS = {64: (64, 128), 128: (64, 128)}
+BLOCKS = {64: (128, 128), 128: (64, 128)}  # measured best of those that fit (perf-notes v10)
 NUM_WARPS, STAGES = 8, 2
 
 
@@ -69,11 +72,40 @@ def _load_acquire(ptrs):
 
 
 @gluon.jit
+def _bulk_done(like):
+    """Waits for this thread's TMA stores and reductions to complete (their writes done, not only
+    their shared-memory reads, as tma.store_wait waits for), and orders them before what follows."""
+    return gl.inline_asm_elementwise("cp.async.bulk.wait_group 0; fence.proxy.async.global; mov.u32 $0, 0;",
+                                     "=r,r", [like], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@builtin
+def _tma_add(tensor_desc, coord, src, _semantic=None):
+    """TMA reduce-add of shared memory `src` into the descriptor's box at `coord` (triton 3.6's
+    Gluon builds the op but exposes no wrapper)."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+
+@gluon.jit
+def _issue_tile(q_desc, do_desc, aux_desc, bar, q_buf, do_buf, lse_buf, delta_buf, off_b, off_h, start_m,
+                BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """One step's Q, dO, LSE and delta rows, by TMA, completing on `bar`."""
+    mbarrier.expect(bar, 2 * q_desc.block_type.nbytes + 2 * aux_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [off_b, off_h, start_m, 0], bar, q_buf.reshape([1, 1, BLOCK_M, HEAD_DIM]))
+    tma.async_copy_global_to_shared(do_desc, [off_b, off_h, start_m, 0], bar, do_buf.reshape([1, 1, BLOCK_M,
+                                                                                               HEAD_DIM]))
+    tma.async_copy_global_to_shared(aux_desc, [off_b, off_h, 0, start_m], bar, lse_buf)
+    tma.async_copy_global_to_shared(aux_desc, [off_b, off_h, 1, start_m], bar, delta_buf)
+
+
+@gluon.jit
 def _bwd_kernel(
     q_desc, k_desc, v_desc, do_desc,  # TMA descriptors of (B, H, T, D), (B, H_kv, S, D) x2, (B, H, T, D)
-    LSE, DELTA,  # (B, H, T) fp32, contiguous
-    DQ_ACC,  # (B, H, T, D) fp32, contiguous, zeroed: the shares added so far
-    SEM,  # (B, H, cdiv(T, BLOCK_M)) int32, zeroed: how many shares each Q block has
+    aux_desc,  # of (B, H, 2, T_pad) fp32: LSE * log2(e) and delta = rowsum(dO * O), zero past T
+    dqacc_desc,  # of (B, H, T, D) fp32, zeroed: the dQ shares added so far
+    DQ_ACC,  # its pointer, for the last share's read
+    SEM,  # (B, H, cdiv(T, BLOCK_M)) int32, zeroed: how many threads have released a share per Q block
     DQ, DK, DV,  # outputs, (B, H|H_kv, T|S, D) with these strides (head dim contiguous)
     stride_dqb, stride_dqh, stride_dqt,
     stride_dkb, stride_dkh, stride_dkn,
@@ -98,6 +130,7 @@ def _bwd_kernel(
                                                         instr_shape=[16, HEAD_DIM, 16])
     dq_layout: gl.constexpr = _dq_layout(BLOCK_M, HEAD_DIM, num_warps)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(0, st_layout)  # a vector over S^T's columns: queries
 
     m_tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
     n_tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
@@ -106,7 +139,10 @@ def _bwd_kernel(
     v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], n_tile)
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], m_tile)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], m_tile)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, 1, 1, BLOCK_M], aux_desc.layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, 1, 1, BLOCK_M], aux_desc.layout)
     ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_tile)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [1, 1, BLOCK_M, HEAD_DIM], dqacc_desc.layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
@@ -126,14 +162,10 @@ def _bwd_kernel(
         m_lo = gl.maximum(start_n + T - S, 0) // BLOCK_M
     steps = m_blocks - m_lo
     total = steps * GROUP
-    tile_bytes: gl.constexpr = 2 * q_desc.block_type.nbytes
-    mbarrier.expect(ready.index(0), tile_bytes)
-    tma.async_copy_global_to_shared(q_desc, [off_b, off_hkv * GROUP, m_lo * BLOCK_M, 0], ready.index(0),
-                                    q_smem.index(0).reshape([1, 1, BLOCK_M, HEAD_DIM]))
-    tma.async_copy_global_to_shared(do_desc, [off_b, off_hkv * GROUP, m_lo * BLOCK_M, 0], ready.index(0),
-                                    do_smem.index(0).reshape([1, 1, BLOCK_M, HEAD_DIM]))
+    _issue_tile(q_desc, do_desc, aux_desc, ready.index(0), q_smem.index(0), do_smem.index(0), lse_smem.index(0),
+                delta_smem.index(0), off_b, off_hkv * GROUP, m_lo * BLOCK_M, BLOCK_M, HEAD_DIM)
 
-    offs_m_t = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))  # S^T's columns: queries
+    offs_m_t = gl.arange(0, BLOCK_M, layout=row_layout)
     cols_t = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))  # S^T's rows: keys
     offs_m_q = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
     offs_d_q = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, dq_layout))
@@ -146,7 +178,7 @@ def _bwd_kernel(
     past_s = start_n + BLOCK_N > S
     mbarrier.wait(kv_bar, 0)
 
-    # one lane per thread for the dQ-order counter: each thread polls it and releases its own adds
+    # one lane per thread for the dQ-order counter: each thread polls it and releases the share
     lanes: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
     lane_zero = gl.zeros([32 * num_warps], gl.int32, lanes)
     released = SEM + lane_zero  # the counter this program has yet to release, if pending
@@ -156,22 +188,15 @@ def _bwd_kernel(
         start_m = (m_lo + j - g * steps) * BLOCK_M
         off_h = off_hkv * GROUP + g
         stage = j % STAGES
-        # the next tile's copy goes out now: its buffer's last readers (step j - 1's matmuls, all
+        # the next tile's copy goes out now: its buffers' last readers (step j - 1's matmuls, all
         # waited for) are behind every warp, which passed step j - 1's barrier before its dQ matmul
         if j + 1 < total:
             g1 = (j + 1) // steps
-            m1 = (m_lo + j + 1 - g1 * steps) * BLOCK_M
             nxt = (j + 1) % STAGES
-            mbarrier.expect(ready.index(nxt), tile_bytes)
-            tma.async_copy_global_to_shared(q_desc, [off_b, off_hkv * GROUP + g1, m1, 0], ready.index(nxt),
-                                            q_smem.index(nxt).reshape([1, 1, BLOCK_M, HEAD_DIM]))
-            tma.async_copy_global_to_shared(do_desc, [off_b, off_hkv * GROUP + g1, m1, 0], ready.index(nxt),
-                                            do_smem.index(nxt).reshape([1, 1, BLOCK_M, HEAD_DIM]))
-        row0 = (off_b * H + off_h).to(gl.int64) * T
+            _issue_tile(q_desc, do_desc, aux_desc, ready.index(nxt), q_smem.index(nxt), do_smem.index(nxt),
+                        lse_smem.index(nxt), delta_smem.index(nxt), off_b, off_hkv * GROUP + g1, (m_lo + j + 1 - g1 * steps) * BLOCK_M,
+                        BLOCK_M, HEAD_DIM)
         rows_t = start_m + offs_m_t
-        # rows past T: zero Q and dO with LSE = delta = 0 give P = 1 but dP = dS = 0 and dO = 0
-        lse = gl.load(LSE + row0 + rows_t, mask=rows_t < T, other=0.0) * _LOG2E
-        delta = gl.load(DELTA + row0 + rows_t, mask=rows_t < T, other=0.0)
         # this Q block's counter, read now and compared after the matmuls, which hide its latency
         m_idx = start_m // BLOCK_M
         counter = SEM + (off_b * H + off_h) * m_blocks + m_idx + lane_zero
@@ -182,6 +207,8 @@ def _bwd_kernel(
 
         st = warpgroup_mma(k_smem, q_t.permute((1, 0)), zero_t, use_acc=False, is_async=True)
         dpt = warpgroup_mma(v_smem, do_t.permute((1, 0)), zero_t, use_acc=False, is_async=True)
+        # rows past T arrive as zero Q and dO with LSE = delta = 0: P = 1 there but dP = dS = 0, dO = 0
+        lse = lse_smem.index(stage).reshape([BLOCK_M]).load(row_layout)
         st = warpgroup_mma_wait(1, deps=[st])
         pt = gl.exp2(st * qk_scale - lse[None, :])
         masked = past_s
@@ -193,6 +220,7 @@ def _bwd_kernel(
                 visible = visible & (cols_t[:, None] <= rows_t[None, :] + (S - T))
             pt = gl.where(visible, pt, 0.0)
         dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do_t, dv, is_async=True)
+        delta = delta_smem.index(stage).reshape([BLOCK_M]).load(row_layout)
         dpt = warpgroup_mma_wait(1, deps=[dpt])
         ds_lo = (pt * (dpt - delta[None, :])).to(dtype)
         dk = warpgroup_mma(gl.convert_layout(ds_lo, a_layout), q_t, dk, is_async=True)
@@ -203,7 +231,8 @@ def _bwd_kernel(
         dq = warpgroup_mma(ds_buf.permute((1, 0)), k_smem, zero_q, use_acc=False, is_async=True)
         dv, dk, dq = warpgroup_mma_wait(0, deps=[dv, dk, dq])
 
-        # the previous step's adds have long landed: release them now, cheaply
+        # the previous step's reduction has long landed: release it now, cheaply
+        _bulk_done(lane_zero)
         gl.atomic_add(released, lane_zero + 1, mask=(lane_zero == 0) & pending, sem="release")
         # this block's share of dQ, added in key-block order (see the module docstring)
         n_hi = n_blocks - 1
@@ -212,18 +241,22 @@ def _bwd_kernel(
         turn = (n_hi - n) * (32 * num_warps)  # every thread of every later program has released
         while gl.min(landed, 0) < turn:  # until every thread has seen every later share land
             landed = _load_acquire(counter)
-        rows_q = start_m + offs_m_q
-        acc_ptrs = DQ_ACC + row0 * HEAD_DIM + rows_q[:, None] * HEAD_DIM + offs_d_q[None, :]
-        row_ok = rows_q[:, None] < T
         pending = n != 0
         released = counter
         if n == 0:  # the last share: write dQ
+            rows_q = start_m + offs_m_q
+            row_ok = rows_q[:, None] < T
+            acc_ptrs = DQ_ACC + ((off_b * H + off_h).to(gl.int64) * T + rows_q[:, None]) * HEAD_DIM + offs_d_q[None, :]
             dq += gl.load(acc_ptrs, mask=row_ok, other=0.0, cache_modifier=".cg")
             dq_ptrs = (DQ + off_b.to(gl.int64) * stride_dqb + off_h.to(gl.int64) * stride_dqh
                        + rows_q[:, None].to(gl.int64) * stride_dqt + offs_d_q[None, :])
             gl.store(dq_ptrs, (dq * sm_scale).to(dtype), mask=row_ok)
-        else:
-            gl.atomic_add(acc_ptrs, dq, mask=row_ok, sem="relaxed")
+        else:  # one TMA reduce-add of the whole share (rows past T are clipped)
+            dq_smem.reshape([BLOCK_M, HEAD_DIM]).store(dq)
+            fence_async_shared()
+            gl.thread_barrier()
+            _tma_add(dqacc_desc, [off_b, off_h, start_m, 0], dq_smem)
+    _bulk_done(lane_zero)
     gl.atomic_add(released, lane_zero + 1, mask=(lane_zero == 0) & pending, sem="release")
 
     mbarrier.invalidate(kv_bar)
@@ -239,21 +272,46 @@ def _bwd_kernel(
     gl.store(dv_ptrs + offs_d[None, :], dv.to(dtype), mask=key_ok)
 
 
-def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
-    """A TMA descriptor over (B, H, T, D) t whose box is one head's `rows` rows."""
-    block = [1, 1, rows, t.shape[3]]
-    layout = gl.NVMMASharedLayout.get_default_for(block, gl.float16 if t.dtype == torch.float16 else gl.bfloat16)
+@triton.jit
+def _aux_kernel(O, DO, LSE, AUX, stride_ob, stride_oh, stride_ot, stride_dob, stride_doh, stride_dot,
+                H, T, T_PAD, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+    """AUX[b, h] = (LSE * log2(e), rowsum(dO * O)) over T_PAD rows, zero past T."""
+    off_h = tl.program_id(1)
+    off_b = tl.program_id(2)
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    d = tl.arange(0, HEAD_DIM)
+    ok = rows < T
+    o = tl.load(O + off_b.to(tl.int64) * stride_ob + off_h * stride_oh + rows[:, None].to(tl.int64) * stride_ot
+                + d[None, :], mask=ok[:, None], other=0.0)
+    do = tl.load(DO + off_b.to(tl.int64) * stride_dob + off_h * stride_doh + rows[:, None].to(tl.int64) * stride_dot
+                 + d[None, :], mask=ok[:, None], other=0.0)
+    row0 = (off_b * H + off_h).to(tl.int64)
+    lse = tl.load(LSE + row0 * T + rows, mask=ok, other=0.0) * 1.4426950408889634
+    aux = AUX + row0 * 2 * T_PAD + rows
+    tl.store(aux, tl.where(ok, lse, 0.0), mask=rows < T_PAD)
+    tl.store(aux + T_PAD, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=rows < T_PAD)
+
+
+def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
+    """A TMA descriptor over t with this box (rows past an edge read as zeros)."""
+    dtype = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}[t.dtype]
+    layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
 
 
-def _launch(do, q, k, v, lse, delta, dq, dk, dv, causal: bool, scale: float, warmup: bool = False):
+def _launch(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, warmup: bool = False):
     (B, H, T, D), (H_kv, S) = q.shape, k.shape[1:3]
     BLOCK_M, BLOCK_N = BLOCKS[D]
-    m_blocks = triton.cdiv(T, BLOCK_M)
+    t_pad = triton.cdiv(T, 4) * 4  # TMA wants 16-byte strides
+    aux = torch.empty((B, H, 2, t_pad), dtype=torch.float32, device=q.device)
+    if not warmup:
+        _aux_kernel[(triton.cdiv(t_pad, 64), H, B)](o, do, lse, aux, *o.stride()[:3], *do.stride()[:3], H, T, t_pad,
+                                                     HEAD_DIM=D, BLOCK=64)
     dq_acc = torch.zeros((B, H, T, D), dtype=torch.float32, device=q.device)
-    sem = torch.zeros((B, H, m_blocks), dtype=torch.int32, device=q.device)
-    args = (_descriptor(q, BLOCK_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), _descriptor(do, BLOCK_M),
-            lse, delta, dq_acc, sem, dq, dk, dv,
+    sem = torch.zeros((B, H, triton.cdiv(T, BLOCK_M)), dtype=torch.int32, device=q.device)
+    args = (_descriptor(q, [1, 1, BLOCK_M, D]), _descriptor(k, [1, 1, BLOCK_N, D]), _descriptor(v, [1, 1, BLOCK_N, D]),
+            _descriptor(do, [1, 1, BLOCK_M, D]), _descriptor(aux, [1, 1, 1, BLOCK_M]),
+            _descriptor(dq_acc, [1, 1, BLOCK_M, D]), dq_acc, sem, dq, dk, dv,
             *dq.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
             H, H // H_kv, T, S, scale, scale * _LOG2E.value)
     meta = dict(HEAD_DIM=D, CAUSAL=causal, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=STAGES, num_warps=NUM_WARPS)
@@ -263,15 +321,17 @@ def _launch(do, q, k, v, lse, delta, dq, dk, dv, causal: bool, scale: float, war
     return _bwd_kernel[grid](*args, **meta)
 
 
-def backward(do, q, k, v, lse, delta, dq, dk, dv, causal: bool, scale: float) -> None:
-    """Writes dq, dk, dv (shaped like q, k, v; head dim contiguous) from the forward's lse and
-    delta = rowsum(dO * O), both (B, H, T) fp32 contiguous. Deterministic."""
+def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float) -> None:
+    """Writes dq, dk, dv (shaped like q, k, v; head dim contiguous) from the forward's o and lse
+    ((B, H, T) fp32, contiguous). Deterministic."""
     if causal and q.shape[2] > k.shape[2]:  # the first rows see no key: no program writes their dQ
         dq.zero_()
-    _launch(do, q, k, v, lse, delta, dq, dk, dv, causal, scale)
+    _launch(do, q, k, v, o, lse, dq, dk, dv, causal, scale)
 
 
-def compile_only(do, q, k, v, lse, delta, causal: bool):
+def compile_only(do, q, k, v, causal: bool):
     """The compiled kernel for these inputs' layout, without launching it (kernels/sm90.py)."""
-    return _launch(do, q, k, v, lse, delta, torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
-                   causal, q.shape[3] ** -0.5, warmup=True)
+    B, H, T, _ = q.shape
+    lse = torch.empty((B, H, T), dtype=torch.float32)
+    return _launch(do, q, k, v, torch.empty_like(q), lse, torch.empty_like(q), torch.empty_like(k),
+                   torch.empty_like(v), causal, q.shape[3] ** -0.5, warmup=True)

@@ -7,12 +7,13 @@ CI compiles the Hopper kernels this way (tests/test_hopper.py), and it is how to
 SASS without spending GPU time:
 
     python -m kernels.sm90            # registers, spills, shared memory of each Hopper kernel
-    python -m kernels.sm90 --sass     # and their SASS, written under bench/sass/
+    python -m kernels.sm90 --sass     # and their SASS, beside the cubins under bench/sass/
 """
 
 import argparse
 import contextlib
 import pathlib
+import re
 import subprocess
 
 import torch
@@ -67,15 +68,16 @@ def compile_hopper(head_dim: int, dtype: torch.dtype, causal: bool):
     B, H, H_kv, T, S = 1, 2, 1, 256, 256
     q, do = (torch.empty(B, T, H, head_dim, dtype=dtype).transpose(1, 2) for _ in range(2))
     k, v = (torch.empty(B, S, H_kv, head_dim, dtype=dtype).transpose(1, 2) for _ in range(2))
-    lse = delta = torch.empty(B, H, T)
     with stand_in():
-        return hopper.compile_only(do, q, k, v, lse, delta, causal)
+        return hopper.compile_only(do, q, k, v, causal)
 
 
-def _sass(cubin: bytes, path: pathlib.Path) -> str:
-    nvdisasm = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
-    path.write_bytes(cubin)
-    return subprocess.run([str(nvdisasm), "-c", str(path)], check=True, capture_output=True, text=True).stdout
+def _tool(name: str) -> str:
+    return str(pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
+
+
+def _run(*cmd: str) -> str:
+    return subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
 
 
 def main() -> None:
@@ -84,20 +86,19 @@ def main() -> None:
     parser.add_argument("--out", default="bench/sass")
     args = parser.parse_args()
     out = pathlib.Path(args.out)
-    for dtype in (torch.bfloat16,):
-        for head_dim in (64, 128):
-            for causal in (True, False):
-                kernel = compile_hopper(head_dim, dtype, causal)
-                name = f"bwd_d{head_dim}_{'causal' if causal else 'full'}"
-                sass = ""
-                if args.sass:
-                    out.mkdir(parents=True, exist_ok=True)
-                    sass = _sass(kernel.asm["cubin"], out / f"{name}.cubin")
-                    (out / f"{name}.sass").write_text(sass)
-                print(f"{name}: {kernel.n_regs if hasattr(kernel, 'n_regs') else '?'} registers, "
-                      f"{kernel.metadata.shared} B shared, "
-                      f"{sum('HGMMA' in line for line in sass.splitlines()) if sass else '-'} HGMMA, "
-                      f"{sum('STL' in line for line in sass.splitlines()) if sass else '-'} STL")
+    out.mkdir(parents=True, exist_ok=True)
+    for head_dim in (64, 128):
+        for causal in (True, False):
+            kernel = compile_hopper(head_dim, torch.bfloat16, causal)
+            name = f"bwd_d{head_dim}_{'causal' if causal else 'full'}"
+            cubin = out / f"{name}.cubin"
+            cubin.write_bytes(kernel.asm["cubin"])
+            usage = re.search(r"REG:(\d+) STACK:(\d+)", _run(_tool("cuobjdump"), "-res-usage", str(cubin)))
+            sass = _run(_tool("nvdisasm"), "-c", str(cubin))
+            if args.sass:
+                (out / f"{name}.sass").write_text(sass)
+            print(f"{name}: {usage[1]} registers, {usage[2]} B stack (spills), {kernel.metadata.shared} B shared, "
+                  f"{sass.count('HGMMA')} HGMMA")
 
 
 if __name__ == "__main__":

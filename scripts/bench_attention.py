@@ -84,13 +84,13 @@ def _flex(T):
 # the training attentions of model/attention.py as the model calls them; SDPA once per backend,
 # pinned, so that a row names the kernel that ran (its math backend is naive's work again); and
 # FlexAttention, which training does not run
-# triton_portable is our kernel with the Hopper backward turned off (the same as triton off sm_90)
+# triton_gluon is our kernel with the Hopper backward in Gluon (sm_90 only; "n/a" elsewhere)
 IMPLS = {**{name: _as_trained(a) for name, a in ATTENTIONS.items() if name != "sdpa"},
-         "triton_portable": _as_trained(ATTENTIONS["triton"]),
+         "triton_gluon": _as_trained(ATTENTIONS["triton"]),
          **{f"sdpa_{name}": _sdpa(backend) for name, backend in SDPA_BACKENDS.items() if name != "math"},
          "flex": _flex}
 # environment variables a cell runs under, set for the whole cell: the backward reads them too
-CELL_ENV = {"triton_portable": {"FLASH_ATTENTION_BACKEND": "triton"}}
+CELL_ENV = {"triton_gluon": {"FLASH_ATTENTION_BACKEND": "gluon"}}
 
 
 @contextlib.contextmanager

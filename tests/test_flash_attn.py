@@ -44,8 +44,8 @@ from tests.helpers import REPO
 
 @pytest.fixture(autouse=True)
 def _portable_kernels(monkeypatch):
-    """These are the portable Triton kernels' tests, on every GPU; tests/test_hopper.py checks the
-    Hopper backward that replaces them on sm_90 by default."""
+    """These are the portable Triton kernels' tests, on every GPU, whatever the environment asks;
+    tests/test_hopper.py checks the Hopper backward (FLASH_ATTENTION_BACKEND=gluon)."""
     monkeypatch.setenv(fa.BACKEND_VARIABLE, "triton")
 
 
