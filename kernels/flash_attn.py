@@ -28,6 +28,7 @@ Differs from Triton's tutorial 06: GQA, any strides, a separate dQ kernel, K not
 CPU tensors run in Triton's interpreter (kernels/interpreter.py), whose bf16 tl.dot is wrong:
 there bf16 is computed in fp32 and rounded. kernels/flash_ref.py is the same algorithm in
 PyTorch; kernels/launch.py picks block sizes per shape (kernels/tuning.py lists them).
+FLASH_ATTENTION_BACKEND=gluon sends the backward on sm_90 to kernels/flash_attn_hopper.py.
 """
 
 import math
