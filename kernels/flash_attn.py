@@ -696,10 +696,7 @@ def _backward(do, q, k, v, o, lse, causal, scale, docs):
         grads = _backward(do.float(), q.float(), k.float(), v.float(), o.float(), lse, causal, scale, docs)
         return tuple(g.to(torch.bfloat16) for g in grads)
     (B, H, T, D), (H_kv, S) = q.shape, k.shape[1:3]
-    delta = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
     dq, dk, dv = _empty_bhtd(B, H, T, D, q), _empty_bhtd(B, H_kv, S, D, k), _empty_bhtd(B, H_kv, S, D, v)
-    bounds = docs or (delta, delta)  # delta stands in for absent documents: unread
-    pre, dkdv, dq_ = (o, do, delta), (q, k, v, do, lse, delta, dk, dv, *bounds), (q, k, v, do, lse, delta, dq, *bounds)
     # the outputs and delta are fresh from torch's allocator (512-byte aligned), shaped by q and k
     signature = (*_layout(q, k, v, do, o, lse), causal, scale, docs is None, os.environ.get("FLASH_ATTENTION_TMA"),
                  os.environ.get(BACKEND_VARIABLE))
@@ -710,6 +707,9 @@ def _backward(do, q, k, v, o, lse, causal, scale, docs):
         with on_device(q):
             _hopper().backward(do, q, k, v, o, lse, dq, dk, dv, causal, scale)
         return dq, dk, dv
+    delta = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
+    bounds = docs or (delta, delta)  # delta stands in for absent documents: unread
+    pre, dkdv, dq_ = (o, do, delta), (q, k, v, do, lse, delta, dk, dv, *bounds), (q, k, v, do, lse, delta, dq, *bounds)
     launches = [launcher.bound_for(signature) for launcher in (_PREPROCESS, _DKDV, _DQ)]
     if all(launches):
         for launch, tensors in zip(launches, (pre, dkdv, dq_), strict=True):
@@ -764,13 +764,18 @@ def _hopper():
     return flash_attn_hopper
 
 
-def _use_gluon(q, k, v, do, docs) -> bool:
-    """Whether the Gluon backward runs these inputs (FLASH_ATTENTION_BACKEND=gluon asks for it);
-    ValueError where it is asked for and cannot."""
+def _gluon_asked() -> bool:
+    """Whether FLASH_ATTENTION_BACKEND asks for the Gluon backward; ValueError for a value it cannot take."""
     choice = os.environ.get(BACKEND_VARIABLE, "")
     if choice not in ("", "triton", "gluon"):
         raise ValueError(f"{BACKEND_VARIABLE}={choice}: use triton or gluon (or leave it unset)")
-    if choice != "gluon":
+    return choice == "gluon"
+
+
+def _use_gluon(q, k, v, do, docs) -> bool:
+    """Whether the Gluon backward runs these inputs (FLASH_ATTENTION_BACKEND=gluon asks for it);
+    ValueError where it is asked for and cannot."""
+    if not _gluon_asked():
         return False
     why = gluon_missing(q.shape[3], q.dtype, q.device, docs is not None)
     if why is None and not _tma(q, k, v, do):
@@ -783,8 +788,8 @@ def _use_gluon(q, k, v, do, docs) -> bool:
 def backends(head_dim: int, dtype: torch.dtype, device: torch.device, documents: bool = False) -> dict[str, str]:
     """Which kernels run the forward and the backward of attention with this head dim, dtype,
     device and masking, for inputs laid out as the model lays them out (the run info logs it);
-    ValueError where FLASH_ATTENTION_BACKEND=gluon asks for what cannot run."""
-    gluon = os.environ.get(BACKEND_VARIABLE) == "gluon"
+    ValueError for a FLASH_ATTENTION_BACKEND value it cannot take, or gluon where it cannot run."""
+    gluon = _gluon_asked()
     if gluon and (why := gluon_missing(head_dim, dtype, device, documents)):
         raise ValueError(f"{BACKEND_VARIABLE}=gluon: the Hopper backward cannot run this model's attention: {why}")
     return {"forward": "triton", "backward": "gluon" if gluon else "triton"}

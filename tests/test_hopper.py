@@ -50,6 +50,8 @@ def test_backend_variable_is_checked(monkeypatch):
     monkeypatch.setenv(fa.BACKEND_VARIABLE, "cudnn")
     with pytest.raises(ValueError, match="FLASH_ATTENTION_BACKEND=cudnn: use triton or gluon"):
         flash_attention(q.requires_grad_(), k, v).sum().backward()
+    with pytest.raises(ValueError, match="FLASH_ATTENTION_BACKEND=cudnn: use triton or gluon"):
+        fa.backends(16, torch.float32, torch.device("cpu"))
     monkeypatch.setenv(fa.BACKEND_VARIABLE, "gluon")
     with pytest.raises(ValueError, match="FLASH_ATTENTION_BACKEND=gluon: .*CUDA GPUs only"):
         flash_attention(q, k, v).sum().backward()
