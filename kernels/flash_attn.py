@@ -28,7 +28,8 @@ Differs from Triton's tutorial 06: GQA, any strides, a separate dQ kernel, K not
 CPU tensors run in Triton's interpreter (kernels/interpreter.py), whose bf16 tl.dot is wrong:
 there bf16 is computed in fp32 and rounded. kernels/flash_ref.py is the same algorithm in
 PyTorch; kernels/launch.py picks block sizes per shape (kernels/tuning.py lists them).
-FLASH_ATTENTION_BACKEND=gluon sends the backward on sm_90 to kernels/flash_attn_hopper.py.
+On sm_90 the forward runs kernels/flash_attn_hopper.py's Gluon kernel where it covers the inputs
+(FLASH_ATTENTION_BACKEND below chooses).
 """
 
 import math
@@ -678,7 +679,12 @@ def _forward(q, k, v, causal, scale, docs):
     lse = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
     tensors = (q, k, v, o, lse, *(docs or (lse, lse)))  # lse stands in for absent documents: unread
     # o, lse (and the documents' bounds) are fresh from torch's allocator, 512-byte aligned: q, k, v decide
-    signature = (*_layout(q, k, v), causal, scale, docs is None, os.environ.get("FLASH_ATTENTION_TMA"))
+    signature = (*_layout(q, k, v), causal, scale, docs is None, os.environ.get("FLASH_ATTENTION_TMA"),
+                 os.environ.get(BACKEND_VARIABLE))
+    if _gluon_runs("forward", signature, (q, k, v), docs):
+        with on_device(q):
+            _hopper().forward(q, k, v, o, lse, causal, scale)
+        return o, lse
     if bound := _FWD.bound_for(signature):
         bound(*tensors)
         return o, lse
@@ -700,10 +706,7 @@ def _backward(do, q, k, v, o, lse, causal, scale, docs):
     # the outputs and delta are fresh from torch's allocator (512-byte aligned), shaped by q and k
     signature = (*_layout(q, k, v, do, o, lse), causal, scale, docs is None, os.environ.get("FLASH_ATTENTION_TMA"),
                  os.environ.get(BACKEND_VARIABLE))
-    gluon = _GLUON_BACKWARD.get(signature)
-    if gluon is None:
-        gluon = _GLUON_BACKWARD[signature] = _use_gluon(q, k, v, do, docs)
-    if gluon:
+    if _gluon_runs("backward", signature, (q, k, v, do), docs):
         with on_device(q):
             _hopper().backward(do, q, k, v, o, lse, dq, dk, dv, causal, scale)
         return dq, dk, dv
@@ -729,29 +732,31 @@ def _backward(do, q, k, v, o, lse, causal, scale, docs):
 
 
 # --------------------------------------------------------------------------------------------
-# which backward runs: the Hopper kernel in Gluon where it covers the inputs, else the kernels above
+# which kernels run: on sm_90, the Hopper kernels in Gluon (kernels/flash_attn_hopper.py) where they
+# cover the inputs and are the faster; the kernels above everywhere else
 
-# triton | gluon; unset: triton. The Hopper backward is opt-in while it is slower than the Triton
-# kernels (docs/perf-notes.md, v10): FLASH_ATTENTION_BACKEND=gluon runs it, or raises saying why not
+# unset: per direction, the faster kernel measured on the H100 (docs/perf-notes.md v11): the Gluon
+# forward where it covers the inputs, the Triton backward (the Gluon backward is slower so far).
+# triton: the kernels above only. gluon: the Hopper kernels both ways, or a ValueError saying why not
 BACKEND_VARIABLE = "FLASH_ATTENTION_BACKEND"
-GLUON_TRITON = "3.6."  # the triton release whose Gluon the Hopper kernel is written in
-_GLUON_BACKWARD: dict[tuple, bool] = {}  # input signature -> whether the Gluon backward runs it
+GLUON_TRITON = "3.6."  # the triton release whose Gluon the Hopper kernels are written in
+_GLUON: dict[tuple, bool] = {}  # (direction, input signature) -> whether the Gluon kernel runs it
 
 
 def gluon_missing(head_dim: int, dtype: torch.dtype, device: torch.device, documents: bool = False) -> str | None:
-    """Why the Hopper backward (kernels/flash_attn_hopper.py) cannot run this head dim, dtype,
-    device and masking (None: it can, for inputs whose strides suit TMA)."""
+    """Why the Hopper kernels (kernels/flash_attn_hopper.py) cannot run this head dim, dtype,
+    device and masking (None: they can, for inputs whose strides suit TMA)."""
     if device.type != "cuda" or isinstance(_fwd_kernel, InterpretedFunction):
-        return "it runs on CUDA GPUs only (Gluon has no interpreter)"
+        return "they run on CUDA GPUs only (Gluon has no interpreter)"
     chip = tuning.chip(torch.cuda.current_device() if device.index is None else device.index)
     if chip.capability != (9, 0):
-        return f"it is built for sm_90 (H100, H200); {chip.name} is sm_{chip.capability[0]}{chip.capability[1]}"
+        return f"they are built for sm_90 (H100, H200); {chip.name} is sm_{chip.capability[0]}{chip.capability[1]}"
     if not triton.__version__.startswith(GLUON_TRITON):
-        return f"it is written in triton {GLUON_TRITON}'s Gluon; this is triton {triton.__version__}"
+        return f"they are written in triton {GLUON_TRITON}'s Gluon; this is triton {triton.__version__}"
     if dtype not in (torch.float16, torch.bfloat16):
-        return f"it takes float16 and bfloat16, not {dtype}"
+        return f"they take float16 and bfloat16, not {dtype}"
     if head_dim not in (64, 128):
-        return f"it takes head_dim 64 and 128, not {head_dim}"
+        return f"they take head_dim 64 and 128, not {head_dim}"
     if documents:
         return "packed documents run on the Triton kernels"
     return None
@@ -764,35 +769,47 @@ def _hopper():
     return flash_attn_hopper
 
 
-def _gluon_asked() -> bool:
-    """Whether FLASH_ATTENTION_BACKEND asks for the Gluon backward; ValueError for a value it cannot take."""
+def _backend() -> str:
+    """FLASH_ATTENTION_BACKEND: "" (unset), "triton" or "gluon"; ValueError for a value it cannot take."""
     choice = os.environ.get(BACKEND_VARIABLE, "")
     if choice not in ("", "triton", "gluon"):
         raise ValueError(f"{BACKEND_VARIABLE}={choice}: use triton or gluon (or leave it unset)")
-    return choice == "gluon"
+    return choice
 
 
-def _use_gluon(q, k, v, do, docs) -> bool:
-    """Whether the Gluon backward runs these inputs (FLASH_ATTENTION_BACKEND=gluon asks for it);
-    ValueError where it is asked for and cannot."""
-    if not _gluon_asked():
-        return False
-    why = gluon_missing(q.shape[3], q.dtype, q.device, docs is not None)
-    if why is None and not _tma(q, k, v, do):
-        why = "q, k, v and dO need a contiguous head dim and 16-byte aligned strides (TMA)"
-    if why is not None:
-        raise ValueError(f"{BACKEND_VARIABLE}=gluon: the Hopper backward cannot run these inputs: {why}")
-    return True
+def _gluon_wanted(direction: str) -> bool:
+    """Whether the backend choice sends this direction to Gluon where it can run (unset: the forward)."""
+    choice = _backend()
+    return choice == "gluon" or (choice == "" and direction == "forward")
+
+
+def _gluon_runs(direction: str, signature: tuple, streamed: tuple, docs) -> bool:
+    """Whether the Gluon kernel runs this direction of these inputs (decided once per signature);
+    ValueError where FLASH_ATTENTION_BACKEND=gluon asks for it and it cannot."""
+    runs = _GLUON.get((direction, signature))
+    if runs is None:
+        runs = False
+        if _gluon_wanted(direction):
+            q = streamed[0]
+            why = gluon_missing(q.shape[3], q.dtype, q.device, docs is not None)
+            if why is None and not _tma(*streamed):
+                why = "the inputs need a contiguous head dim and 16-byte aligned strides (TMA)"
+            if why is not None and _backend() == "gluon":
+                raise ValueError(f"{BACKEND_VARIABLE}=gluon: the Hopper {direction} cannot run these inputs: {why}")
+            runs = why is None
+        _GLUON[direction, signature] = runs
+    return runs
 
 
 def backends(head_dim: int, dtype: torch.dtype, device: torch.device, documents: bool = False) -> dict[str, str]:
     """Which kernels run the forward and the backward of attention with this head dim, dtype,
     device and masking, for inputs laid out as the model lays them out (the run info logs it);
     ValueError for a FLASH_ATTENTION_BACKEND value it cannot take, or gluon where it cannot run."""
-    gluon = _gluon_asked()
-    if gluon and (why := gluon_missing(head_dim, dtype, device, documents)):
-        raise ValueError(f"{BACKEND_VARIABLE}=gluon: the Hopper backward cannot run this model's attention: {why}")
-    return {"forward": "triton", "backward": "gluon" if gluon else "triton"}
+    why = gluon_missing(head_dim, dtype, device, documents)
+    if why and _backend() == "gluon":
+        raise ValueError(f"{BACKEND_VARIABLE}=gluon: the Hopper kernels cannot run this model's attention: {why}")
+    return {direction: "gluon" if why is None and _gluon_wanted(direction) else "triton"
+            for direction in ("forward", "backward")}
 
 
 def flash_attn_forward(q, k, v, causal=True, softmax_scale=None, doc_ids=None):

@@ -168,14 +168,23 @@ class Bound(NamedTuple):
         (no per-pointer driver query); the caller's signature fixes their 16-byte alignment."""
         if self.tma:
             _ensure_allocator()
-        with on_device_index(self.device):
-            if _hooked():  # a profiler listens to launches: Triton's front door, with its metadata
+        if _hooked():  # a profiler listens to launches: Triton's front door, with its metadata
+            with on_device_index(self.device):
                 self.compiled[self.grid](*tensors, *self.tail)
-                return
-            c = self.compiled
-            # Triton's C launcher: grid, stream, function, metadata, launch metadata and hooks (none), args
-            c.run(*self.grid, _stream_of()(self.device), c.function, c.packed_metadata, None, None, None,
-                  *[t.data_ptr() for t in tensors], *self.tail)
+            return
+        launch_compiled(self.compiled, self.grid, self.device, (*[t.data_ptr() for t in tensors], *self.tail))
+
+
+def launch_compiled(compiled, grid: tuple[int, int, int], device: int, args: tuple) -> None:
+    """Launches a compiled kernel through Triton's C launcher on the device's current stream, every
+    argument given in order (tensors as addresses or tensors, constexprs included), without the
+    front door's binding and specialization: the caller has compiled it for these arguments."""
+    with on_device_index(device):
+        if _hooked():
+            compiled[grid](*args)
+            return
+        # grid, stream, function, metadata, launch metadata and hooks (none), args
+        compiled.run(*grid, _stream_of()(device), compiled.function, compiled.packed_metadata, None, None, None, *args)
 
 
 def _hooked() -> bool:

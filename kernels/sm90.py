@@ -12,6 +12,7 @@ SASS without spending GPU time:
 
 import argparse
 import contextlib
+import itertools
 import pathlib
 import re
 import subprocess
@@ -60,15 +61,17 @@ def stand_in():
         driver._active = previous
 
 
-def compile_hopper(head_dim: int, dtype: torch.dtype, causal: bool):
-    """The compiled backward kernel for one configuration (compiled in a fresh Triton cache key
-    only when its source or options changed)."""
+def compile_hopper(direction: str, head_dim: int, dtype: torch.dtype, causal: bool):
+    """The compiled forward or backward kernel for one configuration (compiled in a fresh Triton
+    cache key only when its source or options changed)."""
     from kernels import flash_attn_hopper as hopper
 
-    B, H, H_kv, T, S = 1, 2, 1, 256, 256
+    B, H, H_kv, T, S = 1, 2, 1, 4096, 4096  # T picks the forward's blocks: those of long sequences
     q, do = (torch.empty(B, T, H, head_dim, dtype=dtype).transpose(1, 2) for _ in range(2))
     k, v = (torch.empty(B, S, H_kv, head_dim, dtype=dtype).transpose(1, 2) for _ in range(2))
     with stand_in():
+        if direction == "fwd":
+            return hopper.compile_only_forward(q, k, v, causal)
         return hopper.compile_only(do, q, k, v, causal)
 
 
@@ -87,18 +90,17 @@ def main() -> None:
     args = parser.parse_args()
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    for head_dim in (64, 128):
-        for causal in (True, False):
-            kernel = compile_hopper(head_dim, torch.bfloat16, causal)
-            name = f"bwd_d{head_dim}_{'causal' if causal else 'full'}"
-            cubin = out / f"{name}.cubin"
-            cubin.write_bytes(kernel.asm["cubin"])
-            usage = re.search(r"REG:(\d+) STACK:(\d+)", _run(_tool("cuobjdump"), "-res-usage", str(cubin)))
-            sass = _run(_tool("nvdisasm"), "-c", str(cubin))
-            if args.sass:
-                (out / f"{name}.sass").write_text(sass)
-            print(f"{name}: {usage[1]} registers, {usage[2]} B stack (spills), {kernel.metadata.shared} B shared, "
-                  f"{sass.count('HGMMA')} HGMMA")
+    for direction, head_dim, causal in itertools.product(("fwd", "bwd"), (64, 128), (True, False)):
+        kernel = compile_hopper(direction, head_dim, torch.bfloat16, causal)
+        name = f"{direction}_d{head_dim}_{'causal' if causal else 'full'}"
+        cubin = out / f"{name}.cubin"
+        cubin.write_bytes(kernel.asm["cubin"])
+        usage = re.search(r"REG:(\d+) STACK:(\d+)", _run(_tool("cuobjdump"), "-res-usage", str(cubin)))
+        sass = _run(_tool("nvdisasm"), "-c", str(cubin))
+        if args.sass:
+            (out / f"{name}.sass").write_text(sass)
+        print(f"{name}: {usage[1]} registers, {usage[2]} B stack (spills), {kernel.metadata.shared} B shared, "
+              f"{sass.count('HGMMA')} HGMMA")
 
 
 if __name__ == "__main__":

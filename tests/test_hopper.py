@@ -1,4 +1,4 @@
-"""The Hopper backward (kernels/flash_attn_hopper.py): compiled for sm_90 on every machine, checked
+"""The Hopper kernels (kernels/flash_attn_hopper.py): compiled for sm_90 on every machine, checked
 against float64 where an sm_90 GPU is present (Gluon has no interpreter)."""
 
 import os
@@ -24,8 +24,18 @@ sm90 = pytest.mark.skipif(not SM90, reason="the Hopper kernel runs on sm_90 GPUs
 
 @pytest.fixture
 def gluon(monkeypatch):
-    """FLASH_ATTENTION_BACKEND=gluon: the Hopper backward runs, or the call raises."""
+    """FLASH_ATTENTION_BACKEND=gluon: the Hopper kernels run both ways, or the call raises."""
     monkeypatch.setenv(fa.BACKEND_VARIABLE, "gluon")
+
+
+# unset: the Gluon forward with the Triton backward; gluon: both directions in Gluon
+BACKENDS = [pytest.param("", id="auto"), pytest.param("gluon", id="gluon")]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request, monkeypatch):
+    monkeypatch.setenv(fa.BACKEND_VARIABLE, request.param)
+    return request.param
 
 
 @pytest.mark.skipif(not GLUON and not (GLUON_TRITON_DIR / "triton").is_dir(),
@@ -40,7 +50,7 @@ def test_compiles_for_sm90_without_a_gpu(tmp_path):
                          capture_output=True, text=True, timeout=1800)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
-    assert len(lines) == 4, out.stdout  # D 64 and 128, causal and not
+    assert len(lines) == 8, out.stdout  # forward and backward, D 64 and 128, causal and not
     for line in lines:
         assert int(re.search(r"(\d+) HGMMA", line)[1]) > 0, line  # the matmuls run on Hopper's wgmma
 
@@ -59,13 +69,19 @@ def test_backend_variable_is_checked(monkeypatch):
 
 def test_backends_say_which_kernels_run(monkeypatch):
     cpu = torch.device("cpu")
+    monkeypatch.delenv(fa.BACKEND_VARIABLE, raising=False)
     assert fa.backends(64, BF16, cpu) == {"forward": "triton", "backward": "triton"}
     assert "CUDA GPUs only" in fa.gluon_missing(64, BF16, cpu)
     if SM90 and GLUON:
         gpu = torch.device("cuda")
-        assert fa.backends(128, BF16, gpu)["backward"] == "triton"  # opt-in while it is slower
+        # unset: the Gluon forward where it covers the inputs; the Triton backward, faster so far
+        assert fa.backends(128, BF16, gpu) == {"forward": "gluon", "backward": "triton"}
+        assert fa.backends(80, BF16, gpu) == {"forward": "triton", "backward": "triton"}
+        assert fa.backends(64, F16, gpu, documents=True) == {"forward": "triton", "backward": "triton"}
+        monkeypatch.setenv(fa.BACKEND_VARIABLE, "triton")
+        assert fa.backends(128, BF16, gpu) == {"forward": "triton", "backward": "triton"}
         monkeypatch.setenv(fa.BACKEND_VARIABLE, "gluon")
-        assert fa.backends(128, BF16, gpu) == {"forward": "triton", "backward": "gluon"}
+        assert fa.backends(128, BF16, gpu) == {"forward": "gluon", "backward": "gluon"}
         with pytest.raises(ValueError, match="head_dim 64 and 128, not 80"):
             fa.backends(80, BF16, gpu)
         with pytest.raises(ValueError, match="packed documents run on the Triton kernels"):
@@ -90,9 +106,28 @@ GPU_CASES = [
 @pytest.mark.gpu
 @sm90
 @pytest.mark.parametrize("case", [pytest.param(c, id=_case_id(*c)) for c in GPU_CASES])
-def test_gluon_matches_float64_reference(case, gluon):
+def test_gluon_matches_float64_reference(case, backend):
     dtype, B, H, H_kv, T, S, D, causal, layout = case
-    _check_against_float64("gluon-" + _case_id(*case), B, H, H_kv, T, S, D, causal, dtype, layout, device="cuda")
+    _check_against_float64(f"gluon{backend}-" + _case_id(*case), B, H, H_kv, T, S, D, causal, dtype, layout,
+                           device="cuda")
+
+
+@pytest.mark.gpu
+@sm90
+@pytest.mark.parametrize("D", [64, 128])
+def test_gluon_forward_never_reads_keys_past_its_rows(D, monkeypatch):
+    monkeypatch.delenv(fa.BACKEND_VARIABLE, raising=False)
+    # causal: the program of the first 192 rows (at most: 3 warpgroups of 64) loads no key block
+    # past key 255; NaN there must not reach its rows, whose output stays bit for bit the same
+    q, k, v, _ = _make_inputs(f"gluon-skip-{D}", 1, 4, 2, 4096, 4096, D, BF16, "bthd", "cuda")
+    clean = fa.flash_attn_forward(q, k, v)
+    k2, v2 = k.detach().clone(), v.detach().clone()
+    k2[:, :, 256:] = float("nan")
+    v2[:, :, 256:] = float("nan")
+    poisoned = fa.flash_attn_forward(q, k2, v2)
+    assert fa.backends(D, BF16, q.device)["forward"] == "gluon"
+    for a, b in zip(clean, poisoned, strict=True):
+        assert torch.equal(a[:, :, :192], b[:, :, :192])
 
 
 @pytest.mark.gpu
@@ -112,14 +147,14 @@ def test_gluon_backward_is_bit_identical_over_100_runs(causal, gluon):
 @sm90
 def test_gluon_refuses_what_it_cannot_run(gluon):
     q, k, v, do = _make_inputs("gluon-d80", 1, 2, 2, 256, 256, 80, BF16, "bthd", "cuda")
-    with pytest.raises(ValueError, match="FLASH_ATTENTION_BACKEND=gluon: .*head_dim 64 and 128, not 80"):
+    with pytest.raises(ValueError, match="FLASH_ATTENTION_BACKEND=gluon: the Hopper forward .*head_dim 64 and 128, not 80"):
         torch.autograd.grad(flash_attention(q, k, v), (q, k, v), do)
 
 
 @pytest.mark.gpu
 @sm90
-def test_gluon_under_inductor_fullgraph(gluon):
-    q, k, v, do = _make_inputs("gluon-compile", 2, 4, 2, 1024, 1024, 128, BF16, "packed", "cuda")
+def test_gluon_under_inductor_fullgraph(backend):
+    q, k, v, do = _make_inputs(f"gluon{backend}-compile", 2, 4, 2, 1024, 1024, 128, BF16, "packed", "cuda")
 
     def attend(q, k, v):
         return flash_attention(q, k, v, causal=True)
