@@ -348,7 +348,7 @@ def compile_only(do, q, k, v, causal: bool):
 
 
 # --------------------------------------------------------------------------------------------
-# forward: warp-specialized. A program owns NUM_CONSUMERS * 64 query rows of one head. One warp
+# forward: warp-specialized. A program owns CONSUMERS * 64 query rows of one head. One warp
 # (the producer) streams the K/V blocks by TMA into a STAGES-deep ring; each consumer warpgroup
 # owns 64 of the rows and runs the online softmax over every block:
 #
@@ -558,6 +558,11 @@ def _fwd_meta(causal: bool, blocks: tuple[int, int, int]) -> dict:
                 maxnreg=maxnreg)
 
 
+def _fwd_grid(q, blocks: tuple[int, int, int]) -> tuple[int, int, int]:
+    B, H, T, _ = q.shape
+    return triton.cdiv(T, blocks[0] * FWD_ROWS), H, B
+
+
 def _fwd_args(q, k, v, o, lse, scale: float, block_n: int) -> tuple:
     (_, H, T, D), (H_kv, S) = q.shape, k.shape[1:3]
     return (_descriptor(q, [1, 1, FWD_ROWS, D]), _descriptor(k, [1, 1, block_n, D]), _descriptor(v, [1, 1, block_n, D]),
@@ -573,8 +578,7 @@ _FWD_BOUND: dict[tuple, tuple] = {}
 def forward(q, k, v, o, lse, causal: bool, scale: float, blocks: tuple[int, int, int] | None = None) -> None:
     """Writes o (shaped like q, head dim contiguous) and lse ((B, H, T) fp32, contiguous, natural
     log). blocks overrides fwd_blocks (benchmarks)."""
-    B, H, T, D = q.shape
-    blocks = blocks or fwd_blocks(D, T)
+    blocks = blocks or fwd_blocks(q.shape[3], q.shape[2])
     layout = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), o.stride(), q.dtype, q.device.index, causal,
               scale, blocks)
     args = _fwd_args(q, k, v, o, lse, scale, blocks[1])
@@ -582,7 +586,7 @@ def forward(q, k, v, o, lse, causal: bool, scale: float, blocks: tuple[int, int,
         compiled, grid, tail = bound
         launch_compiled(compiled, grid, q.device.index, (*args[:5], *tail))
         return
-    grid = (triton.cdiv(T, blocks[0] * FWD_ROWS), H, B)
+    grid = _fwd_grid(q, blocks)
     meta = _fwd_meta(causal, blocks)
     compiled = _fwd_kernel[grid](*args, **meta)
     _FWD_BOUND[layout] = compiled, grid, (*args[5:], *(meta[name] for name in _fwd_kernel.arg_names[len(args):]))
@@ -593,5 +597,4 @@ def compile_only_forward(q, k, v, causal: bool, blocks: tuple[int, int, int] | N
     (B, H, T, D) = q.shape
     blocks = blocks or fwd_blocks(D, T)
     args = _fwd_args(q, k, v, torch.empty_like(q), torch.empty((B, H, T), dtype=torch.float32), D ** -0.5, blocks[1])
-    return _fwd_kernel.warmup(*args, grid=(triton.cdiv(T, blocks[0] * FWD_ROWS), H, B),
-                              **_fwd_meta(causal, blocks))
+    return _fwd_kernel.warmup(*args, grid=_fwd_grid(q, blocks), **_fwd_meta(causal, blocks))
