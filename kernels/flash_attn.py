@@ -735,12 +735,16 @@ def _backward(do, q, k, v, o, lse, causal, scale, docs):
 # which kernels run: on sm_90, the Hopper kernels in Gluon (kernels/flash_attn_hopper.py) where they
 # cover the inputs and are the faster; the kernels above everywhere else
 
-# unset: per direction, the faster kernel measured on the H100 (docs/perf-notes.md v11): the Gluon
-# forward where it covers the inputs, the Triton backward (the Gluon backward is slower so far).
-# triton: the kernels above only. gluon: the Hopper kernels both ways, or a ValueError saying why not
+# unset: per direction, head dim and length, the faster kernel measured on the H100 (docs/perf-notes.md
+# v11-v12): from GLUON_MIN_SEQ queries on, the Gluon forward where it covers the inputs and the
+# Gluon backward at head dim 128 (the Triton backward at 64); below it, where host time per call
+# decides, the kernels above. triton: the kernels above only. gluon: the Hopper kernels both
+# ways, or a ValueError saying why not
 BACKEND_VARIABLE = "FLASH_ATTENTION_BACKEND"
 GLUON_TRITON = "3.6."  # the triton release whose Gluon the Hopper kernels are written in
 _GLUON: dict[tuple, bool] = {}  # (direction, input signature) -> whether the Gluon kernel runs it
+GLUON_BACKWARD_HEAD_DIMS = (128,)  # where the Gluon backward is the faster one (unset)
+GLUON_MIN_SEQ = 2048  # the query length from which the Gluon kernels are the faster ones (unset)
 
 
 def gluon_missing(head_dim: int, dtype: torch.dtype, device: torch.device, documents: bool = False) -> str | None:
@@ -777,10 +781,13 @@ def _backend() -> str:
     return choice
 
 
-def _gluon_wanted(direction: str) -> bool:
-    """Whether the backend choice sends this direction to Gluon where it can run (unset: the forward)."""
+def _gluon_wanted(direction: str, head_dim: int, seq_len: int) -> bool:
+    """Whether the backend choice sends this direction to Gluon where it can run (unset: from
+    GLUON_MIN_SEQ queries on, the forward, and the backward at the head dims where it is the faster)."""
     choice = _backend()
-    return choice == "gluon" or (choice == "" and direction == "forward")
+    if choice == "" and seq_len >= GLUON_MIN_SEQ:
+        return direction == "forward" or head_dim in GLUON_BACKWARD_HEAD_DIMS
+    return choice == "gluon"
 
 
 def _gluon_runs(direction: str, signature: tuple, streamed: tuple, docs) -> bool:
@@ -789,8 +796,8 @@ def _gluon_runs(direction: str, signature: tuple, streamed: tuple, docs) -> bool
     runs = _GLUON.get((direction, signature))
     if runs is None:
         runs = False
-        if _gluon_wanted(direction):
-            q = streamed[0]
+        q = streamed[0]
+        if _gluon_wanted(direction, q.shape[3], q.shape[2]):
             why = gluon_missing(q.shape[3], q.dtype, q.device, docs is not None)
             if why is None and not _tma(*streamed):
                 why = "the inputs need a contiguous head dim and 16-byte aligned strides (TMA)"
@@ -801,14 +808,15 @@ def _gluon_runs(direction: str, signature: tuple, streamed: tuple, docs) -> bool
     return runs
 
 
-def backends(head_dim: int, dtype: torch.dtype, device: torch.device, documents: bool = False) -> dict[str, str]:
+def backends(head_dim: int, dtype: torch.dtype, device: torch.device, seq_len: int,
+             documents: bool = False) -> dict[str, str]:
     """Which kernels run the forward and the backward of attention with this head dim, dtype,
-    device and masking, for inputs laid out as the model lays them out (the run info logs it);
-    ValueError for a FLASH_ATTENTION_BACKEND value it cannot take, or gluon where it cannot run."""
+    device, query length and masking, for inputs laid out as the model lays them out (the run info
+    logs it); ValueError for a FLASH_ATTENTION_BACKEND value it cannot take, or gluon where it cannot run."""
     why = gluon_missing(head_dim, dtype, device, documents)
     if why and _backend() == "gluon":
         raise ValueError(f"{BACKEND_VARIABLE}=gluon: the Hopper kernels cannot run this model's attention: {why}")
-    return {direction: "gluon" if why is None and _gluon_wanted(direction) else "triton"
+    return {direction: "gluon" if why is None and _gluon_wanted(direction, head_dim, seq_len) else "triton"
             for direction in ("forward", "backward")}
 
 

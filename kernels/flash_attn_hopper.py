@@ -1,5 +1,5 @@
 """FlashAttention for Hopper (sm_90) in Gluon: a warp-specialized forward (see the forward's
-section below) and a backward of one kernel with 5 matmuls per tile pair.
+section below) and a warp-specialized backward of one kernel with 5 matmuls per tile pair.
 
 The portable backward (kernels/flash_attn.py) runs two kernels, one owning K/V blocks and one
 owning Q blocks, so that every output element has a single writer; both recompute QK^T and dO V^T
@@ -15,27 +15,35 @@ streams every Q/dO block that sees it, of every query head of its group:
     dQ_j = dS K              (BLOCK_M, D)         dS^T goes through shared memory, read transposed
 
 dK and dV stay in registers until the end. dQ_j is one K/V block's share of a Q block's dQ, so
-programs must add their shares up. Unordered float atomics would make dQ differ run to run; here
-the adds to each Q block happen in a fixed order, longest key index first: a counter per
-(batch, head, Q block) says how many shares have landed, and program n adds only when it reaches
-(number of programs after n that see that block). The program of key block 0 adds last; instead
-of adding, it reads the sum, scales it and writes dQ in the inputs' dtype. Programs are launched
-in the same order, so a program waits only for programs that started before it (no deadlock on
-a full GPU), and under a causal mask the shortest programs (the last key blocks) lead, which is
-the order in which each Q block's shares become ready: a program rarely waits at all.
+programs must add their shares up, into an fp32 accumulator that a final pass scales and casts.
+Unordered float atomics would make dQ differ run to run; here the adds to each Q block happen in
+a fixed order, longest key index first: a counter per (batch, head, Q block) says how many shares
+have landed, and program n adds only when it reaches (number of programs after n that see that
+block). Programs are launched in the same order, so a program waits only for programs that
+started before it (no deadlock on a full GPU), and under a causal mask the shortest programs (the
+last key blocks) lead, which is the order in which each Q block's shares become ready.
 
-Q and dO tiles arrive by TMA into a two-deep ring of shared-memory buffers, each guarded by an
-mbarrier; the next tile's copy is issued before this tile's matmuls. Host-side TMA descriptors
-over the (B, H, T, D) tensors (any strides with a contiguous head dim, 16-byte aligned) bound
-each head's rows: rows past T and keys past S arrive as zeros.
+The work is split FlashAttention-3's way (warp specialization): a producer warp issues the TMA
+copies, the two matmul warpgroups do the five products, and a dQ-writer warp waits for each
+share's turn and adds it with one TMA reduce-add, so that neither the copies nor the ordered adds
+stall the matmul warps. The two 1-warp workers share a warpgroup at 24 registers each, leaving 240
+per matmul thread.
+
+Q, dO, LSE and delta tiles arrive by TMA into a STAGES-deep ring of shared-memory buffers, each
+guarded by a ready and an empty mbarrier; each share of dQ goes to the writer through one of two
+shared-memory buffers, guarded the same way. Host-side TMA descriptors over the (B, H, T, D)
+tensors (any strides with a contiguous head dim, 16-byte aligned) bound each head's rows: rows
+past T and keys past S arrive as zeros.
 
 Triton 3.6's Gluon (triton.experimental.gluon) is the language; Gluon has no interpreter, so this
-file runs only on an sm_90 GPU. kernels/flash_attn.py decides which of its kernels run. tests/test_hopper.py compiles it for sm_90 on any machine
-(kernels/sm90.py stands in for the GPU) and checks it numerically where one is present.
+file runs only on an sm_90 GPU. kernels/flash_attn.py decides which of its kernels run.
+tests/test_hopper.py compiles it for sm_90 on any machine (kernels/sm90.py stands in for the GPU)
+and checks it numerically where one is present.
 """
 
 import functools
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -53,9 +61,10 @@ from kernels.launch import launch_compiled
 _LOG2E = gl.constexpr(math.log2(math.e))
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.float16, torch.bfloat16)
-# head dim -> (BLOCK_M, BLOCK_N): query rows per step, keys per program; 8 warps, 2-deep ring
-BLOCKS = {64: (128, 128), 128: (64, 128)}  # measured best of those that fit (perf-notes v10)
-NUM_WARPS, STAGES = 8, 2
+# head dim -> (BLOCK_M, BLOCK_N, STAGES): query rows per step, keys per program, depth of the
+# Q/dO ring; the matmul warps are 8 (two warpgroups)
+BLOCKS = {64: (64, 128, 3), 128: (64, 128, 2)}
+NUM_WARPS = 8
 
 
 @gluon.constexpr_function
@@ -92,9 +101,10 @@ def _tma_add(tensor_desc, coord, src, _semantic=None):
 
 
 @gluon.jit
-def _issue_tile(q_desc, do_desc, aux_desc, bar, q_buf, do_buf, lse_buf, delta_buf, off_b, off_h, start_m,
-                BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr):
+def _issue_tile(q_desc, do_desc, aux_desc, bar, q_buf, do_buf, lse_buf, delta_buf, off_b, off_h, start_m):
     """One step's Q, dO, LSE and delta rows, by TMA, completing on `bar`."""
+    BLOCK_M: gl.constexpr = q_buf.type.shape[0]
+    HEAD_DIM: gl.constexpr = q_buf.type.shape[1]
     mbarrier.expect(bar, 2 * q_desc.block_type.nbytes + 2 * aux_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [off_b, off_h, start_m, 0], bar, q_buf.reshape([1, 1, BLOCK_M, HEAD_DIM]))
     tma.async_copy_global_to_shared(do_desc, [off_b, off_h, start_m, 0], bar, do_buf.reshape([1, 1, BLOCK_M,
@@ -104,75 +114,97 @@ def _issue_tile(q_desc, do_desc, aux_desc, bar, q_buf, do_buf, lse_buf, delta_bu
 
 
 @gluon.jit
-def _bwd_kernel(
-    q_desc, k_desc, v_desc, do_desc,  # TMA descriptors of (B, H, T, D), (B, H_kv, S, D) x2, (B, H, T, D)
-    aux_desc,  # of (B, H, 2, T_pad) fp32: LSE * log2(e) and delta = rowsum(dO * O), zero past T
-    dqacc_desc,  # of (B, H, T, D) fp32, zeroed: the dQ shares added so far
-    DQ_ACC,  # its pointer, for the last share's read
-    SEM,  # (B, H, cdiv(T, BLOCK_M)) int32, zeroed: how many threads have released a share per Q block
-    DQ, DK, DV,  # outputs, (B, H|H_kv, T|S, D) with these strides (head dim contiguous)
-    stride_dqb, stride_dqh, stride_dqt,
-    stride_dkb, stride_dkh, stride_dkn,
-    stride_dvb, stride_dvh, stride_dvn,
-    H, GROUP, T, S,
-    sm_scale, qk_scale,  # softmax_scale, and softmax_scale * log2(e)
-    HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    STAGES: gl.constexpr, num_warps: gl.constexpr,
-):
-    dtype: gl.constexpr = q_desc.dtype
-    n_blocks = gl.num_programs(0)
-    n = n_blocks - 1 - gl.program_id(0)  # last key blocks first (see the module docstring)
-    off_hkv = gl.program_id(1)
-    off_b = gl.program_id(2)
+def _bwd_step_rows(j, steps, m_lo, off_hkv, GROUP, BLOCK_M: gl.constexpr):
+    """Step j's query head and first row: the group's heads in turn, each over Q blocks m_lo.."""
+    g = j // steps
+    return off_hkv * GROUP + g, (m_lo + j - g * steps) * BLOCK_M
+
+
+@gluon.jit
+def _bwd_produce(descs, smem, bars, coords, CAUSAL: gl.constexpr):
+    """The producer warp: this program's K and V block once, then every step's Q, dO, LSE and
+    delta through the STAGES-deep ring."""
+    q_desc, k_desc, v_desc, do_desc, aux_desc, dqacc_desc = descs
+    k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem = smem
+    kv_bar, ready, empty, dq_full, dq_empty = bars
+    off_b, off_hkv, n, n_blocks, m_lo, steps, H, GROUP, T, S = coords
+    STAGES: gl.constexpr = q_smem.type.shape[0]
+    BLOCK_M: gl.constexpr = q_smem.type.shape[1]
+    BLOCK_N: gl.constexpr = k_smem.type.shape[0]
+    HEAD_DIM: gl.constexpr = k_smem.type.shape[1]
+    mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [off_b, off_hkv, n * BLOCK_N, 0], kv_bar,
+                                    k_smem.reshape([1, 1, BLOCK_N, HEAD_DIM]))
+    tma.async_copy_global_to_shared(v_desc, [off_b, off_hkv, n * BLOCK_N, 0], kv_bar,
+                                    v_smem.reshape([1, 1, BLOCK_N, HEAD_DIM]))
+    for j in range(steps * GROUP):
+        stage = j % STAGES
+        mbarrier.wait(empty.index(stage), ((j // STAGES) & 1) ^ 1)  # a fresh barrier passes phase 1
+        off_h, start_m = _bwd_step_rows(j, steps, m_lo, off_hkv, GROUP, BLOCK_M)
+        _issue_tile(q_desc, do_desc, aux_desc, ready.index(stage), q_smem.index(stage), do_smem.index(stage),
+                    lse_smem.index(stage), delta_smem.index(stage), off_b, off_h, start_m)
+
+
+@gluon.jit
+def _bwd_write_dq(descs, smem, bars, coords, sem, CAUSAL: gl.constexpr):
+    """The dQ writer warp: adds each step's dQ share into the fp32 accumulator by one TMA
+    reduce-add, in key-block order (see the module docstring)."""
+    q_desc, k_desc, v_desc, do_desc, aux_desc, dqacc_desc = descs
+    k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem = smem
+    kv_bar, ready, empty, dq_full, dq_empty = bars
+    off_b, off_hkv, n, n_blocks, m_lo, steps, H, GROUP, T, S = coords
+    SEM = sem
+    BLOCK_M: gl.constexpr = q_smem.type.shape[1]
+    BLOCK_N: gl.constexpr = k_smem.type.shape[0]
+    # one lane per thread of the warp: each polls the counter and releases the share it added
+    lane_zero = gl.zeros([32], gl.int32, gl.BlockedLayout([1], [32], [1], [0]))
+    m_blocks = gl.cdiv(T, BLOCK_M)
+    for j in range(steps * GROUP):
+        off_h, start_m = _bwd_step_rows(j, steps, m_lo, off_hkv, GROUP, BLOCK_M)
+        counter = SEM + (off_b * H + off_h) * m_blocks + start_m // BLOCK_M + lane_zero
+        landed = _load_acquire(counter)  # read now, its latency hidden behind the wait below
+        n_hi = n_blocks - 1  # the last key block that sees this Q block adds first
+        if CAUSAL:
+            n_hi = gl.minimum(n_hi, (start_m + BLOCK_M - 1 + S - T) // BLOCK_N)
+        turn = (n_hi - n) * 32  # every lane of every later program has released its share
+        buf = j % 2
+        mbarrier.wait(dq_full.index(buf), (j // 2) & 1)
+        while gl.min(landed, 0) < turn:
+            landed = _load_acquire(counter)
+        _tma_add(dqacc_desc, [off_b, off_h, start_m, 0], dq_smem.index(buf))
+        _bulk_done(lane_zero)  # the add has landed in global memory, and its shared reads are done
+        mbarrier.arrive(dq_empty.index(buf), count=1)
+        gl.atomic_add(counter, lane_zero + 1, sem="release")
+
+
+@gluon.jit
+def _bwd_consume(descs, smem, bars, coords, outs, CAUSAL: gl.constexpr, NUM_WARPS: gl.constexpr):
+    """The matmul warps (two warpgroups, one wgmma M of BLOCK_N keys): the five products of every
+    step, dK and dV kept in registers and written at the end, each dQ share handed to the writer."""
+    q_desc, k_desc, v_desc, do_desc, aux_desc, dqacc_desc = descs
+    k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem = smem
+    kv_bar, ready, empty, dq_full, dq_empty = bars
+    off_b, off_hkv, n, n_blocks, m_lo, steps, H, GROUP, T, S = coords
+    DK, DV, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, sm_scale, qk_scale = outs
+    dtype: gl.constexpr = q_smem.dtype
+    STAGES: gl.constexpr = q_smem.type.shape[0]
+    BLOCK_M: gl.constexpr = q_smem.type.shape[1]
+    BLOCK_N: gl.constexpr = k_smem.type.shape[0]
+    HEAD_DIM: gl.constexpr = k_smem.type.shape[1]
     start_n = n * BLOCK_N
 
     # wgmma accumulators: (BLOCK_N, BLOCK_M) for S^T and dP^T, (BLOCK_N, D) for dK and dV,
     # (BLOCK_M, D) for a dQ share; P^T and dS^T feed dV and dK as register A operands
-    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
                                                         instr_shape=[16, BLOCK_M, 16])
-    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
                                                         instr_shape=[16, HEAD_DIM, 16])
-    dq_layout: gl.constexpr = _dq_layout(BLOCK_M, HEAD_DIM, num_warps)
+    dq_layout: gl.constexpr = _dq_layout(BLOCK_M, HEAD_DIM, NUM_WARPS)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(0, st_layout)  # a vector over S^T's columns: queries
 
-    m_tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
-    n_tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
-    ds_tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
-    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], n_tile)
-    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], n_tile)
-    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], m_tile)
-    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], m_tile)
-    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, 1, 1, BLOCK_M], aux_desc.layout)
-    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, 1, 1, BLOCK_M], aux_desc.layout)
-    ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_tile)
-    dq_smem = gl.allocate_shared_memory(gl.float32, [1, 1, BLOCK_M, HEAD_DIM], dqacc_desc.layout)
-    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_bar, count=1)
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
-
-    mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [off_b, off_hkv, start_n, 0], kv_bar, k_smem.reshape([1, 1, BLOCK_N,
-                                                                                                 HEAD_DIM]))
-    tma.async_copy_global_to_shared(v_desc, [off_b, off_hkv, start_n, 0], kv_bar, v_smem.reshape([1, 1, BLOCK_N,
-                                                                                                 HEAD_DIM]))
-
-    # the Q blocks that see this key block, per query head: m_lo .. m_blocks - 1
-    m_blocks = gl.cdiv(T, BLOCK_M)
-    m_lo = 0
-    if CAUSAL:  # bottom-right: query i sees key j iff j <= i + S - T
-        m_lo = gl.maximum(start_n + T - S, 0) // BLOCK_M
-    steps = m_blocks - m_lo
-    total = steps * GROUP
-    _issue_tile(q_desc, do_desc, aux_desc, ready.index(0), q_smem.index(0), do_smem.index(0), lse_smem.index(0),
-                delta_smem.index(0), off_b, off_hkv * GROUP, m_lo * BLOCK_M, BLOCK_M, HEAD_DIM)
-
     offs_m_t = gl.arange(0, BLOCK_M, layout=row_layout)
     cols_t = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))  # S^T's rows: keys
-    offs_m_q = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
-    offs_d_q = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, dq_layout))
     zero_t = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)
     zero_q = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout)
     dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
@@ -181,30 +213,9 @@ def _bwd_kernel(
     # may reach past S, whose zero keys would otherwise get weight exp2(-LSE)
     past_s = start_n + BLOCK_N > S
     mbarrier.wait(kv_bar, 0)
-
-    # one lane per thread for the dQ-order counter: each thread polls it and releases the share
-    lanes: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
-    lane_zero = gl.zeros([32 * num_warps], gl.int32, lanes)
-    released = SEM + lane_zero  # the counter this program has yet to release, if pending
-    pending = n < 0
-    for j in range(total):
-        g = j // steps
-        start_m = (m_lo + j - g * steps) * BLOCK_M
-        off_h = off_hkv * GROUP + g
+    for j in range(steps * GROUP):
+        off_h, start_m = _bwd_step_rows(j, steps, m_lo, off_hkv, GROUP, BLOCK_M)
         stage = j % STAGES
-        # the next tile's copy goes out now: its buffers' last readers (step j - 1's matmuls, all
-        # waited for) are behind every warp, which passed step j - 1's barrier before its dQ matmul
-        if j + 1 < total:
-            g1 = (j + 1) // steps
-            nxt = (j + 1) % STAGES
-            _issue_tile(q_desc, do_desc, aux_desc, ready.index(nxt), q_smem.index(nxt), do_smem.index(nxt),
-                        lse_smem.index(nxt), delta_smem.index(nxt), off_b, off_hkv * GROUP + g1, (m_lo + j + 1 - g1 * steps) * BLOCK_M,
-                        BLOCK_M, HEAD_DIM)
-        rows_t = start_m + offs_m_t
-        # this Q block's counter, read now and compared after the matmuls, which hide its latency
-        m_idx = start_m // BLOCK_M
-        counter = SEM + (off_b * H + off_h) * m_blocks + m_idx + lane_zero
-        landed = _load_acquire(counter)
         mbarrier.wait(ready.index(stage), (j // STAGES) & 1)
         q_t = q_smem.index(stage)
         do_t = do_smem.index(stage)
@@ -221,7 +232,7 @@ def _bwd_kernel(
         if masked:  # selected after exp2: a row with LSE = -inf (it sees no key) is dropped, never NaN
             visible = cols_t[:, None] < S
             if CAUSAL:
-                visible = visible & (cols_t[:, None] <= rows_t[None, :] + (S - T))
+                visible = visible & (cols_t[:, None] <= start_m + offs_m_t[None, :] + (S - T))
             pt = gl.where(visible, pt, 0.0)
         dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do_t, dv, is_async=True)
         delta = delta_smem.index(stage).reshape([BLOCK_M]).load(row_layout)
@@ -234,38 +245,15 @@ def _bwd_kernel(
         gl.thread_barrier()
         dq = warpgroup_mma(ds_buf.permute((1, 0)), k_smem, zero_q, use_acc=False, is_async=True)
         dv, dk, dq = warpgroup_mma_wait(0, deps=[dv, dk, dq])
+        mbarrier.arrive(empty.index(stage), count=1)  # Q and dO are read: the producer may refill
 
-        # the previous step's reduction has long landed: release it now, cheaply
-        _bulk_done(lane_zero)
-        gl.atomic_add(released, lane_zero + 1, mask=(lane_zero == 0) & pending, sem="release")
-        # this block's share of dQ, added in key-block order (see the module docstring)
-        n_hi = n_blocks - 1
-        if CAUSAL:
-            n_hi = gl.minimum(n_hi, (start_m + BLOCK_M - 1 + S - T) // BLOCK_N)
-        turn = (n_hi - n) * (32 * num_warps)  # every thread of every later program has released
-        while gl.min(landed, 0) < turn:  # until every thread has seen every later share land
-            landed = _load_acquire(counter)
-        pending = n != 0
-        released = counter
-        if n == 0:  # the last share: write dQ
-            rows_q = start_m + offs_m_q
-            row_ok = rows_q[:, None] < T
-            acc_ptrs = DQ_ACC + ((off_b * H + off_h).to(gl.int64) * T + rows_q[:, None]) * HEAD_DIM + offs_d_q[None, :]
-            dq += gl.load(acc_ptrs, mask=row_ok, other=0.0, cache_modifier=".cg")
-            dq_ptrs = (DQ + off_b.to(gl.int64) * stride_dqb + off_h.to(gl.int64) * stride_dqh
-                       + rows_q[:, None].to(gl.int64) * stride_dqt + offs_d_q[None, :])
-            gl.store(dq_ptrs, (dq * sm_scale).to(dtype), mask=row_ok)
-        else:  # one TMA reduce-add of the whole share (rows past T are clipped)
-            dq_smem.reshape([BLOCK_M, HEAD_DIM]).store(dq)
-            fence_async_shared()
-            gl.thread_barrier()
-            _tma_add(dqacc_desc, [off_b, off_h, start_m, 0], dq_smem)
-    _bulk_done(lane_zero)
-    gl.atomic_add(released, lane_zero + 1, mask=(lane_zero == 0) & pending, sem="release")
+        buf = j % 2
+        mbarrier.wait(dq_empty.index(buf), ((j // 2) & 1) ^ 1)  # the writer has added its last share
+        dq_smem.index(buf).reshape([BLOCK_M, HEAD_DIM]).store(dq)
+        fence_async_shared()  # the writer's TMA reads what these threads wrote
+        gl.thread_barrier()
+        mbarrier.arrive(dq_full.index(buf), count=1)
 
-    mbarrier.invalidate(kv_bar)
-    for s in gl.static_range(STAGES):
-        mbarrier.invalidate(ready.index(s))
     offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, kv_layout))
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
     key_ok = offs_n[:, None] < S
@@ -274,6 +262,68 @@ def _bwd_kernel(
     gl.store(dk_ptrs + offs_d[None, :], (dk * sm_scale).to(dtype), mask=key_ok)
     dv_ptrs = DV + off_b.to(gl.int64) * stride_dvb + off_hkv.to(gl.int64) * stride_dvh + kv_rows * stride_dvn
     gl.store(dv_ptrs + offs_d[None, :], dv.to(dtype), mask=key_ok)
+
+
+@gluon.jit
+def _bwd_kernel(
+    q_desc, k_desc, v_desc, do_desc,  # TMA descriptors of (B, H, T, D), (B, H_kv, S, D) x2, (B, H, T, D)
+    aux_desc,  # of (B, H, 2, T_pad) fp32: LSE * log2(e) and delta = rowsum(dO * O), zero past T
+    dqacc_desc,  # of (B, H, T, D) fp32, zeroed: the dQ shares added so far
+    SEM,  # (B, H, cdiv(T, BLOCK_M)) int32, zeroed: how many writer lanes have released a share per Q block
+    DK, DV,  # outputs, (B, H_kv, S, D) with these strides (head dim contiguous)
+    stride_dkb, stride_dkh, stride_dkn,
+    stride_dvb, stride_dvh, stride_dvn,
+    H, GROUP, T, S,
+    sm_scale, qk_scale,  # softmax_scale, and softmax_scale * log2(e)
+    CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, WORKER_REGS: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    dtype: gl.constexpr = q_desc.dtype
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+    n_blocks = gl.num_programs(0)
+    n = n_blocks - 1 - gl.program_id(0)  # last key blocks first (see the module docstring)
+    off_hkv = gl.program_id(1)
+    off_b = gl.program_id(2)
+    # the Q blocks that see this key block, per query head: m_lo .. cdiv(T, BLOCK_M) - 1
+    m_lo = 0
+    if CAUSAL:  # bottom-right: query i sees key j iff j <= i + S - T
+        m_lo = gl.maximum(n * BLOCK_N + T - S, 0) // BLOCK_M
+    steps = gl.cdiv(T, BLOCK_M) - m_lo
+
+    m_tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
+    n_tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+    ds_tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
+    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], n_tile)
+    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], n_tile)
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], m_tile)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], m_tile)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, 1, 1, BLOCK_M], aux_desc.layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, 1, 1, BLOCK_M], aux_desc.layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_tile)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [2, 1, 1, BLOCK_M, HEAD_DIM], dqacc_desc.layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+    for b in gl.static_range(2):
+        mbarrier.init(dq_full.index(b), count=1)
+        mbarrier.init(dq_empty.index(b), count=1)
+
+    descs = (q_desc, k_desc, v_desc, do_desc, aux_desc, dqacc_desc)
+    smem = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem)
+    bars = (kv_bar, ready, empty, dq_full, dq_empty)
+    coords = (off_b, off_hkv, n, n_blocks, m_lo, steps, H, GROUP, T, S)
+    outs = (DK, DV, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, sm_scale, qk_scale)
+    gl.warp_specialize([(_bwd_consume, (descs, smem, bars, coords, outs, CAUSAL, num_warps)),
+                        (_bwd_produce, (descs, smem, bars, coords, CAUSAL)),
+                        (_bwd_write_dq, (descs, smem, bars, coords, SEM, CAUSAL))],
+                       [1, 1], [WORKER_REGS, WORKER_REGS])
 
 
 @triton.jit
@@ -309,42 +359,95 @@ def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, _tile_layout(tuple(block), t.dtype))
 
 
-def _launch(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, warmup: bool = False):
+class _Address(NamedTuple):
+    """A device address where a descriptor wants its base tensor: all a later launch reads of it."""
+    ptr: int
+
+    def data_ptr(self) -> int:
+        return self.ptr
+
+
+class _HostDesc(NamedTuple):
+    """What triton 3.6's C launcher reads of a host TensorDescriptor (base address, shape, strides,
+    padding) and nothing more: the tensor itself is not kept, and none of TensorDescriptor's
+    checks run again (the first launch of the layout ran them). Later launches of the forward and
+    the backward pass these."""
+    base: _Address
+    shape: list
+    strides: list
+    padding: str
+
+
+def _scratch(q, block_m: int, warmup: bool) -> tuple:
+    """The backward's buffers: aux (B, H, 2, T_pad) fp32, and dQ's fp32 accumulator with the
+    order counters, zeroed by one fill."""
+    B, H, T, D = q.shape
+    device = "cpu" if warmup else q.device
+    aux = torch.empty((B, H, 2, triton.cdiv(T, 4) * 4), dtype=torch.float32, device=device)  # 16-byte rows (TMA)
+    n_acc, m_blocks = B * H * T * D, triton.cdiv(T, block_m)
+    zeroed = torch.zeros(n_acc + B * H * m_blocks, dtype=torch.float32, device=device)
+    return aux, zeroed[:n_acc].view(B, H, T, D), zeroed[n_acc:].view(torch.int32).view(B, H, m_blocks)
+
+
+def _launch(do, q, k, v, o, lse, dk, dv, causal: bool, scale: float, blocks: tuple[int, int, int] | None = None,
+            warmup: bool = False):
+    """Launches the backward (its aux pass first) through Triton's front door; returns the fp32 dQ
+    accumulator, unscaled, and what later launches of this layout need (or, with warmup, only
+    compiles the backward kernel and returns it)."""
     (B, H, T, D), (H_kv, S) = q.shape, k.shape[1:3]
-    BLOCK_M, BLOCK_N = BLOCKS[D]
-    t_pad = triton.cdiv(T, 4) * 4  # TMA wants 16-byte strides
-    aux = torch.empty((B, H, 2, t_pad), dtype=torch.float32, device=q.device)
+    BLOCK_M, BLOCK_N, STAGES = blocks or BLOCKS[D]
+    aux, dq_acc, sem = _scratch(q, BLOCK_M, warmup)
+    t_pad = aux.shape[3]
+    aux_grid = (triton.cdiv(t_pad, 64), H, B)
+    aux_tail = (*o.stride()[:3], *do.stride()[:3], H, T, t_pad, D, 64)  # ..., HEAD_DIM, BLOCK
     if not warmup:
-        _aux_kernel[(triton.cdiv(t_pad, 64), H, B)](o, do, lse, aux, *o.stride()[:3], *do.stride()[:3], H, T, t_pad,
-                                                     HEAD_DIM=D, BLOCK=64)
-    dq_acc = torch.zeros((B, H, T, D), dtype=torch.float32, device=q.device)
-    sem = torch.zeros((B, H, triton.cdiv(T, BLOCK_M)), dtype=torch.int32, device=q.device)
+        aux_compiled = _aux_kernel[aux_grid](o, do, lse, aux, *aux_tail)
     args = (_descriptor(q, [1, 1, BLOCK_M, D]), _descriptor(k, [1, 1, BLOCK_N, D]), _descriptor(v, [1, 1, BLOCK_N, D]),
             _descriptor(do, [1, 1, BLOCK_M, D]), _descriptor(aux, [1, 1, 1, BLOCK_M]),
-            _descriptor(dq_acc, [1, 1, BLOCK_M, D]), dq_acc, sem, dq, dk, dv,
-            *dq.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
+            _descriptor(dq_acc, [1, 1, BLOCK_M, D]), sem, dk, dv, *dk.stride()[:3], *dv.stride()[:3],
             H, H // H_kv, T, S, scale, scale * _LOG2E.value)
-    meta = dict(HEAD_DIM=D, CAUSAL=causal, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=STAGES, num_warps=NUM_WARPS)
+    # registers: the two 1-warp workers share one warpgroup at WORKER_REGS; the matmul warps get
+    # what is left of 64K over 3 warpgroups (240 each)
+    meta = dict(CAUSAL=causal, BLOCK_M=BLOCK_M, STAGES=STAGES, WORKER_REGS=24, num_warps=NUM_WARPS,
+                maxnreg=65536 // ((NUM_WARPS + 4) * 32) // 8 * 8)
     grid = (triton.cdiv(S, BLOCK_N), H_kv, B)
     if warmup:
         return _bwd_kernel.warmup(*args, grid=grid, **meta)
-    return _bwd_kernel[grid](*args, **meta)
+    compiled = _bwd_kernel[grid](*args, **meta)
+    descs = tuple((d.shape, d.strides, d.padding) for d in args[:6])
+    tail = (*args[9:], *(meta[name] for name in _bwd_kernel.arg_names[len(args):]))
+    return dq_acc, (aux_compiled, aux_grid, aux_tail, compiled, grid, descs, tail)
 
 
-def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float) -> None:
+# the compiled aux and backward kernels per input layout, with what their launches fix (as _FWD_BOUND)
+_BWD_BOUND: dict[tuple, tuple] = {}
+
+
+def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float,
+             blocks: tuple[int, int, int] | None = None) -> None:
     """Writes dq, dk, dv (shaped like q, k, v; head dim contiguous) from the forward's o and lse
-    ((B, H, T) fp32, contiguous). Deterministic."""
-    if causal and q.shape[2] > k.shape[2]:  # the first rows see no key: no program writes their dQ
-        dq.zero_()
-    _launch(do, q, k, v, o, lse, dq, dk, dv, causal, scale)
+    ((B, H, T) fp32, contiguous). Deterministic. blocks overrides BLOCKS (benchmarks)."""
+    layout = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), do.stride(), o.stride(), dk.stride(), dv.stride(),
+              q.dtype, q.device.index, causal, scale, blocks)
+    if bound := _BWD_BOUND.get(layout):
+        aux_compiled, aux_grid, aux_tail, compiled, grid, descs, tail = bound
+        aux, dq_acc, sem = _scratch(q, (blocks or BLOCKS[q.shape[3]])[0], False)
+        device = q.device.index
+        launch_compiled(aux_compiled, aux_grid, device, (o, do, lse, aux, *aux_tail))
+        tensors = (q, k, v, do, aux, dq_acc)
+        launch_compiled(compiled, grid, device, (*(_HostDesc(_Address(t.data_ptr()), *d)
+                                                   for t, d in zip(tensors, descs, strict=True)), sem, dk, dv, *tail))
+    else:
+        dq_acc, _BWD_BOUND[layout] = _launch(do, q, k, v, o, lse, dk, dv, causal, scale, blocks)
+    torch.mul(dq_acc, scale, out=dq)  # rows that see no key (causal, T > S) got no share: zero
 
 
 def compile_only(do, q, k, v, causal: bool):
     """The compiled kernel for these inputs' layout, without launching it (kernels/sm90.py)."""
     B, H, T, _ = q.shape
     lse = torch.empty((B, H, T), dtype=torch.float32)
-    return _launch(do, q, k, v, torch.empty_like(q), lse, torch.empty_like(q), torch.empty_like(k),
-                   torch.empty_like(v), causal, q.shape[3] ** -0.5, warmup=True)
+    return _launch(do, q, k, v, torch.empty_like(q), lse, torch.empty_like(k), torch.empty_like(v), causal,
+                   q.shape[3] ** -0.5, warmup=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -569,27 +672,33 @@ def _fwd_args(q, k, v, o, lse, scale: float, block_n: int) -> tuple:
             _descriptor(o, [1, 1, FWD_ROWS, D]), lse, H, H // H_kv, T, S, scale * _LOG2E.value)
 
 
-# the compiled forward per input layout, with its grid and its arguments after LSE: later calls
-# launch it directly (kernels/launch.py), where Triton's front door would spend ~100 us of host
-# time binding the same arguments again
+# the compiled forward per input layout, with its grid, its four descriptors' shapes and strides
+# and its arguments after LSE: later calls launch it directly (kernels/launch.py) with descriptors
+# rebuilt from the new addresses, where Triton's front door would bind every argument again and
+# TensorDescriptor would re-check what the layout already fixes (52 us per call against 41 on the
+# H100 machine's host, perf-notes v12)
 _FWD_BOUND: dict[tuple, tuple] = {}
 
 
 def forward(q, k, v, o, lse, causal: bool, scale: float, blocks: tuple[int, int, int] | None = None) -> None:
     """Writes o (shaped like q, head dim contiguous) and lse ((B, H, T) fp32, contiguous, natural
     log). blocks overrides fwd_blocks (benchmarks)."""
-    blocks = blocks or fwd_blocks(q.shape[3], q.shape[2])
     layout = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), o.stride(), q.dtype, q.device.index, causal,
               scale, blocks)
-    args = _fwd_args(q, k, v, o, lse, scale, blocks[1])
     if bound := _FWD_BOUND.get(layout):
-        compiled, grid, tail = bound
-        launch_compiled(compiled, grid, q.device.index, (*args[:5], *tail))
+        compiled, grid, descs, tail = bound
+        tensors = (q, k, v, o)
+        launch_compiled(compiled, grid, q.device.index,
+                        (*(_HostDesc(_Address(t.data_ptr()), *d) for t, d in zip(tensors, descs, strict=True)), lse,
+                         *tail))
         return
+    blocks = blocks or fwd_blocks(q.shape[3], q.shape[2])
+    args = _fwd_args(q, k, v, o, lse, scale, blocks[1])
     grid = _fwd_grid(q, blocks)
     meta = _fwd_meta(causal, blocks)
     compiled = _fwd_kernel[grid](*args, **meta)
-    _FWD_BOUND[layout] = compiled, grid, (*args[5:], *(meta[name] for name in _fwd_kernel.arg_names[len(args):]))
+    descs = tuple((d.shape, d.strides, d.padding) for d in args[:4])
+    _FWD_BOUND[layout] = compiled, grid, descs, (*args[5:], *(meta[name] for name in _fwd_kernel.arg_names[len(args):]))
 
 
 def compile_only_forward(q, k, v, causal: bool, blocks: tuple[int, int, int] | None = None):

@@ -28,7 +28,7 @@ def gluon(monkeypatch):
     monkeypatch.setenv(fa.BACKEND_VARIABLE, "gluon")
 
 
-# unset: the Gluon forward with the Triton backward; gluon: both directions in Gluon
+# unset: the faster kernel per direction, head dim and length; gluon: both directions in Gluon
 BACKENDS = [pytest.param("", id="auto"), pytest.param("gluon", id="gluon")]
 
 
@@ -61,7 +61,7 @@ def test_backend_variable_is_checked(monkeypatch):
     with pytest.raises(ValueError, match="FLASH_ATTENTION_BACKEND=cudnn: use triton or gluon"):
         flash_attention(q.requires_grad_(), k, v).sum().backward()
     with pytest.raises(ValueError, match="FLASH_ATTENTION_BACKEND=cudnn: use triton or gluon"):
-        fa.backends(16, torch.float32, torch.device("cpu"))
+        fa.backends(16, torch.float32, torch.device("cpu"), 1024)
     monkeypatch.setenv(fa.BACKEND_VARIABLE, "gluon")
     with pytest.raises(ValueError, match="FLASH_ATTENTION_BACKEND=gluon: .*CUDA GPUs only"):
         flash_attention(q, k, v).sum().backward()
@@ -70,22 +70,27 @@ def test_backend_variable_is_checked(monkeypatch):
 def test_backends_say_which_kernels_run(monkeypatch):
     cpu = torch.device("cpu")
     monkeypatch.delenv(fa.BACKEND_VARIABLE, raising=False)
-    assert fa.backends(64, BF16, cpu) == {"forward": "triton", "backward": "triton"}
+    assert fa.backends(64, BF16, cpu, 4096) == {"forward": "triton", "backward": "triton"}
     assert "CUDA GPUs only" in fa.gluon_missing(64, BF16, cpu)
     if SM90 and GLUON:
         gpu = torch.device("cuda")
-        # unset: the Gluon forward where it covers the inputs; the Triton backward, faster so far
-        assert fa.backends(128, BF16, gpu) == {"forward": "gluon", "backward": "triton"}
-        assert fa.backends(80, BF16, gpu) == {"forward": "triton", "backward": "triton"}
-        assert fa.backends(64, F16, gpu, documents=True) == {"forward": "triton", "backward": "triton"}
+        # unset: from GLUON_MIN_SEQ queries on, the Gluon forward where it covers the inputs, the
+        # Gluon backward at head dim 128 and the Triton backward at 64, the faster of each;
+        # the Triton kernels below it, where host time decides
+        long, short = fa.GLUON_MIN_SEQ, fa.GLUON_MIN_SEQ - 1
+        assert fa.backends(128, BF16, gpu, long) == {"forward": "gluon", "backward": "gluon"}
+        assert fa.backends(64, BF16, gpu, long) == {"forward": "gluon", "backward": "triton"}
+        assert fa.backends(128, BF16, gpu, short) == {"forward": "triton", "backward": "triton"}
+        assert fa.backends(80, BF16, gpu, long) == {"forward": "triton", "backward": "triton"}
+        assert fa.backends(64, F16, gpu, long, documents=True) == {"forward": "triton", "backward": "triton"}
         monkeypatch.setenv(fa.BACKEND_VARIABLE, "triton")
-        assert fa.backends(128, BF16, gpu) == {"forward": "triton", "backward": "triton"}
+        assert fa.backends(128, BF16, gpu, long) == {"forward": "triton", "backward": "triton"}
         monkeypatch.setenv(fa.BACKEND_VARIABLE, "gluon")
-        assert fa.backends(128, BF16, gpu) == {"forward": "gluon", "backward": "gluon"}
+        assert fa.backends(128, BF16, gpu, short) == {"forward": "gluon", "backward": "gluon"}
         with pytest.raises(ValueError, match="head_dim 64 and 128, not 80"):
-            fa.backends(80, BF16, gpu)
+            fa.backends(80, BF16, gpu, long)
         with pytest.raises(ValueError, match="packed documents run on the Triton kernels"):
-            fa.backends(64, F16, gpu, documents=True)
+            fa.backends(64, F16, gpu, long, documents=True)
 
 
 # (dtype, B, H, H_kv, T, S, D, causal, layout): both head dims and dtypes, causal and not, odd T,
@@ -125,7 +130,7 @@ def test_gluon_forward_never_reads_keys_past_its_rows(D, monkeypatch):
     k2[:, :, 256:] = float("nan")
     v2[:, :, 256:] = float("nan")
     poisoned = fa.flash_attn_forward(q, k2, v2)
-    assert fa.backends(D, BF16, q.device)["forward"] == "gluon"
+    assert fa.backends(D, BF16, q.device, 4096)["forward"] == "gluon"
     for a, b in zip(clean, poisoned, strict=True):
         assert torch.equal(a[:, :, :192], b[:, :, :192])
 
@@ -166,3 +171,28 @@ def test_gluon_under_inductor_fullgraph(backend):
     for g, g_eager in zip(torch.autograd.grad(out, (q, k, v), do), torch.autograd.grad(out_eager, (q, k, v), do),
                           strict=True):
         assert torch.equal(g, g_eager)
+
+
+@pytest.mark.gpu
+@sm90
+def test_gluon_later_launches_use_the_new_tensors(gluon):
+    # the first call per layout goes through Triton's front door; later calls launch the compiled
+    # kernels with descriptors rebuilt from the new tensors' addresses
+    hopper = fa._hopper()
+    a, b = (_make_inputs(f"gluon-rebind-{name}", 1, 4, 2, 1000, 1000, 128, BF16, "bthd", "cuda") for name in "ab")
+
+    def run(q, k, v, do):
+        o = flash_attention(q, k, v)
+        return (o, *torch.autograd.grad(o, (q, k, v), do))
+
+    hopper._FWD_BOUND.clear()
+    hopper._BWD_BOUND.clear()
+    first_b = run(*b)
+    later_a, later_b = run(*a), run(*b)
+    hopper._FWD_BOUND.clear()
+    hopper._BWD_BOUND.clear()
+    first_a = run(*a)
+    for first, later in ((first_a, later_a), (first_b, later_b)):
+        for x, y in zip(first, later, strict=True):
+            assert torch.equal(x, y)
+    assert not torch.equal(first_a[0], first_b[0])
