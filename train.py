@@ -233,9 +233,11 @@ def run_info(cfg: DictConfig, par: Parallel, model: GPT) -> dict:
     if cfg.attn.name == "triton":  # which kernels run it: FLASH_ATTENTION_BACKEND may pick the Hopper backward
         dtype = autocast_dtype(cfg.dtype, device) or torch.float32
         try:
-            # a context-parallel rank attends its share of the queries
+            # under context parallelism the ring's shortest calls attend half a rank's queries:
+            # the kernels those run
+            queries = cfg.seq_len // (2 * cfg.parallel.cp) if cfg.parallel.cp > 1 else cfg.seq_len
             info["attention_kernels"] = attention_backends(cfg.model.d_model // cfg.model.n_head, dtype, device,
-                                                           cfg.seq_len // cfg.parallel.cp, cfg.data.doc_mask)
+                                                           queries, cfg.data.doc_mask)
         except ValueError as e:
             raise ConfigError(str(e)) from None
     if cfg.attn.name == "sdpa":

@@ -28,8 +28,9 @@ Differs from Triton's tutorial 06: GQA, any strides, a separate dQ kernel, K not
 CPU tensors run in Triton's interpreter (kernels/interpreter.py), whose bf16 tl.dot is wrong:
 there bf16 is computed in fp32 and rounded. kernels/flash_ref.py is the same algorithm in
 PyTorch; kernels/launch.py picks block sizes per shape (kernels/tuning.py lists them).
-On sm_90 the forward runs kernels/flash_attn_hopper.py's Gluon kernel where it covers the inputs
-(FLASH_ATTENTION_BACKEND below chooses).
+On sm_90, from GLUON_MIN_SEQ queries on, the forward (and the backward at head dim 128) runs
+kernels/flash_attn_hopper.py's Gluon kernel where it covers the inputs (FLASH_ATTENTION_BACKEND
+below chooses).
 """
 
 import math

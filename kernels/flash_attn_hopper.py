@@ -427,8 +427,9 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float,
              blocks: tuple[int, int, int] | None = None) -> None:
     """Writes dq, dk, dv (shaped like q, k, v; head dim contiguous) from the forward's o and lse
     ((B, H, T) fp32, contiguous). Deterministic. blocks overrides BLOCKS (benchmarks)."""
+    # the aux kernel is compiled for o, do and lse as aligned (or not) as the first call's
     layout = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), do.stride(), o.stride(), dk.stride(), dv.stride(),
-              q.dtype, q.device.index, causal, scale, blocks)
+              q.dtype, q.device.index, causal, scale, blocks, *(t.data_ptr() % 16 == 0 for t in (o, do, lse)))
     if bound := _BWD_BOUND.get(layout):
         aux_compiled, aux_grid, aux_tail, compiled, grid, descs, tail = bound
         aux, dq_acc, sem = _scratch(q, (blocks or BLOCKS[q.shape[3]])[0], False)
@@ -684,7 +685,7 @@ def forward(q, k, v, o, lse, causal: bool, scale: float, blocks: tuple[int, int,
     """Writes o (shaped like q, head dim contiguous) and lse ((B, H, T) fp32, contiguous, natural
     log). blocks overrides fwd_blocks (benchmarks)."""
     layout = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), o.stride(), q.dtype, q.device.index, causal,
-              scale, blocks)
+              scale, blocks, lse.data_ptr() % 16 == 0)
     if bound := _FWD_BOUND.get(layout):
         compiled, grid, descs, tail = bound
         tensors = (q, k, v, o)

@@ -84,9 +84,9 @@ def _flex(T):
 # the training attentions of model/attention.py as the model calls them; SDPA once per backend,
 # pinned, so that a row names the kernel that ran (its math backend is naive's work again); and
 # FlexAttention, which training does not run
-# triton runs as training does (on sm_90: the Gluon forward; the Gluon backward at head dim 128, the
-# Triton one at 64); triton_portable pins the Triton kernels both ways, triton_gluon the Hopper
-# kernels in Gluon ("n/a" off sm_90)
+# triton runs as training does (on sm_90 from 2048 queries on: the Gluon forward; the Gluon backward
+# at head dim 128, the Triton one at 64); triton_portable pins the Triton kernels both ways,
+# triton_gluon the Hopper kernels in Gluon ("n/a" off sm_90)
 IMPLS = {**{name: _as_trained(a) for name, a in ATTENTIONS.items() if name != "sdpa"},
          "triton_portable": _as_trained(ATTENTIONS["triton"]),
          "triton_gluon": _as_trained(ATTENTIONS["triton"]),
