@@ -146,14 +146,13 @@ def _bwd_produce(descs, smem, bars, coords, CAUSAL: gl.constexpr):
 
 
 @gluon.jit
-def _bwd_write_dq(descs, smem, bars, coords, sem, CAUSAL: gl.constexpr):
+def _bwd_write_dq(descs, smem, bars, coords, SEM, CAUSAL: gl.constexpr):
     """The dQ writer warp: adds each step's dQ share into the fp32 accumulator by one TMA
     reduce-add, in key-block order (see the module docstring)."""
     q_desc, k_desc, v_desc, do_desc, aux_desc, dqacc_desc = descs
     k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem = smem
     kv_bar, ready, empty, dq_full, dq_empty = bars
     off_b, off_hkv, n, n_blocks, m_lo, steps, H, GROUP, T, S = coords
-    SEM = sem
     BLOCK_M: gl.constexpr = q_smem.type.shape[1]
     BLOCK_N: gl.constexpr = k_smem.type.shape[0]
     # one lane per thread of the warp: each polls the counter and releases the share it added
@@ -378,6 +377,16 @@ class _HostDesc(NamedTuple):
     padding: str
 
 
+def _kept(descriptors) -> tuple:
+    """What a bound launch keeps of its first launch's descriptors: all but the base tensor."""
+    return tuple((d.shape, d.strides, d.padding) for d in descriptors)
+
+
+def _rebound(tensors, kept: tuple) -> tuple:
+    """The descriptors of a later launch: the kept ones over these tensors' addresses."""
+    return tuple(_HostDesc(_Address(t.data_ptr()), *d) for t, d in zip(tensors, kept, strict=True))
+
+
 def _scratch(q, block_m: int, warmup: bool) -> tuple:
     """The backward's buffers: aux (B, H, 2, T_pad) fp32, and dQ's fp32 accumulator with the
     order counters, zeroed by one fill."""
@@ -414,7 +423,7 @@ def _launch(do, q, k, v, o, lse, dk, dv, causal: bool, scale: float, blocks: tup
     if warmup:
         return _bwd_kernel.warmup(*args, grid=grid, **meta)
     compiled = _bwd_kernel[grid](*args, **meta)
-    descs = tuple((d.shape, d.strides, d.padding) for d in args[:6])
+    descs = _kept(args[:6])
     tail = (*args[9:], *(meta[name] for name in _bwd_kernel.arg_names[len(args):]))
     return dq_acc, (aux_compiled, aux_grid, aux_tail, compiled, grid, descs, tail)
 
@@ -435,9 +444,7 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float,
         aux, dq_acc, sem = _scratch(q, (blocks or BLOCKS[q.shape[3]])[0], False)
         device = q.device.index
         launch_compiled(aux_compiled, aux_grid, device, (o, do, lse, aux, *aux_tail))
-        tensors = (q, k, v, do, aux, dq_acc)
-        launch_compiled(compiled, grid, device, (*(_HostDesc(_Address(t.data_ptr()), *d)
-                                                   for t, d in zip(tensors, descs, strict=True)), sem, dk, dv, *tail))
+        launch_compiled(compiled, grid, device, (*_rebound((q, k, v, do, aux, dq_acc), descs), sem, dk, dv, *tail))
     else:
         dq_acc, _BWD_BOUND[layout] = _launch(do, q, k, v, o, lse, dk, dv, causal, scale, blocks)
     torch.mul(dq_acc, scale, out=dq)  # rows that see no key (causal, T > S) got no share: zero
@@ -688,17 +695,14 @@ def forward(q, k, v, o, lse, causal: bool, scale: float, blocks: tuple[int, int,
               scale, blocks, lse.data_ptr() % 16 == 0)
     if bound := _FWD_BOUND.get(layout):
         compiled, grid, descs, tail = bound
-        tensors = (q, k, v, o)
-        launch_compiled(compiled, grid, q.device.index,
-                        (*(_HostDesc(_Address(t.data_ptr()), *d) for t, d in zip(tensors, descs, strict=True)), lse,
-                         *tail))
+        launch_compiled(compiled, grid, q.device.index, (*_rebound((q, k, v, o), descs), lse, *tail))
         return
     blocks = blocks or fwd_blocks(q.shape[3], q.shape[2])
     args = _fwd_args(q, k, v, o, lse, scale, blocks[1])
     grid = _fwd_grid(q, blocks)
     meta = _fwd_meta(causal, blocks)
     compiled = _fwd_kernel[grid](*args, **meta)
-    descs = tuple((d.shape, d.strides, d.padding) for d in args[:4])
+    descs = _kept(args[:4])
     _FWD_BOUND[layout] = compiled, grid, descs, (*args[5:], *(meta[name] for name in _fwd_kernel.arg_names[len(args):]))
 
 
