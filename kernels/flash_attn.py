@@ -682,9 +682,9 @@ def _forward(q, k, v, causal, scale, docs):
     # o, lse (and the documents' bounds) are fresh from torch's allocator, 512-byte aligned: q, k, v decide
     signature = (*_layout(q, k, v), causal, scale, docs is None, os.environ.get("FLASH_ATTENTION_TMA"),
                  os.environ.get(BACKEND_VARIABLE))
-    if _gluon_runs("forward", signature, (q, k, v), docs):
+    if _gluon_runs("forward", signature, (q, k, v)):
         with on_device(q):
-            _hopper().forward(q, k, v, o, lse, causal, scale)
+            _hopper().forward(q, k, v, o, lse, causal, scale, None if docs is None else docs.start)
         return o, lse
     if bound := _FWD.bound_for(signature):
         bound(*tensors)
@@ -698,7 +698,8 @@ def _forward(q, k, v, causal, scale, docs):
 
 
 def _backward(do, q, k, v, o, lse, causal, scale, docs):
-    """(dq, dk, dv) of checked inputs; deterministic."""
+    """(dq, dk, dv) of checked inputs; deterministic (unless FLASH_ATTENTION_DETERMINISTIC=0 and the
+    Gluon backward runs)."""
     if _interpreted_bf16(q):
         grads = _backward(do.float(), q.float(), k.float(), v.float(), o.float(), lse, causal, scale, docs)
         return tuple(g.to(torch.bfloat16) for g in grads)
@@ -706,10 +707,10 @@ def _backward(do, q, k, v, o, lse, causal, scale, docs):
     dq, dk, dv = _empty_bhtd(B, H, T, D, q), _empty_bhtd(B, H_kv, S, D, k), _empty_bhtd(B, H_kv, S, D, v)
     # the outputs and delta are fresh from torch's allocator (512-byte aligned), shaped by q and k
     signature = (*_layout(q, k, v, do, o, lse), causal, scale, docs is None, os.environ.get("FLASH_ATTENTION_TMA"),
-                 os.environ.get(BACKEND_VARIABLE))
-    if _gluon_runs("backward", signature, (q, k, v, do), docs):
+                 os.environ.get(BACKEND_VARIABLE), os.environ.get(DETERMINISTIC_VARIABLE))
+    if _gluon_runs("backward", signature, (q, k, v, do)):
         with on_device(q):
-            _hopper().backward(do, q, k, v, o, lse, dq, dk, dv, causal, scale)
+            _hopper().backward(do, q, k, v, o, lse, dq, dk, dv, causal, scale, docs, _deterministic())
         return dq, dk, dv
     delta = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
     bounds = docs or (delta, delta)  # delta stands in for absent documents: unread
@@ -748,9 +749,9 @@ GLUON_BACKWARD_HEAD_DIMS = (128,)  # where the Gluon backward is the faster one 
 GLUON_MIN_SEQ = 2048  # the query length from which the Gluon kernels are the faster ones (unset)
 
 
-def gluon_missing(head_dim: int, dtype: torch.dtype, device: torch.device, documents: bool = False) -> str | None:
-    """Why the Hopper kernels (kernels/flash_attn_hopper.py) cannot run this head dim, dtype,
-    device and masking (None: they can, for inputs whose strides suit TMA)."""
+def gluon_missing(head_dim: int, dtype: torch.dtype, device: torch.device) -> str | None:
+    """Why the Hopper kernels (kernels/flash_attn_hopper.py) cannot run this head dim, dtype and
+    device (None: they can, for inputs whose strides suit TMA, with or without documents)."""
     if device.type != "cuda" or isinstance(_fwd_kernel, InterpretedFunction):
         return "they run on CUDA GPUs only (Gluon has no interpreter)"
     chip = tuning.chip(torch.cuda.current_device() if device.index is None else device.index)
@@ -762,8 +763,6 @@ def gluon_missing(head_dim: int, dtype: torch.dtype, device: torch.device, docum
         return f"they take float16 and bfloat16, not {dtype}"
     if head_dim not in (64, 128):
         return f"they take head_dim 64 and 128, not {head_dim}"
-    if documents:
-        return "packed documents run on the Triton kernels"
     return None
 
 
@@ -782,6 +781,19 @@ def _backend() -> str:
     return choice
 
 
+# "1" (unset) or "0": whether the Gluon backward adds dQ's shares in a fixed order (the same bits
+# every run) or as they come (faster, not reproducible); the Triton backward has no atomics to order
+DETERMINISTIC_VARIABLE = "FLASH_ATTENTION_DETERMINISTIC"
+
+
+def _deterministic() -> bool:
+    """FLASH_ATTENTION_DETERMINISTIC as a bool; ValueError for a value it cannot take."""
+    choice = os.environ.get(DETERMINISTIC_VARIABLE, "1")
+    if choice not in ("0", "1"):
+        raise ValueError(f"{DETERMINISTIC_VARIABLE}={choice}: use 1 (the default: the same gradients every run) or 0")
+    return choice == "1"
+
+
 def _gluon_wanted(direction: str, head_dim: int, seq_len: int) -> bool:
     """Whether the backend choice sends this direction to Gluon where it can run (unset: from
     GLUON_MIN_SEQ queries on, the forward, and the backward at the head dims where it is the faster)."""
@@ -791,7 +803,7 @@ def _gluon_wanted(direction: str, head_dim: int, seq_len: int) -> bool:
     return choice == "gluon"
 
 
-def _gluon_runs(direction: str, signature: tuple, streamed: tuple, docs) -> bool:
+def _gluon_runs(direction: str, signature: tuple, streamed: tuple) -> bool:
     """Whether the Gluon kernel runs this direction of these inputs (decided once per signature);
     ValueError where FLASH_ATTENTION_BACKEND=gluon asks for it and it cannot."""
     runs = _GLUON.get((direction, signature))
@@ -799,7 +811,7 @@ def _gluon_runs(direction: str, signature: tuple, streamed: tuple, docs) -> bool
         runs = False
         q = streamed[0]
         if _gluon_wanted(direction, q.shape[3], q.shape[2]):
-            why = gluon_missing(q.shape[3], q.dtype, q.device, docs is not None)
+            why = gluon_missing(q.shape[3], q.dtype, q.device)
             if why is None and not _tma(*streamed):
                 why = "the inputs need a contiguous head dim and 16-byte aligned strides (TMA)"
             if why is not None and _backend() == "gluon":
@@ -809,12 +821,12 @@ def _gluon_runs(direction: str, signature: tuple, streamed: tuple, docs) -> bool
     return runs
 
 
-def backends(head_dim: int, dtype: torch.dtype, device: torch.device, seq_len: int,
-             documents: bool = False) -> dict[str, str]:
+def backends(head_dim: int, dtype: torch.dtype, device: torch.device, seq_len: int) -> dict[str, str]:
     """Which kernels run the forward and the backward of attention with this head dim, dtype,
-    device, query length and masking, for inputs laid out as the model lays them out (the run info
+    device and query length (with or without documents), for inputs laid out as the model lays them out (the run info
     logs it); ValueError for a FLASH_ATTENTION_BACKEND value it cannot take, or gluon where it cannot run."""
-    why = gluon_missing(head_dim, dtype, device, documents)
+    _deterministic()  # a bad value fails here, before training starts
+    why = gluon_missing(head_dim, dtype, device)
     if why and _backend() == "gluon":
         raise ValueError(f"{BACKEND_VARIABLE}=gluon: the Hopper kernels cannot run this model's attention: {why}")
     return {direction: "gluon" if why is None and _gluon_wanted(direction, head_dim, seq_len) else "triton"

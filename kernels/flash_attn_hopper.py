@@ -21,7 +21,16 @@ a fixed order, longest key index first: a counter per (batch, head, Q block) say
 have landed, and program n adds only when it reaches (number of programs after n that see that
 block). Programs are launched in the same order, so a program waits only for programs that
 started before it (no deadlock on a full GPU), and under a causal mask the shortest programs (the
-last key blocks) lead, which is the order in which each Q block's shares become ready.
+last key blocks) lead, which is the order in which each Q block's shares become ready. With
+deterministic=False each share is added as soon as it is ready (the reduce-add is atomic), which
+is what the ordering costs to measure.
+
+Packed documents (causal, T == S): a key block's program streams only the Q blocks before the
+end of its last key's document, and a query block's program loads only the key blocks from its
+first row's document start on, so tiles of other documents are never loaded. Documents are
+contiguous, so within the causal mask only one comparison per element is left: query i sees key
+j <= i iff j is at or after the start of i's document (the forward), or iff i is before the end
+of j's document (the backward).
 
 The work is split FlashAttention-3's way (warp specialization): a producer warp issues the TMA
 copies, the two matmul warpgroups do the five products, and a dQ-writer warp waits for each
@@ -146,9 +155,10 @@ def _bwd_produce(descs, smem, bars, coords, CAUSAL: gl.constexpr):
 
 
 @gluon.jit
-def _bwd_write_dq(descs, smem, bars, coords, SEM, CAUSAL: gl.constexpr):
+def _bwd_write_dq(descs, smem, bars, coords, SEM, CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr):
     """The dQ writer warp: adds each step's dQ share into the fp32 accumulator by one TMA
-    reduce-add, in key-block order (see the module docstring)."""
+    reduce-add, in key-block order (see the module docstring), or (not DETERMINISTIC) as soon as
+    it is ready, in whatever order the programs get there."""
     q_desc, k_desc, v_desc, do_desc, aux_desc, dqacc_desc = descs
     k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem = smem
     kv_bar, ready, empty, dq_full, dq_empty = bars
@@ -168,16 +178,19 @@ def _bwd_write_dq(descs, smem, bars, coords, SEM, CAUSAL: gl.constexpr):
         turn = (n_hi - n) * 32  # every lane of every later program has released its share
         buf = j % 2
         mbarrier.wait(dq_full.index(buf), (j // 2) & 1)
-        while gl.min(landed, 0) < turn:
-            landed = _load_acquire(counter)
+        if DETERMINISTIC:
+            while gl.min(landed, 0) < turn:
+                landed = _load_acquire(counter)
         _tma_add(dqacc_desc, [off_b, off_h, start_m, 0], dq_smem.index(buf))
         _bulk_done(lane_zero)  # the add has landed in global memory, and its shared reads are done
         mbarrier.arrive(dq_empty.index(buf), count=1)
-        gl.atomic_add(counter, lane_zero + 1, sem="release")
+        if DETERMINISTIC:
+            gl.atomic_add(counter, lane_zero + 1, sem="release")
 
 
 @gluon.jit
-def _bwd_consume(descs, smem, bars, coords, outs, CAUSAL: gl.constexpr, NUM_WARPS: gl.constexpr):
+def _bwd_consume(descs, smem, bars, coords, outs, docs, CAUSAL: gl.constexpr, DOC_MASK: gl.constexpr,
+                 NUM_WARPS: gl.constexpr):
     """The matmul warps (two warpgroups, one wgmma M of BLOCK_N keys): the five products of every
     step, dK and dV kept in registers and written at the end, each dQ share handed to the writer."""
     q_desc, k_desc, v_desc, do_desc, aux_desc, dqacc_desc = descs
@@ -185,6 +198,7 @@ def _bwd_consume(descs, smem, bars, coords, outs, CAUSAL: gl.constexpr, NUM_WARP
     kv_bar, ready, empty, dq_full, dq_empty = bars
     off_b, off_hkv, n, n_blocks, m_lo, steps, H, GROUP, T, S = coords
     DK, DV, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, sm_scale, qk_scale = outs
+    DOC_END, full_hi = docs
     dtype: gl.constexpr = q_smem.dtype
     STAGES: gl.constexpr = q_smem.type.shape[0]
     BLOCK_M: gl.constexpr = q_smem.type.shape[1]
@@ -208,9 +222,13 @@ def _bwd_consume(descs, smem, bars, coords, outs, CAUSAL: gl.constexpr, NUM_WARP
     zero_q = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout)
     dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
     dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
-    # under a causal mask a tile needs masking where a key may follow a query; the last key block
+    # under a causal mask a tile needs masking where a key may follow a query, with documents where
+    # its rows reach full_hi (a key's document ends there, or the keys span two); the last key block
     # may reach past S, whose zero keys would otherwise get weight exp2(-LSE)
     past_s = start_n + BLOCK_N > S
+    key_end = cols_t
+    if DOC_MASK:
+        key_end = gl.load(DOC_END + cols_t, mask=cols_t < S, other=0)
     mbarrier.wait(kv_bar, 0)
     for j in range(steps * GROUP):
         off_h, start_m = _bwd_step_rows(j, steps, m_lo, off_hkv, GROUP, BLOCK_M)
@@ -228,10 +246,14 @@ def _bwd_consume(descs, smem, bars, coords, outs, CAUSAL: gl.constexpr, NUM_WARP
         masked = past_s
         if CAUSAL:
             masked = masked | (start_n + BLOCK_N - 1 > start_m + S - T)
+        if DOC_MASK:
+            masked = masked | (start_m + BLOCK_M > full_hi)
         if masked:  # selected after exp2: a row with LSE = -inf (it sees no key) is dropped, never NaN
             visible = cols_t[:, None] < S
             if CAUSAL:
                 visible = visible & (cols_t[:, None] <= start_m + offs_m_t[None, :] + (S - T))
+            if DOC_MASK:  # a query at or after a key (causal) is in its document iff before its end
+                visible = visible & (start_m + offs_m_t[None, :] < key_end[:, None])
             pt = gl.where(visible, pt, 0.0)
         dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do_t, dv, is_async=True)
         delta = delta_smem.index(stage).reshape([BLOCK_M]).load(row_layout)
@@ -269,13 +291,14 @@ def _bwd_kernel(
     aux_desc,  # of (B, H, 2, T_pad) fp32: LSE * log2(e) and delta = rowsum(dO * O), zero past T
     dqacc_desc,  # of (B, H, T, D) fp32, zeroed: the dQ shares added so far
     SEM,  # (B, H, cdiv(T, BLOCK_M)) int32, zeroed: how many writer lanes have released a share per Q block
+    DOC_START, DOC_END,  # (B, T) int32: each token's document's first and one-past-last index (DOC_MASK)
     DK, DV,  # outputs, (B, H_kv, S, D) with these strides (head dim contiguous)
     stride_dkb, stride_dkh, stride_dkn,
     stride_dvb, stride_dvh, stride_dvn,
     H, GROUP, T, S,
     sm_scale, qk_scale,  # softmax_scale, and softmax_scale * log2(e)
-    CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, WORKER_REGS: gl.constexpr,
-    num_warps: gl.constexpr,
+    CAUSAL: gl.constexpr, DOC_MASK: gl.constexpr, DETERMINISTIC: gl.constexpr, BLOCK_M: gl.constexpr,
+    STAGES: gl.constexpr, WORKER_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
     dtype: gl.constexpr = q_desc.dtype
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
@@ -284,11 +307,20 @@ def _bwd_kernel(
     n = n_blocks - 1 - gl.program_id(0)  # last key blocks first (see the module docstring)
     off_hkv = gl.program_id(1)
     off_b = gl.program_id(2)
-    # the Q blocks that see this key block, per query head: m_lo .. cdiv(T, BLOCK_M) - 1
+    # the Q blocks that see this key block, per query head: m_lo .. m_hi - 1
     m_lo = 0
     if CAUSAL:  # bottom-right: query i sees key j iff j <= i + S - T
         m_lo = gl.maximum(n * BLOCK_N + T - S, 0) // BLOCK_M
-    steps = gl.cdiv(T, BLOCK_M) - m_lo
+    m_hi = gl.cdiv(T, BLOCK_M)
+    doc_end = DOC_END + off_b.to(gl.int64) * T
+    full_hi = T  # with documents, rows from here on need the document mask
+    if DOC_MASK:  # (T == S) rows past the end of the last key's document see none of the keys
+        doc_start = DOC_START + off_b.to(gl.int64) * T
+        last = gl.minimum(n * BLOCK_N + BLOCK_N, S) - 1
+        q_hi = gl.load(doc_end + last)
+        m_hi = gl.cdiv(q_hi, BLOCK_M)
+        full_hi = gl.where(gl.load(doc_start + n * BLOCK_N) == gl.load(doc_start + last), q_hi, 0)
+    steps = m_hi - m_lo
 
     m_tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
     n_tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
@@ -319,9 +351,10 @@ def _bwd_kernel(
     bars = (kv_bar, ready, empty, dq_full, dq_empty)
     coords = (off_b, off_hkv, n, n_blocks, m_lo, steps, H, GROUP, T, S)
     outs = (DK, DV, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, sm_scale, qk_scale)
-    gl.warp_specialize([(_bwd_consume, (descs, smem, bars, coords, outs, CAUSAL, num_warps)),
+    gl.warp_specialize([(_bwd_consume, (descs, smem, bars, coords, outs, (doc_end, full_hi), CAUSAL, DOC_MASK,
+                                       num_warps)),
                         (_bwd_produce, (descs, smem, bars, coords, CAUSAL)),
-                        (_bwd_write_dq, (descs, smem, bars, coords, SEM, CAUSAL))],
+                        (_bwd_write_dq, (descs, smem, bars, coords, SEM, CAUSAL, DETERMINISTIC))],
                        [1, 1], [WORKER_REGS, WORKER_REGS])
 
 
@@ -398,11 +431,12 @@ def _scratch(q, block_m: int, warmup: bool) -> tuple:
     return aux, zeroed[:n_acc].view(B, H, T, D), zeroed[n_acc:].view(torch.int32).view(B, H, m_blocks)
 
 
-def _launch(do, q, k, v, o, lse, dk, dv, causal: bool, scale: float, blocks: tuple[int, int, int] | None = None,
-            warmup: bool = False):
+def _launch(do, q, k, v, o, lse, dk, dv, docs: tuple, causal: bool, scale: float, deterministic: bool = True,
+            blocks: tuple[int, int, int] | None = None, warmup: bool = False):
     """Launches the backward (its aux pass first) through Triton's front door; returns the fp32 dQ
     accumulator, unscaled, and what later launches of this layout need (or, with warmup, only
-    compiles the backward kernel and returns it)."""
+    compiles the backward kernel and returns it). docs: the documents' (start, end), or two
+    stand-ins with documents=False."""
     (B, H, T, D), (H_kv, S) = q.shape, k.shape[1:3]
     BLOCK_M, BLOCK_N, STAGES = blocks or BLOCKS[D]
     aux, dq_acc, sem = _scratch(q, BLOCK_M, warmup)
@@ -411,20 +445,21 @@ def _launch(do, q, k, v, o, lse, dk, dv, causal: bool, scale: float, blocks: tup
     aux_tail = (*o.stride()[:3], *do.stride()[:3], H, T, t_pad, D, 64)  # ..., HEAD_DIM, BLOCK
     if not warmup:
         aux_compiled = _aux_kernel[aux_grid](o, do, lse, aux, *aux_tail)
+    documents, doc_start, doc_end = docs
     args = (_descriptor(q, [1, 1, BLOCK_M, D]), _descriptor(k, [1, 1, BLOCK_N, D]), _descriptor(v, [1, 1, BLOCK_N, D]),
             _descriptor(do, [1, 1, BLOCK_M, D]), _descriptor(aux, [1, 1, 1, BLOCK_M]),
-            _descriptor(dq_acc, [1, 1, BLOCK_M, D]), sem, dk, dv, *dk.stride()[:3], *dv.stride()[:3],
-            H, H // H_kv, T, S, scale, scale * _LOG2E.value)
+            _descriptor(dq_acc, [1, 1, BLOCK_M, D]), sem, doc_start, doc_end, dk, dv, *dk.stride()[:3],
+            *dv.stride()[:3], H, H // H_kv, T, S, scale, scale * _LOG2E.value)
     # registers: the two 1-warp workers share one warpgroup at WORKER_REGS; the matmul warps get
     # what is left of 64K over 3 warpgroups (240 each)
-    meta = dict(CAUSAL=causal, BLOCK_M=BLOCK_M, STAGES=STAGES, WORKER_REGS=24, num_warps=NUM_WARPS,
-                maxnreg=65536 // ((NUM_WARPS + 4) * 32) // 8 * 8)
+    meta = dict(CAUSAL=causal, DOC_MASK=documents, DETERMINISTIC=deterministic, BLOCK_M=BLOCK_M, STAGES=STAGES, WORKER_REGS=24,
+                num_warps=NUM_WARPS, maxnreg=65536 // ((NUM_WARPS + 4) * 32) // 8 * 8)
     grid = (triton.cdiv(S, BLOCK_N), H_kv, B)
     if warmup:
         return _bwd_kernel.warmup(*args, grid=grid, **meta)
     compiled = _bwd_kernel[grid](*args, **meta)
     descs = _kept(args[:6])
-    tail = (*args[9:], *(meta[name] for name in _bwd_kernel.arg_names[len(args):]))
+    tail = (*args[11:], *(meta[name] for name in _bwd_kernel.arg_names[len(args):]))
     return dq_acc, (aux_compiled, aux_grid, aux_tail, compiled, grid, descs, tail)
 
 
@@ -432,30 +467,37 @@ def _launch(do, q, k, v, o, lse, dk, dv, causal: bool, scale: float, blocks: tup
 _BWD_BOUND: dict[tuple, tuple] = {}
 
 
-def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float,
-             blocks: tuple[int, int, int] | None = None) -> None:
+def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, docs: tuple | None = None,
+             deterministic: bool = True, blocks: tuple[int, int, int] | None = None) -> None:
     """Writes dq, dk, dv (shaped like q, k, v; head dim contiguous) from the forward's o and lse
-    ((B, H, T) fp32, contiguous). Deterministic. blocks overrides BLOCKS (benchmarks)."""
+    ((B, H, T) fp32, contiguous). docs: None, or (start, end), each (B, T) int32 contiguous (causal
+    only), each token's document's first and one-past-last index, to attend within documents
+    (kernels/flash_attn.py's Documents). deterministic: dQ's shares added in a fixed order (the
+    same bits every run), or in the order they come (not). blocks overrides BLOCKS (benchmarks)."""
+    docs = (False, lse, lse) if docs is None else (True, *docs)  # lse stands in for absent documents: unread
     # the aux kernel is compiled for o, do and lse as aligned (or not) as the first call's
     layout = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), do.stride(), o.stride(), dk.stride(), dv.stride(),
-              q.dtype, q.device.index, causal, scale, blocks, *(t.data_ptr() % 16 == 0 for t in (o, do, lse)))
+              q.dtype, q.device.index, causal, docs[0], deterministic, scale, blocks,
+              *(t.data_ptr() % 16 == 0 for t in (o, do, lse, *docs[1:])))
     if bound := _BWD_BOUND.get(layout):
         aux_compiled, aux_grid, aux_tail, compiled, grid, descs, tail = bound
         aux, dq_acc, sem = _scratch(q, (blocks or BLOCKS[q.shape[3]])[0], False)
         device = q.device.index
         launch_compiled(aux_compiled, aux_grid, device, (o, do, lse, aux, *aux_tail))
-        launch_compiled(compiled, grid, device, (*_rebound((q, k, v, do, aux, dq_acc), descs), sem, dk, dv, *tail))
+        launch_compiled(compiled, grid, device, (*_rebound((q, k, v, do, aux, dq_acc), descs), sem, *docs[1:], dk, dv,
+                                                 *tail))
     else:
-        dq_acc, _BWD_BOUND[layout] = _launch(do, q, k, v, o, lse, dk, dv, causal, scale, blocks)
+        dq_acc, _BWD_BOUND[layout] = _launch(do, q, k, v, o, lse, dk, dv, docs, causal, scale, deterministic, blocks)
     torch.mul(dq_acc, scale, out=dq)  # rows that see no key (causal, T > S) got no share: zero
 
 
-def compile_only(do, q, k, v, causal: bool):
+def compile_only(do, q, k, v, causal: bool, documents: bool = False):
     """The compiled kernel for these inputs' layout, without launching it (kernels/sm90.py)."""
     B, H, T, _ = q.shape
     lse = torch.empty((B, H, T), dtype=torch.float32)
-    return _launch(do, q, k, v, torch.empty_like(q), lse, torch.empty_like(k), torch.empty_like(v), causal,
-                   q.shape[3] ** -0.5, warmup=True)
+    bounds = torch.empty((2, B, T), dtype=torch.int32)
+    return _launch(do, q, k, v, torch.empty_like(q), lse, torch.empty_like(k), torch.empty_like(v),
+                   (documents, *bounds), causal, q.shape[3] ** -0.5, warmup=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -477,17 +519,17 @@ PRODUCER_REGS = gl.constexpr(24)  # the producer only issues TMA copies and wait
 
 
 @gluon.jit
-def _fwd_step(j, acc, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready, kv_empty, rows, cols, T, S, qk_scale,
-              MASKED: gl.constexpr, CAUSAL: gl.constexpr):
-    """One key block of the online softmax; frees the block's ring slot when its matmuls are done."""
+def _fwd_step(i, j, acc, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready, kv_empty, rows, cols, doc_rows, T, S,
+              qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr, DOC_MASK: gl.constexpr):
+    """Key block j (ring slot i) of the online softmax; frees the slot when its matmuls are done."""
     ROWS: gl.constexpr = q_t.type.shape[0]
     BLOCK_N: gl.constexpr = k_smem.type.shape[1]
     STAGES: gl.constexpr = k_smem.type.shape[0]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2)
-    stage = j % STAGES
-    phase = (j // STAGES) & 1
+    stage = i % STAGES
+    phase = (i // STAGES) & 1
     mbarrier.wait(k_ready.index(stage), phase)
     qk = warpgroup_mma(q_t, k_smem.index(stage).permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout),
                        use_acc=False)
@@ -496,6 +538,8 @@ def _fwd_step(j, acc, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready, kv_empty,
         visible = keys[None, :] < S
         if CAUSAL:  # bottom-right: query i sees key j iff j <= i + S - T
             visible = visible & (keys[None, :] <= rows[:, None] + (S - T))
+        if DOC_MASK:  # and (causal) only keys from its document's start on
+            visible = visible & (keys[None, :] >= doc_rows[:, None])
         qk = gl.where(visible, qk, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
     m_sub = m_new
@@ -512,14 +556,27 @@ def _fwd_step(j, acc, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready, kv_empty,
 
 
 @gluon.jit
-def _fwd_consume(descs, smem, bars, coords, CAUSAL: gl.constexpr, C: gl.constexpr):
-    """Consumer warpgroup C: query rows start_m + 64 C .. + 63 against every key block."""
+def _fwd_pass(i, k_ready, v_ready, kv_empty, STAGES: gl.constexpr):
+    """Ring slot i holds a key block this warpgroup's rows do not see (an earlier document's, which
+    another warpgroup's rows see): free it once loaded, unread. Waiting for the load keeps this
+    warpgroup from freeing a slot twice before the other has freed it once."""
+    stage = i % STAGES
+    phase = (i // STAGES) & 1
+    mbarrier.wait(k_ready.index(stage), phase)
+    mbarrier.wait(v_ready.index(stage), phase)
+    mbarrier.arrive(kv_empty.index(stage), count=1)
+
+
+@gluon.jit
+def _fwd_consume(descs, smem, bars, coords, CAUSAL: gl.constexpr, DOC_MASK: gl.constexpr, C: gl.constexpr):
+    """Consumer warpgroup C: query rows start_m + 64 C .. + 63 against the program's key blocks."""
     q_desc, k_desc, v_desc, o_desc, LSE = descs
     q_smem, k_smem, v_smem = smem
     q_bar, k_ready, v_ready, kv_empty = bars
-    off_b, off_h, off_hkv, start_m, n_blocks, H, T, S, qk_scale = coords
+    off_b, off_h, off_hkv, start_m, lo, n_blocks, DOC, H, T, S, qk_scale = coords
     ROWS: gl.constexpr = q_smem.type.shape[1]
     HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
+    STAGES: gl.constexpr = k_smem.type.shape[0]
     BLOCK_N: gl.constexpr = k_smem.type.shape[1]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -532,19 +589,35 @@ def _fwd_consume(descs, smem, bars, coords, CAUSAL: gl.constexpr, C: gl.constexp
     m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
     l_i = gl.zeros([ROWS], gl.float32, row_layout)
     acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
-    # key blocks that need no mask: all keys < S and (causal) none after this warpgroup's first row
+    # the program's key blocks lo .. n_blocks - 1 pass through the ring in order; this warpgroup
+    # passes those before own_lo unread, masks those before full_lo, needs no mask on those before
+    # n_full (all keys < S, and (causal) none after its first row) and masks the rest
     n_full = S // BLOCK_N
     if CAUSAL:
         n_full = gl.minimum(n_full, gl.maximum(first + S - T + 1, 0) // BLOCK_N)
     n_full = gl.minimum(n_full, n_blocks)
+    own_lo = lo
+    full_lo = lo
+    doc_rows = rows
+    if DOC_MASK:  # the tile of its first row's document start; mask-free only within one document
+        doc_rows = gl.load(DOC + rows, mask=rows < T, other=0)
+        doc_lo = gl.load(DOC + gl.minimum(first, T - 1))
+        one_doc = doc_lo == gl.load(DOC + gl.minimum(first + ROWS, T) - 1)
+        own_lo = gl.where(first < T, doc_lo // BLOCK_N, n_blocks)  # rows past T: no block
+        full_lo = gl.where(one_doc & (first < T), gl.cdiv(doc_lo, BLOCK_N), n_full)
     q_t = q_smem.index(C)
     mbarrier.wait(q_bar.index(C), 0)
-    for j in range(0, n_full):
-        acc, l_i, m_i = _fwd_step(j, acc, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready, kv_empty, rows, cols,
-                                  T, S, qk_scale, False, CAUSAL)
-    for j in range(n_full, n_blocks):
-        acc, l_i, m_i = _fwd_step(j, acc, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready, kv_empty, rows, cols,
-                                  T, S, qk_scale, True, CAUSAL)
+    for j in range(lo, own_lo):
+        _fwd_pass(j - lo, k_ready, v_ready, kv_empty, STAGES)
+    for j in range(own_lo, gl.minimum(full_lo, n_full)):
+        acc, l_i, m_i = _fwd_step(j - lo, j, acc, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready, kv_empty, rows,
+                                  cols, doc_rows, T, S, qk_scale, True, CAUSAL, DOC_MASK)
+    for j in range(full_lo, n_full):
+        acc, l_i, m_i = _fwd_step(j - lo, j, acc, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready, kv_empty, rows,
+                                  cols, doc_rows, T, S, qk_scale, False, CAUSAL, DOC_MASK)
+    for j in range(gl.maximum(own_lo, n_full), n_blocks):
+        acc, l_i, m_i = _fwd_step(j - lo, j, acc, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready, kv_empty, rows,
+                                  cols, doc_rows, T, S, qk_scale, True, CAUSAL, DOC_MASK)
 
     l_safe = gl.where(l_i == 0.0, 1.0, l_i)  # rows that attend no key: O = 0, LSE = -inf
     lse = (m_i + gl.log2(l_safe)) / _LOG2E
@@ -558,22 +631,22 @@ def _fwd_consume(descs, smem, bars, coords, CAUSAL: gl.constexpr, C: gl.constexp
 
 
 @gluon.jit
-def _fwd_consume_1(descs, smem, bars, coords, CAUSAL: gl.constexpr):
-    _fwd_consume(descs, smem, bars, coords, CAUSAL, 1)
+def _fwd_consume_1(descs, smem, bars, coords, CAUSAL: gl.constexpr, DOC_MASK: gl.constexpr):
+    _fwd_consume(descs, smem, bars, coords, CAUSAL, DOC_MASK, 1)
 
 
 @gluon.jit
-def _fwd_consume_2(descs, smem, bars, coords, CAUSAL: gl.constexpr):
-    _fwd_consume(descs, smem, bars, coords, CAUSAL, 2)
+def _fwd_consume_2(descs, smem, bars, coords, CAUSAL: gl.constexpr, DOC_MASK: gl.constexpr):
+    _fwd_consume(descs, smem, bars, coords, CAUSAL, DOC_MASK, 2)
 
 
 @gluon.jit
-def _fwd_produce(descs, smem, bars, coords, CAUSAL: gl.constexpr):
-    """The producer warp: each consumer's Q tile, then the K/V blocks through the ring."""
+def _fwd_produce(descs, smem, bars, coords, CAUSAL: gl.constexpr, DOC_MASK: gl.constexpr):
+    """The producer warp: each consumer's Q tile, then the K/V blocks lo .. n_blocks - 1 through the ring."""
     q_desc, k_desc, v_desc, o_desc, LSE = descs
     q_smem, k_smem, v_smem = smem
     q_bar, k_ready, v_ready, kv_empty = bars
-    off_b, off_h, off_hkv, start_m, n_blocks, H, T, S, qk_scale = coords
+    off_b, off_h, off_hkv, start_m, lo, n_blocks, DOC, H, T, S, qk_scale = coords
     CONSUMERS: gl.constexpr = q_smem.type.shape[0]
     ROWS: gl.constexpr = q_smem.type.shape[1]
     HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
@@ -583,9 +656,9 @@ def _fwd_produce(descs, smem, bars, coords, CAUSAL: gl.constexpr):
         mbarrier.expect(q_bar.index(c), q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [off_b, off_h, start_m + c * ROWS, 0], q_bar.index(c),
                                         q_smem.index(c).reshape([1, 1, ROWS, HEAD_DIM]))
-    for j in range(n_blocks):
-        stage = j % STAGES
-        mbarrier.wait(kv_empty.index(stage), ((j // STAGES) & 1) ^ 1)  # a fresh barrier passes phase 1
+    for j in range(lo, n_blocks):
+        stage = (j - lo) % STAGES
+        mbarrier.wait(kv_empty.index(stage), (((j - lo) // STAGES) & 1) ^ 1)  # a fresh barrier passes phase 1
         mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [off_b, off_hkv, j * BLOCK_N, 0], k_ready.index(stage),
                                         k_smem.index(stage).reshape([1, 1, BLOCK_N, HEAD_DIM]))
@@ -599,9 +672,11 @@ def _fwd_kernel(
     q_desc, k_desc, v_desc,  # TMA descriptors of (B, H, T, D), (B, H_kv, S, D) x2
     o_desc,  # of (B, H, T, D): the output
     LSE,  # (B, H, T) fp32, natural log
+    DOC_START,  # (B, T) int32: the first index of each token's document (read with DOC_MASK only)
     H, GROUP, T, S,
     qk_scale,  # softmax_scale * log2(e)
-    CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    CAUSAL: gl.constexpr, DOC_MASK: gl.constexpr, CONSUMERS: gl.constexpr, STAGES: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr,
 ):
     dtype: gl.constexpr = q_desc.dtype
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
@@ -615,6 +690,10 @@ def _fwd_kernel(
     if CAUSAL:  # one past the last key the program's last row sees (<= 0: its rows see none)
         key_end = gl.minimum(S, start_m + CONSUMERS * ROWS + S - T)
     n_blocks = gl.cdiv(gl.maximum(key_end, 0), BLOCK_N)
+    doc = DOC_START + off_b.to(gl.int64) * T
+    lo = 0  # with documents, keys before the first row's document are never loaded
+    if DOC_MASK:
+        lo = gl.load(doc + start_m) // BLOCK_N
 
     q_tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM], dtype)
     kv_tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
@@ -635,17 +714,17 @@ def _fwd_kernel(
     descs = (q_desc, k_desc, v_desc, o_desc, LSE)
     smem = (q_smem, k_smem, v_smem)
     bars = (q_bar, k_ready, v_ready, kv_empty)
-    coords = (off_b, off_h, off_h // GROUP, start_m, n_blocks, H, T, S, qk_scale)
+    coords = (off_b, off_h, off_h // GROUP, start_m, lo, n_blocks, doc, H, T, S, qk_scale)
     if CONSUMERS == 2:
-        gl.warp_specialize([(_fwd_consume, (descs, smem, bars, coords, CAUSAL, 0)),
-                            (_fwd_consume_1, (descs, smem, bars, coords, CAUSAL)),
-                            (_fwd_produce, (descs, smem, bars, coords, CAUSAL))],
+        gl.warp_specialize([(_fwd_consume, (descs, smem, bars, coords, CAUSAL, DOC_MASK, 0)),
+                            (_fwd_consume_1, (descs, smem, bars, coords, CAUSAL, DOC_MASK)),
+                            (_fwd_produce, (descs, smem, bars, coords, CAUSAL, DOC_MASK))],
                            [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
-        gl.warp_specialize([(_fwd_consume, (descs, smem, bars, coords, CAUSAL, 0)),
-                            (_fwd_consume_1, (descs, smem, bars, coords, CAUSAL)),
-                            (_fwd_consume_2, (descs, smem, bars, coords, CAUSAL)),
-                            (_fwd_produce, (descs, smem, bars, coords, CAUSAL))],
+        gl.warp_specialize([(_fwd_consume, (descs, smem, bars, coords, CAUSAL, DOC_MASK, 0)),
+                            (_fwd_consume_1, (descs, smem, bars, coords, CAUSAL, DOC_MASK)),
+                            (_fwd_consume_2, (descs, smem, bars, coords, CAUSAL, DOC_MASK)),
+                            (_fwd_produce, (descs, smem, bars, coords, CAUSAL, DOC_MASK))],
                            [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -658,15 +737,15 @@ def fwd_blocks(head_dim: int, seq_len: int) -> tuple[int, int, int]:
     return 2, 128, 2
 
 
-def _fwd_meta(causal: bool, blocks: tuple[int, int, int]) -> dict:
+def _fwd_meta(causal: bool, documents: bool, blocks: tuple[int, int, int]) -> dict:
     consumers, _, stages = blocks
     # registers are shared out per warpgroup, 64K in all: the producer's warp takes a warpgroup
     # slot at PRODUCER_REGS; the consumers split the rest, the default partition (consumer 0)
     # getting what maxnreg leaves it
     maxnreg = 65536 // ((consumers + 1) * 128) // 8 * 8
     consumer_regs = (65536 // 128 - PRODUCER_REGS.value) // consumers // 8 * 8
-    return dict(CAUSAL=causal, CONSUMERS=consumers, STAGES=stages, CONSUMER_REGS=consumer_regs, num_warps=4,
-                maxnreg=maxnreg)
+    return dict(CAUSAL=causal, DOC_MASK=documents, CONSUMERS=consumers, STAGES=stages, CONSUMER_REGS=consumer_regs,
+                num_warps=4, maxnreg=maxnreg)
 
 
 def _fwd_grid(q, blocks: tuple[int, int, int]) -> tuple[int, int, int]:
@@ -674,10 +753,10 @@ def _fwd_grid(q, blocks: tuple[int, int, int]) -> tuple[int, int, int]:
     return triton.cdiv(T, blocks[0] * FWD_ROWS), H, B
 
 
-def _fwd_args(q, k, v, o, lse, scale: float, block_n: int) -> tuple:
+def _fwd_args(q, k, v, o, lse, doc_start, scale: float, block_n: int) -> tuple:
     (_, H, T, D), (H_kv, S) = q.shape, k.shape[1:3]
     return (_descriptor(q, [1, 1, FWD_ROWS, D]), _descriptor(k, [1, 1, block_n, D]), _descriptor(v, [1, 1, block_n, D]),
-            _descriptor(o, [1, 1, FWD_ROWS, D]), lse, H, H // H_kv, T, S, scale * _LOG2E.value)
+            _descriptor(o, [1, 1, FWD_ROWS, D]), lse, doc_start, H, H // H_kv, T, S, scale * _LOG2E.value)
 
 
 # the compiled forward per input layout, with its grid, its four descriptors' shapes and strides
@@ -688,27 +767,33 @@ def _fwd_args(q, k, v, o, lse, scale: float, block_n: int) -> tuple:
 _FWD_BOUND: dict[tuple, tuple] = {}
 
 
-def forward(q, k, v, o, lse, causal: bool, scale: float, blocks: tuple[int, int, int] | None = None) -> None:
+def forward(q, k, v, o, lse, causal: bool, scale: float, doc_start: torch.Tensor | None = None,
+            blocks: tuple[int, int, int] | None = None) -> None:
     """Writes o (shaped like q, head dim contiguous) and lse ((B, H, T) fp32, contiguous, natural
-    log). blocks overrides fwd_blocks (benchmarks)."""
+    log). doc_start ((B, T) int32, contiguous; causal only): each token's document's first index,
+    to attend within documents (kernels/flash_attn.py's Documents.start). blocks overrides
+    fwd_blocks (benchmarks)."""
+    documents = doc_start is not None
+    doc_start = lse if doc_start is None else doc_start  # lse stands in for absent documents: unread
     layout = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), o.stride(), q.dtype, q.device.index, causal,
-              scale, blocks, lse.data_ptr() % 16 == 0)
+              documents, scale, blocks, lse.data_ptr() % 16 == 0, doc_start.data_ptr() % 16 == 0)
     if bound := _FWD_BOUND.get(layout):
         compiled, grid, descs, tail = bound
-        launch_compiled(compiled, grid, q.device.index, (*_rebound((q, k, v, o), descs), lse, *tail))
+        launch_compiled(compiled, grid, q.device.index, (*_rebound((q, k, v, o), descs), lse, doc_start, *tail))
         return
     blocks = blocks or fwd_blocks(q.shape[3], q.shape[2])
-    args = _fwd_args(q, k, v, o, lse, scale, blocks[1])
+    args = _fwd_args(q, k, v, o, lse, doc_start, scale, blocks[1])
     grid = _fwd_grid(q, blocks)
-    meta = _fwd_meta(causal, blocks)
+    meta = _fwd_meta(causal, documents, blocks)
     compiled = _fwd_kernel[grid](*args, **meta)
     descs = _kept(args[:4])
-    _FWD_BOUND[layout] = compiled, grid, descs, (*args[5:], *(meta[name] for name in _fwd_kernel.arg_names[len(args):]))
+    _FWD_BOUND[layout] = compiled, grid, descs, (*args[6:], *(meta[name] for name in _fwd_kernel.arg_names[len(args):]))
 
 
-def compile_only_forward(q, k, v, causal: bool, blocks: tuple[int, int, int] | None = None):
+def compile_only_forward(q, k, v, causal: bool, documents: bool = False, blocks: tuple[int, int, int] | None = None):
     """The compiled forward kernel for these inputs' layout, without launching it (kernels/sm90.py)."""
     (B, H, T, D) = q.shape
     blocks = blocks or fwd_blocks(D, T)
-    args = _fwd_args(q, k, v, torch.empty_like(q), torch.empty((B, H, T), dtype=torch.float32), D ** -0.5, blocks[1])
-    return _fwd_kernel.warmup(*args, grid=_fwd_grid(q, blocks), **_fwd_meta(causal, blocks))
+    args = _fwd_args(q, k, v, torch.empty_like(q), torch.empty((B, H, T), dtype=torch.float32),
+                     torch.empty((B, T), dtype=torch.int32), D ** -0.5, blocks[1])
+    return _fwd_kernel.warmup(*args, grid=_fwd_grid(q, blocks), **_fwd_meta(causal, documents, blocks))

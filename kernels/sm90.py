@@ -61,7 +61,10 @@ def stand_in():
         driver._active = previous
 
 
-def compile_hopper(direction: str, head_dim: int, dtype: torch.dtype, causal: bool):
+MASKS = ("full", "causal", "documents")  # documents: causal within packed documents
+
+
+def compile_hopper(direction: str, head_dim: int, dtype: torch.dtype, mask: str):
     """The compiled forward or backward kernel for one configuration (compiled in a fresh Triton
     cache key only when its source or options changed)."""
     from kernels import flash_attn_hopper as hopper
@@ -69,10 +72,11 @@ def compile_hopper(direction: str, head_dim: int, dtype: torch.dtype, causal: bo
     B, H, H_kv, T, S = 1, 2, 1, 4096, 4096  # T picks the forward's blocks: those of long sequences
     q, do = (torch.empty(B, T, H, head_dim, dtype=dtype).transpose(1, 2) for _ in range(2))
     k, v = (torch.empty(B, S, H_kv, head_dim, dtype=dtype).transpose(1, 2) for _ in range(2))
+    causal, documents = mask != "full", mask == "documents"
     with stand_in():
         if direction == "fwd":
-            return hopper.compile_only_forward(q, k, v, causal)
-        return hopper.compile_only(do, q, k, v, causal)
+            return hopper.compile_only_forward(q, k, v, causal, documents)
+        return hopper.compile_only(do, q, k, v, causal, documents)
 
 
 def _tool(name: str) -> str:
@@ -90,9 +94,9 @@ def main() -> None:
     args = parser.parse_args()
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    for direction, head_dim, causal in itertools.product(("fwd", "bwd"), (64, 128), (True, False)):
-        kernel = compile_hopper(direction, head_dim, torch.bfloat16, causal)
-        name = f"{direction}_d{head_dim}_{'causal' if causal else 'full'}"
+    for direction, head_dim, mask in itertools.product(("fwd", "bwd"), (64, 128), MASKS):
+        kernel = compile_hopper(direction, head_dim, torch.bfloat16, mask)
+        name = f"{direction}_d{head_dim}_{mask}"
         cubin = out / f"{name}.cubin"
         cubin.write_bytes(kernel.asm["cubin"])
         usage = re.search(r"REG:(\d+) STACK:(\d+)", _run(_tool("cuobjdump"), "-res-usage", str(cubin)))

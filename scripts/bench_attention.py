@@ -86,14 +86,17 @@ def _flex(T):
 # FlexAttention, which training does not run
 # triton runs as training does (on sm_90 from 2048 queries on: the Gluon forward; the Gluon backward
 # at head dim 128, the Triton one at 64); triton_portable pins the Triton kernels both ways,
-# triton_gluon the Hopper kernels in Gluon ("n/a" off sm_90)
+# triton_gluon the Hopper kernels in Gluon ("n/a" off sm_90), triton_gluon_unordered them with dQ's
+# shares added as they come (FLASH_ATTENTION_DETERMINISTIC=0), what ordering them costs
 IMPLS = {**{name: _as_trained(a) for name, a in ATTENTIONS.items() if name != "sdpa"},
          "triton_portable": _as_trained(ATTENTIONS["triton"]),
          "triton_gluon": _as_trained(ATTENTIONS["triton"]),
+         "triton_gluon_unordered": _as_trained(ATTENTIONS["triton"]),
          **{f"sdpa_{name}": _sdpa(backend) for name, backend in SDPA_BACKENDS.items() if name != "math"},
          "flex": _flex}
 # environment variables a cell runs under, set for the whole cell: the backward reads them too
-CELL_ENV = {"triton_portable": {"FLASH_ATTENTION_BACKEND": "triton"}, "triton_gluon": {"FLASH_ATTENTION_BACKEND": "gluon"}}
+CELL_ENV = {"triton_portable": {"FLASH_ATTENTION_BACKEND": "triton"}, "triton_gluon": {"FLASH_ATTENTION_BACKEND": "gluon"},
+            "triton_gluon_unordered": {"FLASH_ATTENTION_BACKEND": "gluon", "FLASH_ATTENTION_DETERMINISTIC": "0"}}
 
 
 @contextlib.contextmanager
@@ -360,6 +363,7 @@ def run_documents(args, env):
                      "ours_causal": lambda q, k, v: flash_attention(q, k, v),
                      "cudnn_causal": _sdpa(SDPBackend.CUDNN_ATTENTION)(T)}
             cells = []
+            bench_one(impls["ours_docs"], leaves, get_qkv, dout, args.warmup, args.rep)  # discarded: see main()
             for name, attn in impls.items():
                 try:
                     _, ms, _ = bench_one(attn, leaves, get_qkv, dout, args.warmup, args.rep)

@@ -13,7 +13,7 @@ import triton
 import kernels.flash_attn as fa
 from kernels import flash_attention
 from tests.helpers import REPO
-from tests.test_flash_attn import BF16, F16, _case_id, _check_against_float64, _make_inputs
+from tests.test_flash_attn import BF16, F16, _case_id, _check_against_float64, _doc_ids, _make_inputs
 
 GLUON = triton.__version__.startswith(fa.GLUON_TRITON)
 # where the installed triton is another release, `make test` puts triton 3.6 here for the compile check
@@ -50,7 +50,7 @@ def test_compiles_for_sm90_without_a_gpu(tmp_path):
                          capture_output=True, text=True, timeout=1800)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
-    assert len(lines) == 8, out.stdout  # forward and backward, D 64 and 128, causal and not
+    assert len(lines) == 12, out.stdout  # forward and backward, D 64 and 128, full, causal and documents
     for line in lines:
         assert int(re.search(r"(\d+) HGMMA", line)[1]) > 0, line  # the matmuls run on Hopper's wgmma
 
@@ -65,6 +65,10 @@ def test_backend_variable_is_checked(monkeypatch):
     monkeypatch.setenv(fa.BACKEND_VARIABLE, "gluon")
     with pytest.raises(ValueError, match="FLASH_ATTENTION_BACKEND=gluon: .*CUDA GPUs only"):
         flash_attention(q, k, v).sum().backward()
+    monkeypatch.delenv(fa.BACKEND_VARIABLE)
+    monkeypatch.setenv(fa.DETERMINISTIC_VARIABLE, "yes")
+    with pytest.raises(ValueError, match="FLASH_ATTENTION_DETERMINISTIC=yes: use 1 .* or 0"):
+        fa.backends(16, torch.float32, torch.device("cpu"), 1024)
 
 
 def test_backends_say_which_kernels_run(monkeypatch):
@@ -82,15 +86,12 @@ def test_backends_say_which_kernels_run(monkeypatch):
         assert fa.backends(64, BF16, gpu, long) == {"forward": "gluon", "backward": "triton"}
         assert fa.backends(128, BF16, gpu, short) == {"forward": "triton", "backward": "triton"}
         assert fa.backends(80, BF16, gpu, long) == {"forward": "triton", "backward": "triton"}
-        assert fa.backends(64, F16, gpu, long, documents=True) == {"forward": "triton", "backward": "triton"}
         monkeypatch.setenv(fa.BACKEND_VARIABLE, "triton")
         assert fa.backends(128, BF16, gpu, long) == {"forward": "triton", "backward": "triton"}
         monkeypatch.setenv(fa.BACKEND_VARIABLE, "gluon")
         assert fa.backends(128, BF16, gpu, short) == {"forward": "gluon", "backward": "gluon"}
         with pytest.raises(ValueError, match="head_dim 64 and 128, not 80"):
             fa.backends(80, BF16, gpu, long)
-        with pytest.raises(ValueError, match="packed documents run on the Triton kernels"):
-            fa.backends(64, F16, gpu, long, documents=True)
 
 
 # (dtype, B, H, H_kv, T, S, D, causal, layout): both head dims and dtypes, causal and not, odd T,
@@ -117,6 +118,59 @@ def test_gluon_matches_float64_reference(case, backend):
                            device="cuda")
 
 
+# (dtype, B, H, H_kv, D, layout, document lengths per batch row): one-token documents (many in a
+# row), documents that start mid-tile or on a tile edge (the tiles have 64, 128 and 192 rows),
+# one document over a whole row, GQA and MQA, every layout, T a multiple of no tile
+GPU_DOC_CASES = [
+    (BF16, 2, 4, 2, 64, "packed", [[1, 700, 1300, 64, 33, 1950], [4048]]),
+    (F16, 2, 4, 2, 128, "bthd", [[1, 700, 1300, 64, 33, 1950], [4048]]),
+    (BF16, 1, 8, 1, 128, "contiguous", [[127, 129, 1, 1, 2000, 191, 193, 1406]]),
+    (F16, 1, 4, 4, 64, "bthd", [[1] * 200 + [384, 2115]]),
+]
+
+
+@pytest.mark.gpu
+@sm90
+@pytest.mark.parametrize("case", GPU_DOC_CASES, ids=lambda c: f"{str(c[0])[6:]}-D{c[4]}-kv{c[3]}-{c[5]}")
+def test_gluon_document_mask_matches_float64_reference(case, backend):
+    dtype, B, H, H_kv, D, layout, lengths = case
+    T = sum(lengths[0])
+    _check_against_float64(f"gluon{backend}-docs-{lengths}", B, H, H_kv, T, T, D, True, dtype, layout, "cuda",
+                           doc_ids=_doc_ids(lengths, "cuda"))
+
+
+@pytest.mark.gpu
+@sm90
+@pytest.mark.parametrize("D", [64, 128])
+def test_gluon_tiles_of_other_documents_are_skipped_not_masked(D, gluon):
+    # NaN in one document: a tile of it that the other document's rows or keys only masked would
+    # still multiply NaN into their sums (0 * NaN); a skipped tile is never loaded, so the other
+    # document's results stay bit for bit those of clean inputs. The boundary, 1536, is an edge
+    # of every tile (64, 128 and 192 rows).
+    doc_ids = _doc_ids([[1536, 1536]], "cuda")
+    q, k, v, do = _make_inputs(f"gluon-doc-skip-{D}", 1, 4, 2, 3072, 3072, D, BF16, "bthd", "cuda")
+
+    def run(q, k, v, do):
+        q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        o = flash_attention(q, k, v, doc_ids=doc_ids)
+        return (o, *torch.autograd.grad(o, (q, k, v), do))
+
+    clean = run(q, k, v, do)
+    # the forward and the dQ shares skip document 0's key tiles for document 1's rows
+    v_nan = v.detach().clone()
+    v_nan[:, :, :1536] = float("nan")
+    o, dq, _, _ = run(q, k, v_nan, do)
+    for got, want in ((o, clean[0]), (dq, clean[1])):
+        assert torch.isfinite(got[:, :, 1536:]).all() and torch.equal(got[:, :, 1536:], want[:, :, 1536:])
+    # the dK/dV of document 0's keys skip document 1's query tiles
+    q_nan, do_nan = q.detach().clone(), do.clone()
+    q_nan[:, :, 1536:] = float("nan")
+    do_nan[:, :, 1536:] = float("nan")
+    _, _, dk, dv = run(q_nan, k, v, do_nan)
+    for got, want in ((dk, clean[2]), (dv, clean[3])):
+        assert torch.isfinite(got[:, :, :1536]).all() and torch.equal(got[:, :, :1536], want[:, :, :1536])
+
+
 @pytest.mark.gpu
 @sm90
 @pytest.mark.parametrize("D", [64, 128])
@@ -137,15 +191,27 @@ def test_gluon_forward_never_reads_keys_past_its_rows(D, monkeypatch):
 
 @pytest.mark.gpu
 @sm90
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_gluon_backward_is_bit_identical_over_100_runs(causal, gluon):
+@pytest.mark.parametrize("mask", ["causal", "full", "documents"])
+def test_gluon_backward_is_bit_identical_over_100_runs(mask, gluon):
     # the dQ shares are added in a fixed order; unordered atomics would differ within a few runs
-    q, k, v, do = _make_inputs(f"gluon-determinism-{causal}", 2, 8, 2, 2048, 2048, 128, BF16, "packed", "cuda")
-    o = flash_attention(q, k, v, causal=causal)
+    q, k, v, do = _make_inputs(f"gluon-determinism-{mask}", 2, 8, 2, 2048, 2048, 128, BF16, "packed", "cuda")
+    doc_ids = _doc_ids([[300, 1, 900, 847], [2048]], "cuda") if mask == "documents" else None
+    o = flash_attention(q, k, v, causal=mask != "full", doc_ids=doc_ids)
     first = torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
     for _ in range(100):
         for a, b in zip(first, torch.autograd.grad(o, (q, k, v), do, retain_graph=True), strict=True):
             assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@sm90
+@pytest.mark.parametrize("case", [GPU_CASES[1], GPU_CASES[3], GPU_CASES[5]], ids=lambda c: _case_id(*c))
+def test_gluon_unordered_dq_matches_float64_reference(case, gluon, monkeypatch):
+    # FLASH_ATTENTION_DETERMINISTIC=0: dQ's shares added as they come, not in turn
+    monkeypatch.setenv(fa.DETERMINISTIC_VARIABLE, "0")
+    dtype, B, H, H_kv, T, S, D, causal, layout = case
+    _check_against_float64("gluon-unordered-" + _case_id(*case), B, H, H_kv, T, S, D, causal, dtype, layout,
+                           device="cuda")
 
 
 @pytest.mark.gpu
