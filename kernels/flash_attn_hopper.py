@@ -171,7 +171,8 @@ def _bwd_write_dq(descs, smem, bars, coords, SEM, CAUSAL: gl.constexpr, DETERMIN
     for j in range(steps * GROUP):
         off_h, start_m = _bwd_step_rows(j, steps, m_lo, off_hkv, GROUP, BLOCK_M)
         counter = SEM + (off_b * H + off_h) * m_blocks + start_m // BLOCK_M + lane_zero
-        landed = _load_acquire(counter)  # read now, its latency hidden behind the wait below
+        if DETERMINISTIC:
+            landed = _load_acquire(counter)  # read now, its latency hidden behind the wait below
         n_hi = n_blocks - 1  # the last key block that sees this Q block adds first
         if CAUSAL:
             n_hi = gl.minimum(n_hi, (start_m + BLOCK_M - 1 + S - T) // BLOCK_N)
@@ -422,13 +423,16 @@ def _rebound(tensors, kept: tuple) -> tuple:
 
 def _scratch(q, block_m: int, warmup: bool) -> tuple:
     """The backward's buffers: aux (B, H, 2, T_pad) fp32, and dQ's fp32 accumulator with the
-    order counters, zeroed by one fill."""
+    order counters, zeroed by one fill. The accumulator is (B, H, T, D) in (B, T, H, D) memory
+    order, as kernels/flash_attn.py lays out dq: the final scaling pass then reads and writes
+    both in the same order, vectorized (strided, it took twice as long)."""
     B, H, T, D = q.shape
     device = "cpu" if warmup else q.device
     aux = torch.empty((B, H, 2, triton.cdiv(T, 4) * 4), dtype=torch.float32, device=device)  # 16-byte rows (TMA)
     n_acc, m_blocks = B * H * T * D, triton.cdiv(T, block_m)
     zeroed = torch.zeros(n_acc + B * H * m_blocks, dtype=torch.float32, device=device)
-    return aux, zeroed[:n_acc].view(B, H, T, D), zeroed[n_acc:].view(torch.int32).view(B, H, m_blocks)
+    dq_acc = zeroed[:n_acc].view(B, T, H, D).transpose(1, 2)
+    return aux, dq_acc, zeroed[n_acc:].view(torch.int32).view(B, H, m_blocks)
 
 
 def _launch(do, q, k, v, o, lse, dk, dv, docs: tuple, causal: bool, scale: float, deterministic: bool = True,

@@ -216,6 +216,16 @@ def test_gluon_unordered_dq_matches_float64_reference(case, gluon, monkeypatch):
 
 @pytest.mark.gpu
 @sm90
+def test_gluon_unordered_dq_with_documents(gluon, monkeypatch):
+    monkeypatch.setenv(fa.DETERMINISTIC_VARIABLE, "0")
+    dtype, B, H, H_kv, D, layout, lengths = GPU_DOC_CASES[2]
+    T = sum(lengths[0])
+    _check_against_float64(f"gluon-unordered-docs-{lengths}", B, H, H_kv, T, T, D, True, dtype, layout, "cuda",
+                           doc_ids=_doc_ids(lengths, "cuda"))
+
+
+@pytest.mark.gpu
+@sm90
 def test_gluon_refuses_what_it_cannot_run(gluon):
     q, k, v, do = _make_inputs("gluon-d80", 1, 2, 2, 256, 256, 80, BF16, "bthd", "cuda")
     with pytest.raises(ValueError, match="FLASH_ATTENTION_BACKEND=gluon: the Hopper forward .*head_dim 64 and 128, not 80"):
@@ -241,14 +251,16 @@ def test_gluon_under_inductor_fullgraph(backend):
 
 @pytest.mark.gpu
 @sm90
-def test_gluon_later_launches_use_the_new_tensors(gluon):
+@pytest.mark.parametrize("documents", [False, True], ids=["causal", "documents"])
+def test_gluon_later_launches_use_the_new_tensors(documents, gluon):
     # the first call per layout goes through Triton's front door; later calls launch the compiled
-    # kernels with descriptors rebuilt from the new tensors' addresses
+    # kernels with descriptors rebuilt from the new tensors' addresses (and the new documents')
     hopper = fa._hopper()
     a, b = (_make_inputs(f"gluon-rebind-{name}", 1, 4, 2, 1000, 1000, 128, BF16, "bthd", "cuda") for name in "ab")
+    doc_ids = _doc_ids([[300, 1, 699]], "cuda") if documents else None
 
     def run(q, k, v, do):
-        o = flash_attention(q, k, v)
+        o = flash_attention(q, k, v, doc_ids=doc_ids)
         return (o, *torch.autograd.grad(o, (q, k, v), do))
 
     hopper._FWD_BOUND.clear()
