@@ -79,6 +79,11 @@ BAD = [
     # host_overhead.py
     case("host_overhead.py", "--bogus", "unrecognized arguments: --bogus; host_overhead.py takes -h, --help"),
     case("host_overhead.py", "", "host_overhead.py needs a CUDA GPU", what="(no CUDA)", marks=NO_CUDA),
+    # profile_attention.py
+    case("profile_attention.py", "--head-dims 100", "--head-dims: [100] do not divide --width 1024"),
+    case("profile_attention.py", "--seq-lens 3000", "--seq-lens: [3000] do not divide --tokens 16384"),
+    case("profile_attention.py", "--steps 0", "argument --steps: '0'"),
+    case("profile_attention.py", "", "profile_attention.py needs a CUDA GPU", what="(no CUDA)", marks=NO_CUDA),
     # long_context.py
     case("long_context.py", "--from-csv {in}/nonexistent.csv", "nonexistent.csv: No such file"),
     case("long_context.py", "--from-csv {in}/rows.json", "rows.json: no column attn",

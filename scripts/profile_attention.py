@@ -1,0 +1,85 @@
+"""Where one causal bf16 attention forward+backward spends its GPU time: each kernel's time per
+step, from torch.profiler, ours (what `attn=triton` runs) beside SDPA's cuDNN backend.
+
+bench_attention.py times the whole call; this splits it, so that a gap to cuDNN can be put on the
+forward, the backward or the passes around them (the backward's preprocessing, dQ's conversion,
+the gradient copies both pay). Shapes as bench_attention.py's: B·T = --tokens, H·D = --width,
+q, k, v strided views of one (B, T, 3, H, D) tensor as the model makes them. Needs a CUDA GPU:
+
+    python scripts/profile_attention.py --head-dims 64,128 --seq-lens 4096,8192,16384
+"""
+
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/ sits beside kernels/
+
+from kernels import flash_attention  # noqa: E402
+from scripts.args import ArgumentParser, positive_int, positive_ints, require_cuda  # noqa: E402
+
+
+def cudnn(q, k, v):
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+ATTENTIONS = {"ours": lambda q, k, v: flash_attention(q, k, v, causal=True), "cudnn": cudnn}
+
+
+def kernel_us(attn, qkv, do, steps: int) -> dict[str, float]:
+    """GPU microseconds per forward+backward step of each kernel that ran (by name)."""
+    def step():
+        q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))  # (B, H, T, D) views
+        torch.autograd.grad(attn(q, k, v), qkv, do)
+
+    for _ in range(3):  # compile, autotune, warm up
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    times = defaultdict(float)
+    for event in prof.key_averages():
+        if event.device_type.name == "CUDA" and event.self_device_time_total > 0:
+            times[event.key] += event.self_device_time_total / steps
+    return dict(sorted(times.items(), key=lambda item: -item[1]))
+
+
+def main() -> None:
+    p = ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--head-dims", type=positive_ints, default=[64, 128])
+    p.add_argument("--seq-lens", type=positive_ints, default=[4096, 8192, 16384])
+    p.add_argument("--tokens", type=positive_int, default=16384, help="B·T")
+    p.add_argument("--width", type=positive_int, default=1024, help="H·D")
+    p.add_argument("--steps", type=positive_int, default=20, help="profiled steps per shape")
+    args = p.parse_args()
+    if bad := [D for D in args.head_dims if args.width % D]:
+        p.error(f"argument --head-dims: {bad} do not divide --width {args.width} (H·D): choose divisors of it")
+    if bad := [T for T in args.seq_lens if args.tokens % T]:
+        p.error(f"argument --seq-lens: {bad} do not divide --tokens {args.tokens} (B·T): choose divisors of it")
+    require_cuda("profile_attention.py")
+    print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | us of GPU time per forward+backward step")
+    for D in args.head_dims:
+        for T in args.seq_lens:
+            B, H = args.tokens // T, args.width // D
+            qkv = torch.randn(B, T, 3, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            do = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+            totals = {}
+            for name, attn in ATTENTIONS.items():
+                times = kernel_us(attn, qkv, do, args.steps)
+                totals[name] = sum(times.values())
+                print(f"\nD = {D}, T = {T} (B = {B}, H = {H}), {name}: {totals[name]:,.0f} us")
+                for kernel, us in times.items():
+                    print(f"  {us:9,.0f}  {kernel[:100]}")
+            print(f"\nD = {D}, T = {T}: ours / cudnn GPU time {totals['ours'] / totals['cudnn']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
