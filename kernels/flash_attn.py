@@ -782,7 +782,8 @@ def _backend() -> str:
 
 
 # "1" (unset) or "0": whether the Gluon backward adds dQ's shares in a fixed order (the same bits
-# every run) or as they come (faster, not reproducible); the Triton backward has no atomics to order
+# every run) or as they come (not reproducible, and no faster: docs/perf-notes.md v13); the Triton
+# backward has no atomics to order
 DETERMINISTIC_VARIABLE = "FLASH_ATTENTION_DETERMINISTIC"
 
 
@@ -823,8 +824,9 @@ def _gluon_runs(direction: str, signature: tuple, streamed: tuple) -> bool:
 
 def backends(head_dim: int, dtype: torch.dtype, device: torch.device, seq_len: int) -> dict[str, str]:
     """Which kernels run the forward and the backward of attention with this head dim, dtype,
-    device and query length (with or without documents), for inputs laid out as the model lays them out (the run info
-    logs it); ValueError for a FLASH_ATTENTION_BACKEND value it cannot take, or gluon where it cannot run."""
+    device and query length (with or without documents), for inputs laid out as the model lays
+    them out (the run info logs it); ValueError for a FLASH_ATTENTION_BACKEND or
+    FLASH_ATTENTION_DETERMINISTIC value it cannot take, or gluon where it cannot run."""
     _deterministic()  # a bad value fails here, before training starts
     why = gluon_missing(head_dim, dtype, device)
     if why and _backend() == "gluon":
