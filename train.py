@@ -245,7 +245,7 @@ def run_info(cfg: DictConfig, par: Parallel, model: GPT) -> dict:
         try:
             head_dim = cfg.model.d_model // cfg.model.n_head
             info["sdpa_backend"] = probe_sdpa_backend(cfg.seq_len, cfg.model.n_head, head_dim, dtype, device,
-                                                      cfg.attn.sdpa_backend, cfg.data.doc_mask)
+                                                      cfg.attn.sdpa_backend, cfg.data.doc_mask, cfg.model.n_kv_head)
         except RuntimeError as e:
             raise ConfigError(f"attn.sdpa_backend={cfg.attn.sdpa_backend}: torch has no such kernel for these "
                               f"inputs on {device.type} ({str(e).splitlines()[0][:120]}): choose another or null")

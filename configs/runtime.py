@@ -101,16 +101,20 @@ def sdpa_backend_in_use(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backe
     mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=q.device).expand(B, 1, T, T) if masked else None
     with sdpa_backend(backend):
         # torch's own dispatcher choice (private API: there is no public one); same rules as the real call
-        choice = SDPBackend(torch._fused_sdp_choice(q, k, v, mask, 0.0, not masked))
+        choice = SDPBackend(torch._fused_sdp_choice(q, k, v, mask, 0.0, not masked,
+                                                    enable_gqa=k.size(1) != q.size(1)))
     return next(name for name, b in SDPA_BACKENDS.items() if b == choice)
 
 
 def probe_sdpa_backend(seq_len: int, n_head: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-                       backend: str | None = None, masked: bool = False) -> str:
-    """sdpa_backend_in_use for the model's own inputs: strided views of one (B, T, 3, H, D) projection,
-    for one sequence (torch's choice does not depend on the batch, which need not fit in memory here)."""
-    qkv = torch.empty(1, seq_len, 3, n_head, head_dim, device=device, dtype=dtype)
-    return sdpa_backend_in_use(*qkv.permute(2, 0, 3, 1, 4), backend=backend, masked=masked)
+                       backend: str | None = None, masked: bool = False, n_kv_head: int = 0) -> str:
+    """sdpa_backend_in_use for the model's own inputs: strided views of one (B, T, H + 2 H_kv, D)
+    projection (n_kv_head 0: H_kv = H), for one sequence (torch's choice does not depend on the
+    batch, which need not fit in memory here)."""
+    H, H_kv = n_head, n_kv_head or n_head
+    qkv = torch.empty(1, seq_len, H + 2 * H_kv, head_dim, device=device, dtype=dtype)
+    q, k, v = (t.transpose(1, 2) for t in qkv.split([H, H_kv, H_kv], dim=2))
+    return sdpa_backend_in_use(q, k, v, backend=backend, masked=masked)
 
 
 # WANDB_MODE's values, W&B's old names included

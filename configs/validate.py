@@ -57,7 +57,7 @@ def validate(cfg: DictConfig, world: int = 1) -> None:
     _int64(cfg)
     _at_least(cfg, "seq_len batch_size grad_accum max_steps log_interval model.n_layer model.n_head "
                    "model.d_model model.max_seq_len model.loss_chunk batch_tokens parallel.cp", 1)
-    _at_least(cfg, "eval_interval eval_steps optim.warmup_steps sample_tokens model.mlp_chunk", 0)
+    _at_least(cfg, "eval_interval eval_steps optim.warmup_steps sample_tokens model.mlp_chunk model.n_kv_head", 0)
     _at_least(cfg, "ckpt_interval", -1)
     _at_least(cfg, "seed data_seed", 0)
     try:
@@ -79,6 +79,8 @@ def validate(cfg: DictConfig, world: int = 1) -> None:
         _fail("model.vocab_size", m.vocab_size, f"must be at least the GPT-2 tokenizer's {VOCAB_SIZE}")
     if m.d_model % m.n_head:
         _fail("model.d_model", m.d_model, f"must be divisible by model.n_head {m.n_head}")
+    if m.n_kv_head and m.n_head % m.n_kv_head:
+        _fail("model.n_kv_head", m.n_kv_head, f"must divide model.n_head {m.n_head} (or be 0: as many as n_head)")
     head_dim = m.d_model // m.n_head
     attention = ATTENTIONS[cfg.attn.name]
     if attention.max_head_dim is not None and head_dim > attention.max_head_dim:

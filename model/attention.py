@@ -1,7 +1,8 @@
 """The attention swap point: one signature, and one registry of the implementations and what each can do.
 
-Every implementation takes q, k, v of shape (B, H, T, D), and optionally doc_ids (B, T) of packed
-documents, and returns causal attention of the same shape and dtype, within each document when
+Every implementation takes q (B, H, T, D), k and v (B, H_kv, T, D) with H_kv dividing H (grouped
+key/value heads: query head h reads kv head h // (H / H_kv)), and optionally doc_ids (B, T) of packed
+documents, and returns causal attention shaped like q, in its dtype, within each document when
 doc_ids is given. The model calls the `fn` of the Attention it is given and never asks which one
 it is. What an attention can do (head dims, splitting a sequence over ranks, what selective
 activation checkpointing keeps of it) is written in its entry, once: the config's choices and
@@ -31,7 +32,10 @@ def hidden_keys(doc_ids: torch.Tensor | None, T: int, device: torch.device) -> t
 
 def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None = None
                     ) -> torch.Tensor:
-    """Textbook attention: materialises the (B, H, T, T) scores in the input dtype."""
+    """Textbook attention: materialises the (B, H, T, T) scores in the input dtype. Fewer key/value
+    heads (GQA) are repeated, each for its group of query heads."""
+    if k.size(1) != q.size(1):  # query head h reads kv head h // (H / H_kv)
+        k, v = (t.repeat_interleave(q.size(1) // k.size(1), dim=1) for t in (k, v))
     scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.size(-1)))  # (B, H, T, T)
     scores = scores.masked_fill(hidden_keys(doc_ids, q.size(-2), q.device), float("-inf"))
     # softmax in (at least) fp32: bf16 exp/sum would lose the many small probabilities
@@ -43,9 +47,11 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: t
                    ) -> torch.Tensor:
     """PyTorch's fused attention; which backend runs is torch's choice unless pinned (configs/runtime.py).
     With documents it gets a dense (B, 1, T, T) mask, which its flash and cuDNN kernels do not take."""
+    gqa = k.size(1) != q.size(1)
     if doc_ids is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=~hidden_keys(doc_ids, q.size(-2), q.device))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=~hidden_keys(doc_ids, q.size(-2), q.device),
+                                          enable_gqa=gqa)
 
 
 def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None = None

@@ -29,6 +29,9 @@ class ModelConfig:
     name: str = MISSING
     n_layer: int = 12
     n_head: int = 12
+    # key/value heads, dividing n_head: each serves n_head / n_kv_head query heads (GQA; 1: MQA);
+    # 0: n_head, plain multi-head attention
+    n_kv_head: int = 0
     d_model: int = 768
     # learned position table size; seq_len may not exceed it (RoPE has no table but keeps the cap)
     max_seq_len: int = 1024

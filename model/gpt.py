@@ -51,8 +51,10 @@ class Rotary(nn.Module):
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, attention: AttentionFn | None, rotary: Rotary | None):
         super().__init__()
-        self.n_head = cfg.n_head
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=cfg.bias)
+        self.n_head, self.n_kv_head = cfg.n_head, cfg.n_kv_head or cfg.n_head
+        # one projection: n_head query heads, then n_kv_head key and n_kv_head value heads
+        self.qkv = nn.Linear(cfg.d_model, (self.n_head + 2 * self.n_kv_head) * (cfg.d_model // cfg.n_head),
+                             bias=cfg.bias)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
         self.proj.residual_scaled = True
         self.attention = attention
@@ -63,8 +65,11 @@ class CausalSelfAttention(nn.Module):
                 ) -> torch.Tensor:
         """x (B, T, C); pos (T,): the tokens' positions, if not 0..T-1."""
         B, T, C = x.shape
-        # (B, T, 3, H, D) -> three (B, H, T, D) strided views; the kernels take strides, no copy
-        q, k, v = self.qkv(x).view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4)
+        H, H_kv = self.n_head, self.n_kv_head
+        # (B, T, H + 2 H_kv, D) -> (B, H, T, D), (B, H_kv, T, D) x2 strided views; the kernels
+        # take strides, no copy
+        q, k, v = self.qkv(x).view(B, T, H + 2 * H_kv, C // H).split([H, H_kv, H_kv], dim=2)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if self.rotary is not None:
             q, k = self.rotary(q, pos), self.rotary(k, pos)
         y = self.attention(q, k, v) if doc_ids is None else self.attention(q, k, v, doc_ids=doc_ids)  # (B, H, T, D)

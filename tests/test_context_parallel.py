@@ -77,9 +77,10 @@ CP_RUN = TINY + ["attn=triton", "model.n_layer=2", "batch_tokens=128", "max_step
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("n", "cp", "extra"), [(2, 2, ["model.pos_emb=rope", "ac=selective"]), (4, 2, ["ac=full"]),
-                                                (4, 4, []), (2, 2, ["compile=true"]),
+                                                (4, 4, ["model.n_kv_head=1"]), (2, 2, ["compile=true"]),
                                                 (2, 2, ["ac=offload", "model.mlp_chunk=5"])],
-                         ids=["cp2-rope-selective-ac", "dp2-cp2-full-ac", "cp4", "cp2-compiled", "cp2-offload-tiled-mlp"])
+                         ids=["cp2-rope-selective-ac", "dp2-cp2-full-ac", "cp4-mqa", "cp2-compiled",
+                              "cp2-offload-tiled-mlp"])
 def test_context_parallel_training_matches_one_process(data_root, tmp_path, n, cp, extra):
     common = CP_RUN + [f"data.root={data_root}"] + extra
     torchrun(n, [str(REPO / "train.py"), *common, f"parallel.cp={cp}", f"hydra.run.dir={tmp_path / 'cp'}"], tmp_path)

@@ -73,6 +73,33 @@ def test_naive_and_sdpa_same_logits_and_grads_float64(pos_emb):
         torch.testing.assert_close(naive[1][name], sdpa[1][name], rtol=1e-9, atol=1e-12, msg=name)
 
 
+@pytest.mark.parametrize("n_kv_head", [2, 1], ids=["gqa", "mqa"])
+def test_grouped_kv_heads_are_the_same_function_in_every_attention(n_kv_head):
+    # naive repeats the kv heads, sdpa takes enable_gqa, triton reads kv head h // group: the same
+    # function, with a projection of n_head + 2 n_kv_head heads
+    cfg = tiny_config(n_head=4, n_kv_head=n_kv_head, pos_emb="rope")
+    model = GPT(cfg, "sdpa")
+    assert model.blocks[0].attn.qkv.weight.shape == ((4 + 2 * n_kv_head) * 16, 64)
+    gen = torch.Generator().manual_seed(4)
+    idx, targets = (torch.randint(0, 50257, (2, 37), generator=gen) for _ in range(2))
+    naive, sdpa = (logits_and_grads(m, idx, targets) for m in twin_models(cfg, ("naive", "sdpa"), torch.float64))
+    torch.testing.assert_close(naive[0], sdpa[0], rtol=1e-10, atol=1e-12)
+    for name in naive[1]:
+        torch.testing.assert_close(naive[1][name], sdpa[1][name], rtol=1e-9, atol=1e-12, msg=name)
+    triton, own = (logits_and_grads(m, idx, targets) for m in twin_models(cfg, ("triton", "sdpa"), torch.float32))
+    assert_same_function(triton, own, sdpa, longest_sum(cfg, idx))
+
+
+def test_as_many_kv_heads_as_query_heads_is_plain_attention():
+    # n_kv_head = n_head lays the projection out as n_kv_head = 0 does: the same weights, the same model
+    torch.manual_seed(0)
+    plain = GPT(tiny_config(), "sdpa")
+    torch.manual_seed(0)
+    same = GPT(tiny_config(n_kv_head=4), "sdpa")
+    idx = torch.randint(0, 50257, (2, 20))
+    assert torch.equal(plain(idx)[0], same(idx)[0])
+
+
 def test_triton_matches_sdpa_in_the_model():
     # float32 through the interpreter (IEEE dots) against SDPA's float32 and float64 runs
     cfg = tiny_config(n_layer=2, n_head=2, d_model=32, max_seq_len=40)
