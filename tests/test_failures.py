@@ -273,8 +273,8 @@ FOREIGN = {
     "non-finite weights": (_rewritten(lambda state: state["model"]["ln_f.weight"].fill_(float("nan"))),
                            "holds non-finite weights"),
     "a step that is text": (_rewritten(lambda state: state.update(step="3")), "step is a str, not int"),
-    "a config key from elsewhere": (_rewritten(lambda state: state["config"]["model"].update(n_kv_head=1)),
-                                    "keys this version does not know (model.n_kv_head)"),
+    "a config key from elsewhere": (_rewritten(lambda state: state["config"]["model"].update(n_expert=8)),
+                                    "keys this version does not know (model.n_expert)"),
 }
 
 
