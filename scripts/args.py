@@ -115,6 +115,13 @@ def names(choices: Iterable[str]) -> Callable[[str], list[str]]:
     return lambda text: _comma_list(text, one, f"one of {', '.join(choices)}")
 
 
+def require_divisors(parser: argparse.ArgumentParser, flag: str, values: list[int], total: int, total_flag: str,
+                     what: str) -> None:
+    """One parser error naming flag's values that do not divide total (total_flag's value, `what`)."""
+    if bad := [x for x in values if total % x]:
+        parser.error(f"argument {flag}: {bad} do not divide {total_flag} {total} ({what}): choose divisors of it")
+
+
 def unwritable(path: Path) -> str | None:
     """Why this process cannot write into directory `path` (made if missing), or None: a file in the way, or
     a nearest existing directory that it may not write to."""

@@ -37,7 +37,7 @@ from kernels.flash_attn import LAUNCHERS
 from configs.runtime import SDPA_BACKENDS
 from model.attention import ATTENTIONS, hidden_keys
 from scripts.args import (ArgumentParser, directory, names, non_negative_int, positive_int, positive_ints,
-                          require_cuda)
+                          require_cuda, require_divisors)
 
 SEQ_LENS = [512, 1024, 2048, 4096, 8192, 16384]
 QUICK_SEQ_LENS = [1024, 8192]
@@ -299,15 +299,11 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.quick:
         args.seq_lens = QUICK_SEQ_LENS
-    bad_d = [D for D in args.head_dims if args.width % D]
-    if bad_d:
-        p.error(f"argument --head-dims: {bad_d} do not divide --width {args.width} (H·D): choose divisors of it")
+    require_divisors(p, "--head-dims", args.head_dims, args.width, "--width", "H·D")
     if args.documents:  # B = 1: T is free
         args.seq_lens = DOC_SEQ_LENS if args.seq_lens == SEQ_LENS else args.seq_lens
         return args
-    bad_t = [T for T in args.seq_lens if args.tokens % T]
-    if bad_t:
-        p.error(f"argument --seq-lens: {bad_t} do not divide --tokens {args.tokens} (B·T): choose divisors of it")
+    require_divisors(p, "--seq-lens", args.seq_lens, args.tokens, "--tokens", "B·T")
     return args
 
 

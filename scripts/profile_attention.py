@@ -21,7 +21,8 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/ sits beside kernels/
 
 from kernels import flash_attention  # noqa: E402
-from scripts.args import ArgumentParser, positive_int, positive_ints, require_cuda  # noqa: E402
+from scripts.args import ArgumentParser, positive_int, positive_ints, require_cuda, require_divisors  # noqa: E402
+from scripts.bench_attention import make_inputs  # noqa: E402
 
 
 def cudnn(q, k, v):
@@ -32,11 +33,10 @@ def cudnn(q, k, v):
 ATTENTIONS = {"ours": lambda q, k, v: flash_attention(q, k, v, causal=True), "cudnn": cudnn}
 
 
-def kernel_us(attn, qkv, do, steps: int) -> dict[str, float]:
+def kernel_us(attn, leaves, get_qkv, dout, steps: int) -> dict[str, float]:
     """GPU microseconds per forward+backward step of each kernel that ran (by name)."""
     def step():
-        q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))  # (B, H, T, D) views
-        torch.autograd.grad(attn(q, k, v), qkv, do)
+        torch.autograd.grad(attn(*get_qkv()), leaves, dout)
 
     for _ in range(3):  # compile, autotune, warm up
         step()
@@ -60,20 +60,17 @@ def main() -> None:
     p.add_argument("--width", type=positive_int, default=1024, help="H·D")
     p.add_argument("--steps", type=positive_int, default=20, help="profiled steps per shape")
     args = p.parse_args()
-    if bad := [D for D in args.head_dims if args.width % D]:
-        p.error(f"argument --head-dims: {bad} do not divide --width {args.width} (H·D): choose divisors of it")
-    if bad := [T for T in args.seq_lens if args.tokens % T]:
-        p.error(f"argument --seq-lens: {bad} do not divide --tokens {args.tokens} (B·T): choose divisors of it")
+    require_divisors(p, "--head-dims", args.head_dims, args.width, "--width", "H·D")
+    require_divisors(p, "--seq-lens", args.seq_lens, args.tokens, "--tokens", "B·T")
     require_cuda("profile_attention.py")
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | us of GPU time per forward+backward step")
     for D in args.head_dims:
         for T in args.seq_lens:
             B, H = args.tokens // T, args.width // D
-            qkv = torch.randn(B, T, 3, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-            do = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+            inputs = make_inputs(B, H, T, D, "btHd")  # q, k, v views of one (B, T, 3, H, D) tensor
             totals = {}
             for name, attn in ATTENTIONS.items():
-                times = kernel_us(attn, qkv, do, args.steps)
+                times = kernel_us(attn, *inputs, args.steps)
                 totals[name] = sum(times.values())
                 print(f"\nD = {D}, T = {T} (B = {B}, H = {H}), {name}: {totals[name]:,.0f} us")
                 for kernel, us in times.items():

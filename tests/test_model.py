@@ -62,15 +62,20 @@ def test_initial_loss_is_uniform(pos_emb):
     assert abs(loss.item() - math.log(50304)) < 0.1
 
 
-@pytest.mark.parametrize("pos_emb", ["learned", "rope"])
-def test_naive_and_sdpa_same_logits_and_grads_float64(pos_emb):
-    cfg = tiny_config(pos_emb=pos_emb)
-    gen = torch.Generator().manual_seed(2)
-    idx, targets = (torch.randint(0, 50257, (2, 37), generator=gen) for _ in range(2))
+def naive_equals_sdpa_float64(cfg: ModelConfig, idx: torch.Tensor, targets: torch.Tensor):
+    """Asserts naive and sdpa give the same logits and gradients in float64; returns sdpa's."""
     naive, sdpa = (logits_and_grads(m, idx, targets) for m in twin_models(cfg, ("naive", "sdpa"), torch.float64))
     torch.testing.assert_close(naive[0], sdpa[0], rtol=1e-10, atol=1e-12)
     for name in naive[1]:
         torch.testing.assert_close(naive[1][name], sdpa[1][name], rtol=1e-9, atol=1e-12, msg=name)
+    return sdpa
+
+
+@pytest.mark.parametrize("pos_emb", ["learned", "rope"])
+def test_naive_and_sdpa_same_logits_and_grads_float64(pos_emb):
+    gen = torch.Generator().manual_seed(2)
+    idx, targets = (torch.randint(0, 50257, (2, 37), generator=gen) for _ in range(2))
+    naive_equals_sdpa_float64(tiny_config(pos_emb=pos_emb), idx, targets)
 
 
 @pytest.mark.parametrize("n_kv_head", [2, 1], ids=["gqa", "mqa"])
@@ -82,10 +87,7 @@ def test_grouped_kv_heads_are_the_same_function_in_every_attention(n_kv_head):
     assert model.blocks[0].attn.qkv.weight.shape == ((4 + 2 * n_kv_head) * 16, 64)
     gen = torch.Generator().manual_seed(4)
     idx, targets = (torch.randint(0, 50257, (2, 37), generator=gen) for _ in range(2))
-    naive, sdpa = (logits_and_grads(m, idx, targets) for m in twin_models(cfg, ("naive", "sdpa"), torch.float64))
-    torch.testing.assert_close(naive[0], sdpa[0], rtol=1e-10, atol=1e-12)
-    for name in naive[1]:
-        torch.testing.assert_close(naive[1][name], sdpa[1][name], rtol=1e-9, atol=1e-12, msg=name)
+    sdpa = naive_equals_sdpa_float64(cfg, idx, targets)
     triton, own = (logits_and_grads(m, idx, targets) for m in twin_models(cfg, ("triton", "sdpa"), torch.float32))
     assert_same_function(triton, own, sdpa, longest_sum(cfg, idx))
 
