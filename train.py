@@ -214,7 +214,7 @@ def resume_point(cfg: DictConfig, par: Parallel, run_dir: Path) -> tuple[dict | 
 def build_model(cfg: DictConfig, par: Parallel) -> GPT:
     """The GPT on this process's device, with the attention the layout calls (the ring under cp)."""
     try:
-        return GPT(cfg.model, par.attention(get_attention(cfg.attn.name)), cfg.ac).to(par.device)
+        return GPT(cfg.model, par.attention(get_attention(cfg.attn.name)), cfg.ac, cfg.attn.window).to(par.device)
     except (torch.OutOfMemoryError, MemoryError, RuntimeError) as e:  # RuntimeError: the CPU allocator's
         if not isinstance(e, (torch.OutOfMemoryError, MemoryError)) and "alloc" not in str(e):
             raise
@@ -245,7 +245,9 @@ def run_info(cfg: DictConfig, par: Parallel, model: GPT) -> dict:
         try:
             head_dim = cfg.model.d_model // cfg.model.n_head
             info["sdpa_backend"] = probe_sdpa_backend(cfg.seq_len, cfg.model.n_head, head_dim, dtype, device,
-                                                      cfg.attn.sdpa_backend, cfg.data.doc_mask, cfg.model.n_kv_head)
+                                                      cfg.attn.sdpa_backend,
+                                                      cfg.data.doc_mask or 0 < cfg.attn.window < cfg.seq_len,
+                                                      cfg.model.n_kv_head)
         except RuntimeError as e:
             raise ConfigError(f"attn.sdpa_backend={cfg.attn.sdpa_backend}: torch has no such kernel for these "
                               f"inputs on {device.type} ({str(e).splitlines()[0][:120]}): choose another or null")
@@ -453,7 +455,7 @@ def finish(run: Run, status: str, message: str | None) -> dict:
     # sharded, every rank's forward gathers weights with the others: all sample, or none (a rank-0 save failed)
     ok = run.par.all_agree(status == "ok") if run.par.sharded else status == "ok"
     if ok and cfg.sample_tokens > 0 and (run.master or run.par.sharded):
-        summary["sample"] = sample(run.raw_model, cfg, run.device)
+        summary["sample"] = sample(run.raw_model, cfg, run.device, cuda_graph=not run.par.sharded)
     if run.master:
         if "sample" in summary:
             print(f"--- sample ---\n{summary['sample']}\n--------------")
@@ -465,7 +467,9 @@ def finish(run: Run, status: str, message: str | None) -> dict:
     return summary
 
 
-def sample(model: GPT, cfg: DictConfig, device: torch.device) -> str:
+def sample(model: GPT, cfg: DictConfig, device: torch.device, cuda_graph: bool = True) -> str:
+    """The sample text of the run's summary, generated from a KV cache (not through a CUDA graph
+    where FSDP gathers weights inside every forward)."""
     model.set_attention(cfg.attn.name)  # whole sequences in this process: not the ring of context parallelism
     enc = get_encoding()
     idx = torch.tensor([enc.encode_ordinary(cfg.sample_prompt)], device=device)
@@ -473,7 +477,7 @@ def sample(model: GPT, cfg: DictConfig, device: torch.device) -> str:
     model.eval()
     with autocast(cfg.dtype, device):
         out = model.generate(idx, cfg.sample_tokens, generator=gen,
-                             doc_ids_of=document_ids if cfg.data.doc_mask else None)
+                             doc_ids_of=document_ids if cfg.data.doc_mask else None, cuda_graph=cuda_graph)
     return enc.decode(out[0].tolist())
 
 

@@ -55,6 +55,9 @@ class AttnConfig:
     name: AttnName = MISSING
     # pin SDPA to one backend; null lets torch choose (train.py logs which one ran)
     sdpa_backend: Optional[SdpaBackend] = None
+    # sliding-window causal attention: each query sees its last `window` keys, itself included
+    # (within its document with data.doc_mask); 0: every earlier key
+    window: int = 0
 
 
 @dataclass

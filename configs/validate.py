@@ -57,7 +57,8 @@ def validate(cfg: DictConfig, world: int = 1) -> None:
     _int64(cfg)
     _at_least(cfg, "seq_len batch_size grad_accum max_steps log_interval model.n_layer model.n_head "
                    "model.d_model model.max_seq_len model.loss_chunk batch_tokens parallel.cp", 1)
-    _at_least(cfg, "eval_interval eval_steps optim.warmup_steps sample_tokens model.mlp_chunk model.n_kv_head", 0)
+    _at_least(cfg, "eval_interval eval_steps optim.warmup_steps sample_tokens model.mlp_chunk model.n_kv_head "
+                   "attn.window", 0)
     _at_least(cfg, "ckpt_interval", -1)
     _at_least(cfg, "seed data_seed", 0)
     try:
@@ -159,6 +160,9 @@ def _parallel(cfg: DictConfig, world: int) -> None:
     if cfg.data.doc_mask:
         _fail("data.doc_mask", True, "is not supported with parallel.cp > 1 (the ring does not mask documents): "
                                      "drop one of them")
+    if cfg.attn.window:
+        _fail("attn.window", cfg.attn.window, "is not supported with parallel.cp > 1 (the ring does not window its "
+                                              "keys): use attn.window=0 or parallel.cp=1")
 
 
 def data_parallel_size(cfg: DictConfig, world: int) -> int:

@@ -19,9 +19,11 @@ blocks visit only the key blocks left of the diagonal, start longest-first, and 
 blocks that straddle the diagonal or the end of the keys.
 
 Packed documents (doc_ids (B, T), T == S): query i attends key j only in its own document. A
-query block starts at the tile of its first row's document, a key block stops at the end of its
-last key's document, so tiles of other documents are skipped, not masked; only tiles that cross
-a document boundary or the diagonal are masked. On Hopper and newer GPUs the streamed tiles arrive
+sliding window of W keys: query i attends only keys j > i + S - T - W. Both bound each query's
+keys from below, by a bound that grows with the query (Bounds): a query block starts at the tile
+of its first row's first key, a key block stops at the row past its last key's last query, so
+tiles of other documents and outside the window are skipped, not masked; only tiles that cross a
+bound or the diagonal are masked. On Hopper and newer GPUs the streamed tiles arrive
 through TMA descriptors, built once per program, where the inputs allow (contiguous head dim,
 16-byte aligned strides); elsewhere through masked pointer loads, for any strides and sizes.
 Differs from Triton's tutorial 06: GQA, any strides, a separate dQ kernel, K not pre-scaled.
@@ -124,54 +126,48 @@ def _q_block_range(start_n, T, S, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, B
 
 
 @triton.jit
-def _visible(rows, cols, T, S, doc_rows, doc_ptr, CAUSAL: tl.constexpr, DOC_MASK: tl.constexpr):
+def _visible(rows, cols, T, S, key_lo, CAUSAL: tl.constexpr, BOUNDED: tl.constexpr):
     """(len(rows), len(cols)) mask of the scores a query row may attend: real keys; under the
-    bottom-right causal mask only keys j <= i + S - T; with documents, only keys of the row's own
-    document (doc_rows: the rows' documents; doc_ptr: the sequence's, read at cols; a document is
-    named by the index of its first token)."""
+    bottom-right causal mask only keys j <= i + S - T; bounded (documents, a window), only keys from
+    the row's first one on (key_lo: each row's, from Bounds.key_lo)."""
     visible = cols[None, :] < S
     if CAUSAL:
         visible = visible & (cols[None, :] <= rows[:, None] + (S - T))
-    if DOC_MASK:
-        visible = visible & (doc_rows[:, None] == tl.load(doc_ptr + cols, mask=cols < S, other=-2)[None, :])
+    if BOUNDED:
+        visible = visible & (cols[None, :] >= key_lo[:, None])
     return visible
 
 
 @triton.jit
-def _doc_kv_range(DOC_START, start_m, T, full_end, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """With documents, query rows [start_m, start_m + BLOCK_M) attend keys from lo (the tile of
-    the first row's document start) on; keys from full_lo to full_end are seen by every row, which
-    needs the rows in one document (otherwise full_lo = full_end: no tile is mask-free)."""
-    last = tl.minimum(start_m + BLOCK_M, T) - 1
-    doc_lo = tl.load(DOC_START + start_m)
-    lo = doc_lo // BLOCK_N * BLOCK_N
-    one_doc = doc_lo == tl.load(DOC_START + last)
-    full_lo = tl.where(one_doc, tl.cdiv(doc_lo, BLOCK_N) * BLOCK_N, full_end)
+def _bounded_kv_range(KEY_LO, start_m, T, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Bounded, query rows [start_m, start_m + BLOCK_M) attend keys from lo (the tile of the first
+    row's first key) on; keys from full_lo on are seen by every row (up to the diagonal): key_lo
+    grows with the row, so the last row's decides."""
+    lo = tl.load(KEY_LO + start_m) // BLOCK_N * BLOCK_N
+    full_lo = tl.cdiv(tl.load(KEY_LO + tl.minimum(start_m + BLOCK_M, T) - 1), BLOCK_N) * BLOCK_N
     return lo, full_lo
 
 
 @triton.jit
-def _doc_q_range(DOC_START, DOC_END, start_n, S, full_start, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """With documents, keys [start_n, start_n + BLOCK_N) are attended by query rows before q_hi (the
-    end of the last key's document); rows from full_start to full_hi see all of them, which needs
-    the keys in one document (otherwise full_hi = full_start)."""
-    last = tl.minimum(start_n + BLOCK_N, S) - 1
-    q_hi = tl.load(DOC_END + last)
-    one_doc = tl.load(DOC_START + start_n) == tl.load(DOC_START + last)
-    full_hi = tl.maximum(tl.where(one_doc, q_hi // BLOCK_M * BLOCK_M, full_start), full_start)
+def _bounded_q_range(ROW_HI, start_n, S, full_start, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Bounded, keys [start_n, start_n + BLOCK_N) are attended by query rows before q_hi (the last
+    key's row_hi); rows from full_start to full_hi see all of them: row_hi grows with the key, so
+    the first key's decides."""
+    q_hi = tl.load(ROW_HI + tl.minimum(start_n + BLOCK_N, S) - 1)
+    full_hi = tl.maximum(tl.load(ROW_HI + start_n) // BLOCK_M * BLOCK_M, full_start)
     return full_hi, q_hi
 
 
 @triton.jit
-def _kv_ranges(doc_start, start_m, T, S, CAUSAL: tl.constexpr, DOC_MASK: tl.constexpr, BLOCK_M: tl.constexpr,
+def _kv_ranges(key_lo_ptr, start_m, T, S, CAUSAL: tl.constexpr, BOUNDED: tl.constexpr, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr):
     """(lo, full_lo, full_end, end): the key blocks query rows [start_m, start_m + BLOCK_M) visit, in
-    the three runs the forward and dQ kernels walk: masked [lo, min(full_lo, full_end)) where their
-    documents start (empty without documents), mask-free [full_lo, full_end), masked
+    the three runs the forward and dQ kernels walk: masked [lo, min(full_lo, full_end)) where the
+    rows' first keys lie (empty unbounded), mask-free [full_lo, full_end), masked
     [max(lo, full_end), end) on the diagonal and past the keys' end."""
     full_end, end = _kv_block_range(start_m, T, S, CAUSAL, BLOCK_M, BLOCK_N)
-    if DOC_MASK:
-        lo, full_lo = _doc_kv_range(doc_start, start_m, T, full_end, BLOCK_M, BLOCK_N)
+    if BOUNDED:
+        lo, full_lo = _bounded_kv_range(key_lo_ptr, start_m, T, BLOCK_M, BLOCK_N)
     else:
         lo = 0
         full_lo = 0
@@ -183,9 +179,9 @@ def _fwd_inner(
     acc, l_i, m_i, q,  # running (BLOCK_M, BLOCK_D) output, row sum, row max (log2 units); Q tile
     k_src, v_src,  # TMA descriptors of this kv head's K and V, or the pointers of its (BLOCK_N, BLOCK_D) tile at key 0
     stride_kn, stride_vn,
-    rows, offs_n, d_mask, doc_rows, doc_ptr,
+    rows, offs_n, d_mask, key_lo,
     n_start, n_end, T, S, qk_scale,
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOC_MASK: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, BOUNDED: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr, TMA: tl.constexpr,
 ):
     for start_n in range(n_start, n_end, BLOCK_N):
@@ -196,7 +192,7 @@ def _fwd_inner(
         k = _load_tile(k_src, start_n, stride_kn, kv_mask, TMA)
         qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)  # (BLOCK_M, BLOCK_N)
         if MASKED:
-            qk = tl.where(_visible(rows, cols, T, S, doc_rows, doc_ptr, CAUSAL, DOC_MASK), qk, float("-inf"))
+            qk = tl.where(_visible(rows, cols, T, S, key_lo, CAUSAL, BOUNDED), qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
         m_sub = m_new
         if MASKED:  # a row that has seen no key yet keeps m = -inf: subtract 0 so exp2 gives 0, not NaN
@@ -214,7 +210,7 @@ def _fwd_inner(
 def _fwd_kernel(
     # pointers
     Q, K, V, O, LSE,
-    DOC_START, DOC_END,  # (B, T) int32: the first and one-past-the-last index of each token's document
+    KEY_LO, ROW_HI,  # Bounds (BOUNDED only): (B, T) each query's first key, (B, S) one past each key's last query
     # strides: batch, head, sequence, head dim
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
@@ -224,7 +220,7 @@ def _fwd_kernel(
     H, GROUP, T, S,
     qk_scale,  # softmax_scale * log2(e)
     # meta-parameters
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, DOC_MASK: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, BOUNDED: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # the longest causal rows start first, so that short ones fill the tail of the launch
@@ -249,21 +245,21 @@ def _fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    doc_ptr = DOC_START + off_b.to(tl.int64) * T
-    doc_rows = rows
-    if DOC_MASK:
-        doc_rows = tl.load(doc_ptr + rows, mask=rows < T, other=-1)
-    lo, full_lo, full_end, end = _kv_ranges(doc_ptr, start_m, T, S, CAUSAL, DOC_MASK, BLOCK_M, BLOCK_N)
-    if DOC_MASK:  # masked tiles where the documents start, mask-free ones, masked ones at the diagonal
+    key_lo_ptr = KEY_LO + off_b.to(tl.int64) * T
+    key_lo = rows
+    if BOUNDED:
+        key_lo = tl.load(key_lo_ptr + rows, mask=rows < T, other=0)
+    lo, full_lo, full_end, end = _kv_ranges(key_lo_ptr, start_m, T, S, CAUSAL, BOUNDED, BLOCK_M, BLOCK_N)
+    if BOUNDED:  # masked tiles where the rows' first keys lie, mask-free ones, masked ones at the diagonal
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, rows, offs_n, d_mask,
-                                   doc_rows, doc_ptr, lo, tl.minimum(full_lo, full_end), T, S, qk_scale,
-                                   True, CAUSAL, DOC_MASK, INPUT_PRECISION, BLOCK_N, TMA)
+                                   key_lo, lo, tl.minimum(full_lo, full_end), T, S, qk_scale,
+                                   True, CAUSAL, BOUNDED, INPUT_PRECISION, BLOCK_N, TMA)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, rows, offs_n, d_mask,
-                               doc_rows, doc_ptr, full_lo, full_end, T, S, qk_scale,
-                               False, CAUSAL, DOC_MASK, INPUT_PRECISION, BLOCK_N, TMA)
+                               key_lo, full_lo, full_end, T, S, qk_scale,
+                               False, CAUSAL, BOUNDED, INPUT_PRECISION, BLOCK_N, TMA)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, rows, offs_n, d_mask,
-                               doc_rows, doc_ptr, tl.maximum(lo, full_end), end, T, S, qk_scale,
-                               True, CAUSAL, DOC_MASK, INPUT_PRECISION, BLOCK_N, TMA)
+                               key_lo, tl.maximum(lo, full_end), end, T, S, qk_scale,
+                               True, CAUSAL, BOUNDED, INPUT_PRECISION, BLOCK_N, TMA)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # rows that attend no key: O = 0, LSE = -inf
     o = acc / l_safe[:, None]
@@ -305,12 +301,12 @@ def _bwd_dkdv_inner(
     q_src, do_src,  # descriptors of one query head's Q and dO, or the pointers of its (BLOCK_M, BLOCK_D) tile at row 0
     lse_ptr, delta_ptr,  # LSE and delta of that head's row 0
     stride_qt, stride_dot,
-    offs_m, cols, d_mask, doc_cols, doc_ptr,
+    offs_m, cols, d_mask, row_hi,
     m_start, m_end, T, S, qk_scale,
-    MASKED: tl.constexpr, DOC_MASK: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+    MASKED: tl.constexpr, BOUNDED: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
     TMA: tl.constexpr,
 ):
-    # masked runs exist only under a causal mask (documents need one too), so MASKED applies it
+    # masked runs exist only under a causal mask (bounds need one too), so MASKED applies it
     for start_m in range(m_start, m_end, BLOCK_M):
         rows = start_m + offs_m
         # rows past T load as zeros with LSE = delta = 0: their P is 1, but dO = 0, so they add 0
@@ -323,8 +319,8 @@ def _bwd_dkdv_inner(
         p_t = tl.math.exp2(tl.fma(qk_t, qk_scale, -lse[None, :]))
         if MASKED:  # selected after exp2: a row with LSE = -inf gives inf here and is dropped, never NaN
             visible_t = cols[:, None] <= rows[None, :] + (S - T)
-            if DOC_MASK:
-                visible_t = visible_t & (doc_cols[:, None] == tl.load(doc_ptr + rows, mask=rows < T, other=-1)[None, :])
+            if BOUNDED:  # a row at or after the key (causal) sees it iff before its row_hi
+                visible_t = visible_t & (rows[None, :] < row_hi[:, None])
             p_t = tl.where(visible_t, p_t, 0.0)
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=INPUT_PRECISION)
         dp_t = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)  # (BLOCK_N, BLOCK_M)
@@ -337,7 +333,7 @@ def _bwd_dkdv_inner(
 def _bwd_dkdv_kernel(
     # pointers
     Q, K, V, DO, LSE, DELTA, DK, DV,
-    DOC_START, DOC_END,  # (B, T) int32, as in the forward
+    KEY_LO, ROW_HI,  # Bounds, as in the forward
     # strides: batch, head, sequence, head dim
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
@@ -349,7 +345,7 @@ def _bwd_dkdv_kernel(
     H, GROUP, T, S,
     sm_scale, qk_scale,  # softmax_scale, and softmax_scale * log2(e)
     # meta-parameters
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, DOC_MASK: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, BOUNDED: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     start_n = tl.program_id(0) * BLOCK_N
@@ -370,14 +366,13 @@ def _bwd_dkdv_kernel(
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
     m_start, full_start = _q_block_range(start_n, T, S, CAUSAL, BLOCK_M, BLOCK_N)
-    doc_ptr = DOC_START + off_b.to(tl.int64) * T
-    doc_cols = cols
+    row_hi = cols
     full_hi = T
     q_hi = T
-    if DOC_MASK:  # rows past the keys' document see none of them; mask-free only within one document
-        doc_cols = tl.load(doc_ptr + cols, mask=cols < S, other=-2)
-        full_hi, q_hi = _doc_q_range(doc_ptr, DOC_END + off_b.to(tl.int64) * T, start_n, S, full_start,
-                                     BLOCK_M, BLOCK_N)
+    if BOUNDED:  # rows from the last key's row_hi on see none of the keys
+        row_hi_ptr = ROW_HI + off_b.to(tl.int64) * S
+        row_hi = tl.load(row_hi_ptr + cols, mask=cols < S, other=0)
+        full_hi, q_hi = _bounded_q_range(row_hi_ptr, start_n, S, full_start, BLOCK_M, BLOCK_N)
     for g in range(GROUP):  # GQA: the kv head's query heads, summed in a fixed order
         off_h = off_hkv * GROUP + g
         q_src = _stream_src(Q, off_b, off_h, stride_qb, stride_qh, T, stride_qt, stride_qd, HEAD_DIM, BLOCK_M, BLOCK_D,
@@ -386,15 +381,15 @@ def _bwd_dkdv_kernel(
                              BLOCK_D, TMA)
         row0 = (off_b * H + off_h).to(tl.int64) * T
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, LSE + row0, DELTA + row0, stride_qt, stride_dot,
-                                 offs_m, cols, d_mask, doc_cols, doc_ptr, m_start, full_start, T, S, qk_scale,
-                                 True, DOC_MASK, INPUT_PRECISION, BLOCK_M, TMA)
+                                 offs_m, cols, d_mask, row_hi, m_start, tl.minimum(full_start, q_hi), T, S, qk_scale,
+                                 True, BOUNDED, INPUT_PRECISION, BLOCK_M, TMA)
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, LSE + row0, DELTA + row0, stride_qt, stride_dot,
-                                 offs_m, cols, d_mask, doc_cols, doc_ptr, full_start, full_hi, T, S, qk_scale,
-                                 False, DOC_MASK, INPUT_PRECISION, BLOCK_M, TMA)
-        if DOC_MASK:
+                                 offs_m, cols, d_mask, row_hi, full_start, full_hi, T, S, qk_scale,
+                                 False, BOUNDED, INPUT_PRECISION, BLOCK_M, TMA)
+        if BOUNDED:
             dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, LSE + row0, DELTA + row0, stride_qt,
-                                     stride_dot, offs_m, cols, d_mask, doc_cols, doc_ptr, full_hi, q_hi, T, S,
-                                     qk_scale, True, DOC_MASK, INPUT_PRECISION, BLOCK_M, TMA)
+                                     stride_dot, offs_m, cols, d_mask, row_hi, full_hi, q_hi, T, S,
+                                     qk_scale, True, BOUNDED, INPUT_PRECISION, BLOCK_M, TMA)
 
     dk *= sm_scale  # dS is the gradient of the scaled scores: dK = scale * dS^T Q
     tl.store(_tile_ptrs(DK, off_b, off_hkv, stride_dkb, stride_dkh, cols, stride_dkn, offs_d, stride_dkd),
@@ -408,9 +403,9 @@ def _bwd_dq_inner(
     dq, q, do, lse, delta,  # (BLOCK_M, BLOCK_D) fp32 accumulator; resident Q, dO; LSE (log2 units), delta
     k_src, v_src,  # as in _fwd_inner
     stride_kn, stride_vn,
-    rows, offs_n, d_mask, doc_rows, doc_ptr,
+    rows, offs_n, d_mask, key_lo,
     n_start, n_end, T, S, qk_scale,
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOC_MASK: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, BOUNDED: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr, TMA: tl.constexpr,
 ):
     for start_n in range(n_start, n_end, BLOCK_N):
@@ -423,7 +418,7 @@ def _bwd_dq_inner(
         qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)  # (BLOCK_M, BLOCK_N)
         p = tl.math.exp2(tl.fma(qk, qk_scale, -lse[:, None]))
         if MASKED:  # selected after exp2, as in the dK/dV kernel
-            p = tl.where(_visible(rows, cols, T, S, doc_rows, doc_ptr, CAUSAL, DOC_MASK), p, 0.0)
+            p = tl.where(_visible(rows, cols, T, S, key_lo, CAUSAL, BOUNDED), p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)  # (BLOCK_M, BLOCK_N)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=INPUT_PRECISION)
@@ -434,7 +429,7 @@ def _bwd_dq_inner(
 def _bwd_dq_kernel(
     # pointers
     Q, K, V, DO, LSE, DELTA, DQ,
-    DOC_START, DOC_END,  # (B, T) int32, as in the forward
+    KEY_LO, ROW_HI,  # Bounds, as in the forward
     # strides: batch, head, sequence, head dim
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
@@ -445,7 +440,7 @@ def _bwd_dq_kernel(
     H, GROUP, T, S,
     sm_scale, qk_scale,  # softmax_scale, and softmax_scale * log2(e)
     # meta-parameters
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, DOC_MASK: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, BOUNDED: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M  # longest rows first
@@ -472,21 +467,21 @@ def _bwd_dq_kernel(
                         BLOCK_D, TMA)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    doc_ptr = DOC_START + off_b.to(tl.int64) * T
-    doc_rows = rows
-    if DOC_MASK:
-        doc_rows = tl.load(doc_ptr + rows, mask=rows < T, other=-1)
-    lo, full_lo, full_end, end = _kv_ranges(doc_ptr, start_m, T, S, CAUSAL, DOC_MASK, BLOCK_M, BLOCK_N)
-    if DOC_MASK:  # the forward's three runs
+    key_lo_ptr = KEY_LO + off_b.to(tl.int64) * T
+    key_lo = rows
+    if BOUNDED:
+        key_lo = tl.load(key_lo_ptr + rows, mask=rows < T, other=0)
+    lo, full_lo, full_end, end = _kv_ranges(key_lo_ptr, start_m, T, S, CAUSAL, BOUNDED, BLOCK_M, BLOCK_N)
+    if BOUNDED:  # the forward's three runs
         dq = _bwd_dq_inner(dq, q, do, lse, delta, k_src, v_src, stride_kn, stride_vn, rows, offs_n, d_mask,
-                           doc_rows, doc_ptr, lo, tl.minimum(full_lo, full_end), T, S, qk_scale,
-                           True, CAUSAL, DOC_MASK, INPUT_PRECISION, BLOCK_N, TMA)
+                           key_lo, lo, tl.minimum(full_lo, full_end), T, S, qk_scale,
+                           True, CAUSAL, BOUNDED, INPUT_PRECISION, BLOCK_N, TMA)
     dq = _bwd_dq_inner(dq, q, do, lse, delta, k_src, v_src, stride_kn, stride_vn, rows, offs_n, d_mask,
-                       doc_rows, doc_ptr, full_lo, full_end, T, S, qk_scale,
-                       False, CAUSAL, DOC_MASK, INPUT_PRECISION, BLOCK_N, TMA)
+                       key_lo, full_lo, full_end, T, S, qk_scale,
+                       False, CAUSAL, BOUNDED, INPUT_PRECISION, BLOCK_N, TMA)
     dq = _bwd_dq_inner(dq, q, do, lse, delta, k_src, v_src, stride_kn, stride_vn, rows, offs_n, d_mask,
-                       doc_rows, doc_ptr, tl.maximum(lo, full_end), end, T, S, qk_scale,
-                       True, CAUSAL, DOC_MASK, INPUT_PRECISION, BLOCK_N, TMA)
+                       key_lo, tl.maximum(lo, full_end), end, T, S, qk_scale,
+                       True, CAUSAL, BOUNDED, INPUT_PRECISION, BLOCK_N, TMA)
 
     dq *= sm_scale
     tl.store(_tile_ptrs(DQ, off_b, off_h, stride_dqb, stride_dqh, rows, stride_dqt, offs_d, stride_dqd),
@@ -547,7 +542,7 @@ def _interpreted_bf16(q):
     return q.dtype == torch.bfloat16 and (q.device.type == "cpu" or isinstance(_fwd_kernel, InterpretedFunction))
 
 
-def _meta(q, k, causal, docs, tma):
+def _meta(q, k, causal, bnd, tma):
     """(tuning key, constexprs) of a call: a new sequence length retunes only past a power of two.
     Raises ValueError where the GPU cannot run the dtype (looked up here, where torch.compile does
     not trace: inside the launchers, once per input signature)."""
@@ -555,13 +550,13 @@ def _meta(q, k, causal, docs, tma):
         raise ValueError(f"flash_attention: {why}: use torch.float16")
     D, T, S = q.shape[3], q.shape[2], k.shape[2]
     block_d = max(16, triton.next_power_of_2(D))
-    doc_mask = docs is not None
-    key = (q.device.index, q.dtype, block_d, causal, doc_mask, tma, triton.next_power_of_2(T),
+    bounded = bnd is not None
+    key = (q.device.index, q.dtype, block_d, causal, bounded, tma, triton.next_power_of_2(T),
            triton.next_power_of_2(S))
     # the precision of fp32 inputs' dots ("ieee": true fp32); irrelevant for fp16/bf16, whose dots
     # are named tf32 only where the GPU has it (Ampere on)
     tf32 = q.dtype != torch.float32 and (not q.is_cuda or tuning.chip(q.device.index).tf32)
-    constexprs = {"HEAD_DIM": D, "BLOCK_D": block_d, "CAUSAL": causal, "DOC_MASK": doc_mask,
+    constexprs = {"HEAD_DIM": D, "BLOCK_D": block_d, "CAUSAL": causal, "BOUNDED": bounded,
                   "INPUT_PRECISION": "tf32" if tf32 else "ieee", "TMA": tma}
     return key, constexprs
 
@@ -609,25 +604,53 @@ def softmax_scale_of(q, softmax_scale=None) -> float:
     return q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
 
 
-class Documents(NamedTuple):
-    """Packed documents as the kernels read them, each (B, T) int32: for every token, the index of its
-    document's first token (which also names the document) and one past its last."""
-    start: torch.Tensor
-    end: torch.Tensor
+class Bounds(NamedTuple):
+    """The band of keys each query sees inside the causal mask, as the kernels read it: key_lo (B, T)
+    int32, every query's first key; row_hi (B, S) int32, one past every key's last query. Packed
+    documents and a sliding window each bound the band from below, and both grow with the index,
+    so one comparison per score masks both, and whole tiles outside the band are skipped."""
+    key_lo: torch.Tensor
+    row_hi: torch.Tensor
 
 
-def documents(doc_ids: torch.Tensor) -> Documents:
-    """The Documents of doc_ids (B, T): a document is a run of equal ids, so any ids (repeated
-    further on, or colliding in int32) mask as they skip."""
-    B, T = doc_ids.shape
-    pos = torch.arange(T, dtype=torch.int32, device=doc_ids.device).expand(B, T)
-    first = torch.ones_like(doc_ids, dtype=torch.bool)
-    first[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
-    last = torch.ones_like(first)
-    last[:, :-1] = first[:, 1:]
-    start = torch.cummax(torch.where(first, pos, 0), dim=1).values.contiguous()
-    end = torch.cummin(torch.where(last, pos + 1, T).flip(1), dim=1).values.flip(1).contiguous()
-    return Documents(start, end)
+def bounds(doc_ids: torch.Tensor | None, window: int, B: int, T: int, S: int, device: torch.device) -> Bounds | None:
+    """The Bounds of packed documents doc_ids (B, T) (a document is a run of equal ids, so any ids,
+    repeated further on or colliding in int32, mask as they skip) and of a causal window of W keys
+    (query i, at key position i + S - T, sees keys i + S - T - W + 1 .. i + S - T; 0: no window),
+    or None where neither bounds anything."""
+    if window >= S:  # the window holds every key a query may see
+        window = 0
+    if doc_ids is None and window == 0:
+        return None
+    rows = torch.arange(T, dtype=torch.int32, device=device).expand(B, T)
+    keys = torch.arange(S, dtype=torch.int32, device=device).expand(B, S)
+    key_lo, row_hi = torch.zeros_like(rows), torch.full_like(keys, T)
+    if doc_ids is not None:  # T == S
+        first = torch.ones_like(doc_ids, dtype=torch.bool)
+        first[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+        last = torch.ones_like(first)
+        last[:, :-1] = first[:, 1:]
+        key_lo = torch.cummax(torch.where(first, rows, 0), dim=1).values
+        row_hi = torch.cummin(torch.where(last, rows + 1, T).flip(1), dim=1).values.flip(1)
+    if window:
+        key_lo = torch.maximum(key_lo, rows + (S - T - window + 1))
+        row_hi = torch.minimum(row_hi, keys + (window + T - S))
+    return Bounds(key_lo.clamp(0, S).contiguous(), row_hi.clamp(0, T).contiguous())
+
+
+_WINDOWS: dict[tuple, Bounds | None] = {}  # (B, T, S, window, device) -> its Bounds, without documents
+
+
+def _window_bounds(window: int, B: int, T: int, S: int, device: torch.device) -> Bounds | None:
+    """bounds(None, window, ...), made once per shape in eager calls (a few launches saved per call)."""
+    if torch.compiler.is_compiling():
+        return bounds(None, window, B, T, S, device)
+    key = (B, T, S, window, device)
+    if key not in _WINDOWS:
+        if len(_WINDOWS) >= 64:  # shapes change rarely; bound the memory where they do
+            _WINDOWS.clear()
+        _WINDOWS[key] = bounds(None, window, B, T, S, device)
+    return _WINDOWS[key]
 
 
 def _check_docs(q, k, doc_ids, causal):
@@ -651,45 +674,54 @@ def _layout(*tensors: torch.Tensor) -> tuple:
 _CHECKED: set[tuple] = set()  # the layouts (and causal flags) whose checks passed
 
 
-def _checked(q, k, v, causal, doc_ids) -> Documents | None:
-    """The Documents of doc_ids, once q, k, v and doc_ids are known good (ValueError otherwise)."""
+def _checked(q, k, v, causal, doc_ids, window) -> Bounds | None:
+    """The Bounds of doc_ids and window, once q, k, v, doc_ids and window are known good (ValueError
+    otherwise)."""
     tensors = (q, k, v) if doc_ids is None else (q, k, v, doc_ids)
     # traced by torch.compile, tensors have no addresses: checked every time (at trace time only)
     cacheable = not torch.compiler.is_compiling() and all(isinstance(t, torch.Tensor) for t in tensors)
-    layout = (causal, *_layout(*tensors)) if cacheable else None
+    layout = (causal, window, *_layout(*tensors)) if cacheable else None
     if layout is None or layout not in _CHECKED:
         _check_inputs(q, k, v)
         if doc_ids is not None:
             _check_docs(q, k, doc_ids, causal)
+        if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+            raise ValueError(f"flash_attention: window={window!r}: must be an int >= 0 (0: no window)")
+        if window and not causal:
+            raise ValueError("flash_attention: window needs causal=True (each query keeps the `window` keys up to "
+                             "its own)")
         if layout is not None:
             _CHECKED.add(layout)
-    return None if doc_ids is None else documents(doc_ids)
+    (B, _, T, _), S = q.shape, k.shape[2]
+    if doc_ids is None:
+        return _window_bounds(window, B, T, S, q.device)
+    return bounds(doc_ids, window, B, T, S, q.device)
 
 
 # --------------------------------------------------------------------------------------------
 # one launcher per direction; flash_attn_forward and flash_attn_backward are them with the checks
 
 
-def _forward(q, k, v, causal, scale, docs):
+def _forward(q, k, v, causal, scale, bnd):
     """(o, lse) of checked inputs."""
     if _interpreted_bf16(q):
-        o, lse = _forward(q.float(), k.float(), v.float(), causal, scale, docs)
+        o, lse = _forward(q.float(), k.float(), v.float(), causal, scale, bnd)
         return o.to(torch.bfloat16), lse
     (B, H, T, D), (H_kv, S) = q.shape, k.shape[1:3]
     o = _empty_bhtd(B, H, T, D, q)
     lse = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
-    tensors = (q, k, v, o, lse, *(docs or (lse, lse)))  # lse stands in for absent documents: unread
-    # o, lse (and the documents' bounds) are fresh from torch's allocator, 512-byte aligned: q, k, v decide
-    signature = (*_layout(q, k, v), causal, scale, docs is None, os.environ.get("FLASH_ATTENTION_TMA"),
+    tensors = (q, k, v, o, lse, *(bnd or (lse, lse)))  # lse stands in for absent bounds: unread
+    # o, lse (and the bounds) are fresh from torch's allocator, 512-byte aligned: q, k, v decide
+    signature = (*_layout(q, k, v), causal, scale, bnd is None, os.environ.get("FLASH_ATTENTION_TMA"),
                  os.environ.get(BACKEND_VARIABLE))
     if _gluon_runs("forward", signature, (q, k, v)):
         with on_device(q):
-            _hopper().forward(q, k, v, o, lse, causal, scale, None if docs is None else docs.start)
+            _hopper().forward(q, k, v, o, lse, causal, scale, None if bnd is None else bnd.key_lo)
         return o, lse
     if bound := _FWD.bound_for(signature):
         bound(*tensors)
         return o, lse
-    key, constexprs = _meta(q, k, causal, docs, _tma(k, v))
+    key, constexprs = _meta(q, k, causal, bnd, _tma(k, v))
     with on_device(q):
         _FWD.bind(signature, lambda c: (triton.cdiv(T, c["BLOCK_M"]), H, B),
                   (*tensors, *q.stride(), *k.stride(), *v.stride(), *o.stride(), H, H // H_kv, T, S,
@@ -697,30 +729,31 @@ def _forward(q, k, v, causal, scale, docs):
     return o, lse
 
 
-def _backward(do, q, k, v, o, lse, causal, scale, docs):
+def _backward(do, q, k, v, o, lse, causal, scale, bnd):
     """(dq, dk, dv) of checked inputs; deterministic (unless FLASH_ATTENTION_DETERMINISTIC=0 and the
     Gluon backward runs)."""
     if _interpreted_bf16(q):
-        grads = _backward(do.float(), q.float(), k.float(), v.float(), o.float(), lse, causal, scale, docs)
+        grads = _backward(do.float(), q.float(), k.float(), v.float(), o.float(), lse, causal, scale, bnd)
         return tuple(g.to(torch.bfloat16) for g in grads)
     (B, H, T, D), (H_kv, S) = q.shape, k.shape[1:3]
     dq, dk, dv = _empty_bhtd(B, H, T, D, q), _empty_bhtd(B, H_kv, S, D, k), _empty_bhtd(B, H_kv, S, D, v)
     # the outputs and delta are fresh from torch's allocator (512-byte aligned), shaped by q and k
-    signature = (*_layout(q, k, v, do, o, lse), causal, scale, docs is None, os.environ.get("FLASH_ATTENTION_TMA"),
+    signature = (*_layout(q, k, v, do, o, lse), causal, scale, bnd is None, os.environ.get("FLASH_ATTENTION_TMA"),
                  os.environ.get(BACKEND_VARIABLE), os.environ.get(DETERMINISTIC_VARIABLE))
     if _gluon_runs("backward", signature, (q, k, v, do)):
         with on_device(q):
-            _hopper().backward(do, q, k, v, o, lse, dq, dk, dv, causal, scale, docs, _deterministic())
+            _hopper().backward(do, q, k, v, o, lse, dq, dk, dv, causal, scale,
+                              None if bnd is None else bnd.row_hi, _deterministic())
         return dq, dk, dv
     delta = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
-    bounds = docs or (delta, delta)  # delta stands in for absent documents: unread
-    pre, dkdv, dq_ = (o, do, delta), (q, k, v, do, lse, delta, dk, dv, *bounds), (q, k, v, do, lse, delta, dq, *bounds)
+    ends = bnd or (delta, delta)  # delta stands in for absent bounds: unread
+    pre, dkdv, dq_ = (o, do, delta), (q, k, v, do, lse, delta, dk, dv, *ends), (q, k, v, do, lse, delta, dq, *ends)
     launches = [launcher.bound_for(signature) for launcher in (_PREPROCESS, _DKDV, _DQ)]
     if all(launches):
         for launch, tensors in zip(launches, (pre, dkdv, dq_), strict=True):
             launch(*tensors)
         return dq, dk, dv
-    key, constexprs = _meta(q, k, causal, docs, _tma(q, k, v, do))
+    key, constexprs = _meta(q, k, causal, bnd, _tma(q, k, v, do))
     strides = (*q.stride(), *k.stride(), *v.stride(), *do.stride())
     sizes = (H, H // H_kv, T, S, scale, scale * _LOG2E.value)
     with on_device(q):
@@ -835,22 +868,22 @@ def backends(head_dim: int, dtype: torch.dtype, device: torch.device, seq_len: i
             for direction in ("forward", "backward")}
 
 
-def flash_attn_forward(q, k, v, causal=True, softmax_scale=None, doc_ids=None):
+def flash_attn_forward(q, k, v, causal=True, softmax_scale=None, doc_ids=None, window=0):
     """(o (B, H, T, D) in q's dtype, lse (B, H, T) fp32 in natural log), without autograd."""
-    docs = _checked(q, k, v, causal, doc_ids)
-    return _forward(q, k, v, causal, softmax_scale_of(q, softmax_scale), docs)
+    bnd = _checked(q, k, v, causal, doc_ids, window)
+    return _forward(q, k, v, causal, softmax_scale_of(q, softmax_scale), bnd)
 
 
-def flash_attn_backward(do, q, k, v, o, lse, causal=True, softmax_scale=None, doc_ids=None):
+def flash_attn_backward(do, q, k, v, o, lse, causal=True, softmax_scale=None, doc_ids=None, window=0):
     """(dq, dk, dv), shaped and typed like q, k, v, from the forward's o and lse; deterministic."""
-    docs = _checked(q, k, v, causal, doc_ids)
+    bnd = _checked(q, k, v, causal, doc_ids, window)
     for name, t, like in (("do", do, q), ("o", o, q)):
         if not isinstance(t, torch.Tensor) or t.shape != like.shape or t.dtype != like.dtype:
             raise ValueError(f"flash_attn_backward: {name} must be shaped and typed like q {tuple(like.shape)} "
                              f"{like.dtype}, got {getattr(t, 'shape', type(t).__name__)}")
     if not isinstance(lse, torch.Tensor) or lse.shape != q.shape[:3] or lse.dtype != torch.float32:
         raise ValueError(f"flash_attn_backward: lse must be the forward's float32 {tuple(q.shape[:3])} tensor")
-    return _backward(do, q, k, v, o, lse, causal, softmax_scale_of(q, softmax_scale), docs)
+    return _backward(do, q, k, v, o, lse, causal, softmax_scale_of(q, softmax_scale), bnd)
 
 
 # --------------------------------------------------------------------------------------------
@@ -862,48 +895,48 @@ def flash_attn_backward(do, q, k, v, o, lse, causal=True, softmax_scale=None, do
 # one tensor). They are registered with define/impl, whose dispatch calls the Python function
 # directly (torch.library.custom_op wraps it in more Python per call). Eager calls take a plain
 # autograd.Function: any dispatch costs host time that short sequences cannot hide
-# (docs/perf-notes.md, v3). Both take the documents' bounds, computed once per call by
+# (docs/perf-notes.md, v3). Both take the Bounds of documents and windows, made once per call by
 # flash_attention.
 
 torch.library.define("kernels::flash_attn_fwd", "(Tensor q, Tensor k, Tensor v, bool causal, float scale, "
-                     "Tensor? doc_start, Tensor? doc_end) -> (Tensor, Tensor)")
+                     "Tensor? key_lo, Tensor? row_hi) -> (Tensor, Tensor)")
 torch.library.define("kernels::flash_attn_bwd", "(Tensor do, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, "
-                     "bool causal, float scale, Tensor? doc_start, Tensor? doc_end) -> (Tensor, Tensor, Tensor)")
+                     "bool causal, float scale, Tensor? key_lo, Tensor? row_hi) -> (Tensor, Tensor, Tensor)")
 
 
 @torch.library.impl("kernels::flash_attn_fwd", ("cpu", "cuda"))
-def _flash_attn_fwd_op(q, k, v, causal, scale, doc_start, doc_end):
-    return _forward(q, k, v, causal, scale, None if doc_start is None else Documents(doc_start, doc_end))
+def _flash_attn_fwd_op(q, k, v, causal, scale, key_lo, row_hi):
+    return _forward(q, k, v, causal, scale, None if key_lo is None else Bounds(key_lo, row_hi))
 
 
 @torch.library.register_fake("kernels::flash_attn_fwd")
-def _(q, k, v, causal, scale, doc_start, doc_end):
+def _(q, k, v, causal, scale, key_lo, row_hi):
     _check_inputs(q, k, v)
     B, H, T, D = q.shape
     return _empty_bhtd(B, H, T, D, q), q.new_empty((B, H, T), dtype=torch.float32)
 
 
 @torch.library.impl("kernels::flash_attn_bwd", ("cpu", "cuda"))
-def _flash_attn_bwd_op(do, q, k, v, o, lse, causal, scale, doc_start, doc_end):
-    return _backward(do, q, k, v, o, lse, causal, scale, None if doc_start is None else Documents(doc_start, doc_end))
+def _flash_attn_bwd_op(do, q, k, v, o, lse, causal, scale, key_lo, row_hi):
+    return _backward(do, q, k, v, o, lse, causal, scale, None if key_lo is None else Bounds(key_lo, row_hi))
 
 
 @torch.library.register_fake("kernels::flash_attn_bwd")
-def _(do, q, k, v, o, lse, causal, scale, doc_start, doc_end):
+def _(do, q, k, v, o, lse, causal, scale, key_lo, row_hi):
     (B, H, T, D), (H_kv, S) = q.shape, k.shape[1:3]
     return _empty_bhtd(B, H, T, D, q), _empty_bhtd(B, H_kv, S, D, k), _empty_bhtd(B, H_kv, S, D, v)
 
 
 def _op_setup_context(ctx, inputs, output):
-    q, k, v, causal, scale, doc_start, doc_end = inputs
+    q, k, v, causal, scale, key_lo, row_hi = inputs
     o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse, doc_start, doc_end)
+    ctx.save_for_backward(q, k, v, o, lse, key_lo, row_hi)
     ctx.causal, ctx.scale = causal, scale
 
 
 def _op_backward(ctx, do, dlse):  # dlse: LSE is an output for the backward only, never differentiated
-    q, k, v, o, lse, doc_start, doc_end = ctx.saved_tensors
-    dq, dk, dv = torch.ops.kernels.flash_attn_bwd(do, q, k, v, o, lse, ctx.causal, ctx.scale, doc_start, doc_end)
+    q, k, v, o, lse, key_lo, row_hi = ctx.saved_tensors
+    dq, dk, dv = torch.ops.kernels.flash_attn_bwd(do, q, k, v, o, lse, ctx.causal, ctx.scale, key_lo, row_hi)
     return dq, dk, dv, None, None, None, None
 
 
@@ -914,16 +947,16 @@ class FlashAttentionFunction(torch.autograd.Function):
     """Eager autograd wrapper: the launchers without the custom-op dispatch (see above)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, docs):
-        o, lse = _forward(q, k, v, causal, scale, docs)
+    def forward(ctx, q, k, v, causal, scale, bnd):
+        o, lse = _forward(q, k, v, causal, scale, bnd)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.causal, ctx.scale, ctx.docs = causal, scale, docs
+        ctx.causal, ctx.scale, ctx.bnd = causal, scale, bnd
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
-        return *_backward(do, q, k, v, o, lse, ctx.causal, ctx.scale, ctx.docs), None, None, None
+        return *_backward(do, q, k, v, o, lse, ctx.causal, ctx.scale, ctx.bnd), None, None, None
 
 
 def autocast_inputs(q, k, v):
@@ -934,20 +967,22 @@ def autocast_inputs(q, k, v):
     return q, k, v
 
 
-def flash_attention(q, k, v, causal=True, softmax_scale=None, doc_ids=None):
+def flash_attention(q, k, v, causal=True, softmax_scale=None, doc_ids=None, window=0):
     """softmax(softmax_scale * q k^T, mask) v for q (B, H, T, D) and k, v (B, H_kv, S, D).
 
     Returns (B, H, T, D) in q's dtype; softmax_scale defaults to 1 / sqrt(D). doc_ids (B, T) of
     packed documents (a document is a run of equal ids; causal, T == S): query i then attends key j
-    only within its own document, and the tiles of other documents are skipped.
+    only within its own document, and the tiles of other documents are skipped. window W > 0
+    (causal): query i sees only the W keys up to its own (a sliding window; with documents, within
+    its document too), and the tiles outside the window are skipped.
     Under torch.autocast, q, k and v are first cast to the autocast dtype, as autocast does for
     scaled_dot_product_attention.
     """
     q, k, v = autocast_inputs(q, k, v)
-    docs = _checked(q, k, v, causal, doc_ids)
+    bnd = _checked(q, k, v, causal, doc_ids, window)
     scale = softmax_scale_of(q, softmax_scale)
     # the custom op where something watches the dispatcher: torch.compile, and modes such as
     # selective activation checkpointing, which must see the attention as one op to keep it
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
-        return torch.ops.kernels.flash_attn_fwd(q, k, v, bool(causal), scale, *(docs or (None, None)))[0]
-    return FlashAttentionFunction.apply(q, k, v, bool(causal), scale, docs)
+        return torch.ops.kernels.flash_attn_fwd(q, k, v, bool(causal), scale, *(bnd or (None, None)))[0]
+    return FlashAttentionFunction.apply(q, k, v, bool(causal), scale, bnd)

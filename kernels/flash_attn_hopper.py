@@ -25,12 +25,12 @@ last key blocks) lead, which is the order in which each Q block's shares become 
 deterministic=False each share is added as soon as it is ready (the reduce-add is atomic), which
 is what the ordering costs to measure.
 
-Packed documents (causal, T == S): a key block's program streams only the Q blocks before the
-end of its last key's document, and a query block's program loads only the key blocks from its
-first row's document start on, so tiles of other documents are never loaded. Documents are
-contiguous, so within the causal mask only one comparison per element is left: query i sees key
-j <= i iff j is at or after the start of i's document (the forward), or iff i is before the end
-of j's document (the backward).
+Packed documents and sliding windows (causal) bound each query's keys from below, by a bound that
+grows with the query (kernels/flash_attn.py's Bounds): a key block's program streams only the Q
+blocks before its last key's row_hi, and a query block's program loads only the key blocks from
+its first row's key_lo on, so tiles of other documents and outside the window are never loaded.
+Within the causal mask one comparison per element is left: query i sees key j <= i iff
+j >= key_lo(i) (the forward), or iff i < row_hi(j) (the backward).
 
 The work is split FlashAttention-3's way (warp specialization): a producer warp issues the TMA
 copies, the two matmul warpgroups do the five products, and a dQ-writer warp waits for each
@@ -190,7 +190,7 @@ def _bwd_write_dq(descs, smem, bars, coords, SEM, CAUSAL: gl.constexpr, DETERMIN
 
 
 @gluon.jit
-def _bwd_consume(descs, smem, bars, coords, outs, docs, CAUSAL: gl.constexpr, DOC_MASK: gl.constexpr,
+def _bwd_consume(descs, smem, bars, coords, outs, bnd, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr,
                  NUM_WARPS: gl.constexpr):
     """The matmul warps (two warpgroups, one wgmma M of BLOCK_N keys): the five products of every
     step, dK and dV kept in registers and written at the end, each dQ share handed to the writer."""
@@ -199,7 +199,7 @@ def _bwd_consume(descs, smem, bars, coords, outs, docs, CAUSAL: gl.constexpr, DO
     kv_bar, ready, empty, dq_full, dq_empty = bars
     off_b, off_hkv, n, n_blocks, m_lo, steps, H, GROUP, T, S = coords
     DK, DV, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, sm_scale, qk_scale = outs
-    DOC_END, full_hi = docs
+    ROW_HI, full_hi = bnd
     dtype: gl.constexpr = q_smem.dtype
     STAGES: gl.constexpr = q_smem.type.shape[0]
     BLOCK_M: gl.constexpr = q_smem.type.shape[1]
@@ -223,13 +223,13 @@ def _bwd_consume(descs, smem, bars, coords, outs, docs, CAUSAL: gl.constexpr, DO
     zero_q = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout)
     dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
     dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
-    # under a causal mask a tile needs masking where a key may follow a query, with documents where
-    # its rows reach full_hi (a key's document ends there, or the keys span two); the last key block
+    # under a causal mask a tile needs masking where a key may follow a query, bounded where its
+    # rows reach full_hi (the first key's row_hi: a document's end, or the window's); the last key block
     # may reach past S, whose zero keys would otherwise get weight exp2(-LSE)
     past_s = start_n + BLOCK_N > S
-    key_end = cols_t
-    if DOC_MASK:
-        key_end = gl.load(DOC_END + cols_t, mask=cols_t < S, other=0)
+    row_hi = cols_t
+    if BOUNDED:
+        row_hi = gl.load(ROW_HI + cols_t, mask=cols_t < S, other=0)
     mbarrier.wait(kv_bar, 0)
     for j in range(steps * GROUP):
         off_h, start_m = _bwd_step_rows(j, steps, m_lo, off_hkv, GROUP, BLOCK_M)
@@ -247,14 +247,14 @@ def _bwd_consume(descs, smem, bars, coords, outs, docs, CAUSAL: gl.constexpr, DO
         masked = past_s
         if CAUSAL:
             masked = masked | (start_n + BLOCK_N - 1 > start_m + S - T)
-        if DOC_MASK:
+        if BOUNDED:
             masked = masked | (start_m + BLOCK_M > full_hi)
         if masked:  # selected after exp2: a row with LSE = -inf (it sees no key) is dropped, never NaN
             visible = cols_t[:, None] < S
             if CAUSAL:
                 visible = visible & (cols_t[:, None] <= start_m + offs_m_t[None, :] + (S - T))
-            if DOC_MASK:  # a query at or after a key (causal) is in its document iff before its end
-                visible = visible & (start_m + offs_m_t[None, :] < key_end[:, None])
+            if BOUNDED:  # a query at or after a key (causal) sees it iff before the key's row_hi
+                visible = visible & (start_m + offs_m_t[None, :] < row_hi[:, None])
             pt = gl.where(visible, pt, 0.0)
         dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do_t, dv, is_async=True)
         delta = delta_smem.index(stage).reshape([BLOCK_M]).load(row_layout)
@@ -292,13 +292,13 @@ def _bwd_kernel(
     aux_desc,  # of (B, H, 2, T_pad) fp32: LSE * log2(e) and delta = rowsum(dO * O), zero past T
     dqacc_desc,  # of (B, H, T, D) fp32, zeroed: the dQ shares added so far
     SEM,  # (B, H, cdiv(T, BLOCK_M)) int32, zeroed: how many writer lanes have released a share per Q block
-    DOC_START, DOC_END,  # (B, T) int32: each token's document's first and one-past-last index (DOC_MASK)
+    ROW_HI,  # (B, S) int32: one past the last query that sees each key (BOUNDED: documents, a window)
     DK, DV,  # outputs, (B, H_kv, S, D) with these strides (head dim contiguous)
     stride_dkb, stride_dkh, stride_dkn,
     stride_dvb, stride_dvh, stride_dvn,
     H, GROUP, T, S,
     sm_scale, qk_scale,  # softmax_scale, and softmax_scale * log2(e)
-    CAUSAL: gl.constexpr, DOC_MASK: gl.constexpr, DETERMINISTIC: gl.constexpr, BLOCK_M: gl.constexpr,
+    CAUSAL: gl.constexpr, BOUNDED: gl.constexpr, DETERMINISTIC: gl.constexpr, BLOCK_M: gl.constexpr,
     STAGES: gl.constexpr, WORKER_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
     dtype: gl.constexpr = q_desc.dtype
@@ -313,14 +313,11 @@ def _bwd_kernel(
     if CAUSAL:  # bottom-right: query i sees key j iff j <= i + S - T
         m_lo = gl.maximum(n * BLOCK_N + T - S, 0) // BLOCK_M
     m_hi = gl.cdiv(T, BLOCK_M)
-    doc_end = DOC_END + off_b.to(gl.int64) * T
-    full_hi = T  # with documents, rows from here on need the document mask
-    if DOC_MASK:  # (T == S) rows past the end of the last key's document see none of the keys
-        doc_start = DOC_START + off_b.to(gl.int64) * T
-        last = gl.minimum(n * BLOCK_N + BLOCK_N, S) - 1
-        q_hi = gl.load(doc_end + last)
-        m_hi = gl.cdiv(q_hi, BLOCK_M)
-        full_hi = gl.where(gl.load(doc_start + n * BLOCK_N) == gl.load(doc_start + last), q_hi, 0)
+    row_hi = ROW_HI + off_b.to(gl.int64) * S
+    full_hi = T  # bounded, rows from here on need the mask
+    if BOUNDED:  # rows from the last key's row_hi on see none of the keys; row_hi grows with the key
+        m_hi = gl.maximum(gl.cdiv(gl.load(row_hi + gl.minimum(n * BLOCK_N + BLOCK_N, S) - 1), BLOCK_M), m_lo)
+        full_hi = gl.load(row_hi + n * BLOCK_N)
     steps = m_hi - m_lo
 
     m_tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
@@ -352,7 +349,7 @@ def _bwd_kernel(
     bars = (kv_bar, ready, empty, dq_full, dq_empty)
     coords = (off_b, off_hkv, n, n_blocks, m_lo, steps, H, GROUP, T, S)
     outs = (DK, DV, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, sm_scale, qk_scale)
-    gl.warp_specialize([(_bwd_consume, (descs, smem, bars, coords, outs, (doc_end, full_hi), CAUSAL, DOC_MASK,
+    gl.warp_specialize([(_bwd_consume, (descs, smem, bars, coords, outs, (row_hi, full_hi), CAUSAL, BOUNDED,
                                        num_warps)),
                         (_bwd_produce, (descs, smem, bars, coords, CAUSAL)),
                         (_bwd_write_dq, (descs, smem, bars, coords, SEM, CAUSAL, DETERMINISTIC))],
@@ -435,12 +432,12 @@ def _scratch(q, block_m: int, warmup: bool) -> tuple:
     return aux, dq_acc, zeroed[n_acc:].view(torch.int32).view(B, H, m_blocks)
 
 
-def _launch(do, q, k, v, o, lse, dk, dv, docs: tuple, causal: bool, scale: float, deterministic: bool = True,
+def _launch(do, q, k, v, o, lse, dk, dv, row_hi: torch.Tensor | None, causal: bool, scale: float,
+            deterministic: bool = True,
             blocks: tuple[int, int, int] | None = None, warmup: bool = False):
     """Launches the backward (its aux pass first) through Triton's front door; returns the fp32 dQ
     accumulator, unscaled, and what later launches of this layout need (or, with warmup, only
-    compiles the backward kernel and returns it). docs: the documents' (start, end), or two
-    stand-ins with documents=False."""
+    compiles the backward kernel and returns it). row_hi: as backward's, or None."""
     (B, H, T, D), (H_kv, S) = q.shape, k.shape[1:3]
     BLOCK_M, BLOCK_N, STAGES = blocks or BLOCKS[D]
     aux, dq_acc, sem = _scratch(q, BLOCK_M, warmup)
@@ -449,21 +446,23 @@ def _launch(do, q, k, v, o, lse, dk, dv, docs: tuple, causal: bool, scale: float
     aux_tail = (*o.stride()[:3], *do.stride()[:3], H, T, t_pad, D, 64)  # ..., HEAD_DIM, BLOCK
     if not warmup:
         aux_compiled = _aux_kernel[aux_grid](o, do, lse, aux, *aux_tail)
-    documents, doc_start, doc_end = docs
+    bounded = row_hi is not None
+    row_hi = lse if row_hi is None else row_hi  # lse stands in for absent bounds: unread
     args = (_descriptor(q, [1, 1, BLOCK_M, D]), _descriptor(k, [1, 1, BLOCK_N, D]), _descriptor(v, [1, 1, BLOCK_N, D]),
             _descriptor(do, [1, 1, BLOCK_M, D]), _descriptor(aux, [1, 1, 1, BLOCK_M]),
-            _descriptor(dq_acc, [1, 1, BLOCK_M, D]), sem, doc_start, doc_end, dk, dv, *dk.stride()[:3],
+            _descriptor(dq_acc, [1, 1, BLOCK_M, D]), sem, row_hi, dk, dv, *dk.stride()[:3],
             *dv.stride()[:3], H, H // H_kv, T, S, scale, scale * _LOG2E.value)
     # registers: the two 1-warp workers share one warpgroup at WORKER_REGS; the matmul warps get
     # what is left of 64K over 3 warpgroups (240 each)
-    meta = dict(CAUSAL=causal, DOC_MASK=documents, DETERMINISTIC=deterministic, BLOCK_M=BLOCK_M, STAGES=STAGES, WORKER_REGS=24,
+    meta = dict(CAUSAL=causal, BOUNDED=bounded, DETERMINISTIC=deterministic, BLOCK_M=BLOCK_M, STAGES=STAGES,
+                WORKER_REGS=24,
                 num_warps=NUM_WARPS, maxnreg=65536 // ((NUM_WARPS + 4) * 32) // 8 * 8)
     grid = (triton.cdiv(S, BLOCK_N), H_kv, B)
     if warmup:
         return _bwd_kernel.warmup(*args, grid=grid, **meta)
     compiled = _bwd_kernel[grid](*args, **meta)
     descs = _kept(args[:6])
-    tail = (*args[11:], *(meta[name] for name in _bwd_kernel.arg_names[len(args):]))
+    tail = (*args[10:], *(meta[name] for name in _bwd_kernel.arg_names[len(args):]))
     return dq_acc, (aux_compiled, aux_grid, aux_tail, compiled, grid, descs, tail)
 
 
@@ -471,37 +470,37 @@ def _launch(do, q, k, v, o, lse, dk, dv, docs: tuple, causal: bool, scale: float
 _BWD_BOUND: dict[tuple, tuple] = {}
 
 
-def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, docs: tuple | None = None,
+def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, row_hi: torch.Tensor | None = None,
              deterministic: bool = True, blocks: tuple[int, int, int] | None = None) -> None:
     """Writes dq, dk, dv (shaped like q, k, v; head dim contiguous) from the forward's o and lse
-    ((B, H, T) fp32, contiguous). docs: None, or (start, end), each (B, T) int32 contiguous (causal
-    only), each token's document's first and one-past-last index, to attend within documents
-    (kernels/flash_attn.py's Documents). deterministic: dQ's shares added in a fixed order (the
+    ((B, H, T) fp32, contiguous). row_hi: None, or (B, S) int32 contiguous (causal only), one past
+    the last query that sees each key, to attend within documents or a window (kernels/flash_attn.py's
+    Bounds.row_hi). deterministic: dQ's shares added in a fixed order (the
     same bits every run), or in the order they come (not). blocks overrides BLOCKS (benchmarks)."""
-    docs = (False, lse, lse) if docs is None else (True, *docs)  # lse stands in for absent documents: unread
     # the aux kernel is compiled for o, do and lse as aligned (or not) as the first call's
     layout = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), do.stride(), o.stride(), dk.stride(), dv.stride(),
-              q.dtype, q.device.index, causal, docs[0], deterministic, scale, blocks,
-              *(t.data_ptr() % 16 == 0 for t in (o, do, lse, *docs[1:])))
+              q.dtype, q.device.index, causal, row_hi is None, deterministic, scale, blocks,
+              *(t.data_ptr() % 16 == 0 for t in (o, do, lse, lse if row_hi is None else row_hi)))
     if bound := _BWD_BOUND.get(layout):
         aux_compiled, aux_grid, aux_tail, compiled, grid, descs, tail = bound
         aux, dq_acc, sem = _scratch(q, (blocks or BLOCKS[q.shape[3]])[0], False)
         device = q.device.index
         launch_compiled(aux_compiled, aux_grid, device, (o, do, lse, aux, *aux_tail))
-        launch_compiled(compiled, grid, device, (*_rebound((q, k, v, do, aux, dq_acc), descs), sem, *docs[1:], dk, dv,
+        launch_compiled(compiled, grid, device, (*_rebound((q, k, v, do, aux, dq_acc), descs), sem,
+                                                 lse if row_hi is None else row_hi, dk, dv,
                                                  *tail))
     else:
-        dq_acc, _BWD_BOUND[layout] = _launch(do, q, k, v, o, lse, dk, dv, docs, causal, scale, deterministic, blocks)
+        dq_acc, _BWD_BOUND[layout] = _launch(do, q, k, v, o, lse, dk, dv, row_hi, causal, scale, deterministic, blocks)
     torch.mul(dq_acc, scale, out=dq)  # rows that see no key (causal, T > S) got no share: zero
 
 
-def compile_only(do, q, k, v, causal: bool, documents: bool = False):
+def compile_only(do, q, k, v, causal: bool, bounded: bool = False):
     """The compiled kernel for these inputs' layout, without launching it (kernels/sm90.py)."""
     B, H, T, _ = q.shape
     lse = torch.empty((B, H, T), dtype=torch.float32)
-    bounds = torch.empty((2, B, T), dtype=torch.int32)
+    row_hi = torch.empty((B, k.shape[2]), dtype=torch.int32) if bounded else None
     return _launch(do, q, k, v, torch.empty_like(q), lse, torch.empty_like(k), torch.empty_like(v),
-                   (documents, *bounds), causal, q.shape[3] ** -0.5, warmup=True)
+                   row_hi, causal, q.shape[3] ** -0.5, warmup=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -523,8 +522,8 @@ PRODUCER_REGS = gl.constexpr(24)  # the producer only issues TMA copies and wait
 
 
 @gluon.jit
-def _fwd_step(i, j, acc, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready, kv_empty, rows, cols, doc_rows, T, S,
-              qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr, DOC_MASK: gl.constexpr):
+def _fwd_step(i, j, acc, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready, kv_empty, rows, cols, key_lo, T, S,
+              qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr):
     """Key block j (ring slot i) of the online softmax; frees the slot when its matmuls are done."""
     ROWS: gl.constexpr = q_t.type.shape[0]
     BLOCK_N: gl.constexpr = k_smem.type.shape[1]
@@ -542,8 +541,8 @@ def _fwd_step(i, j, acc, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready, kv_emp
         visible = keys[None, :] < S
         if CAUSAL:  # bottom-right: query i sees key j iff j <= i + S - T
             visible = visible & (keys[None, :] <= rows[:, None] + (S - T))
-        if DOC_MASK:  # and (causal) only keys from its document's start on
-            visible = visible & (keys[None, :] >= doc_rows[:, None])
+        if BOUNDED:  # and only keys from its first on (a document's start, the window's)
+            visible = visible & (keys[None, :] >= key_lo[:, None])
         qk = gl.where(visible, qk, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
     m_sub = m_new
@@ -561,8 +560,8 @@ def _fwd_step(i, j, acc, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready, kv_emp
 
 @gluon.jit
 def _fwd_pass(i, k_ready, v_ready, kv_empty, STAGES: gl.constexpr):
-    """Ring slot i holds a key block this warpgroup's rows do not see (an earlier document's, which
-    another warpgroup's rows see): free it once loaded, unread. Waiting for the load keeps this
+    """Ring slot i holds a key block this warpgroup's rows do not see (below their first keys, where
+    another warpgroup's rows see it): free it once loaded, unread. Waiting for the load keeps this
     warpgroup from freeing a slot twice before the other has freed it once."""
     stage = i % STAGES
     phase = (i // STAGES) & 1
@@ -572,12 +571,12 @@ def _fwd_pass(i, k_ready, v_ready, kv_empty, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _fwd_consume(descs, smem, bars, coords, CAUSAL: gl.constexpr, DOC_MASK: gl.constexpr, C: gl.constexpr):
+def _fwd_consume(descs, smem, bars, coords, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr, C: gl.constexpr):
     """Consumer warpgroup C: query rows start_m + 64 C .. + 63 against the program's key blocks."""
     q_desc, k_desc, v_desc, o_desc, LSE = descs
     q_smem, k_smem, v_smem = smem
     q_bar, k_ready, v_ready, kv_empty = bars
-    off_b, off_h, off_hkv, start_m, lo, n_blocks, DOC, H, T, S, qk_scale = coords
+    off_b, off_h, off_hkv, start_m, lo, n_blocks, KEY_LO, H, T, S, qk_scale = coords
     ROWS: gl.constexpr = q_smem.type.shape[1]
     HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
     STAGES: gl.constexpr = k_smem.type.shape[0]
@@ -602,26 +601,26 @@ def _fwd_consume(descs, smem, bars, coords, CAUSAL: gl.constexpr, DOC_MASK: gl.c
     n_full = gl.minimum(n_full, n_blocks)
     own_lo = lo
     full_lo = lo
-    doc_rows = rows
-    if DOC_MASK:  # the tile of its first row's document start; mask-free only within one document
-        doc_rows = gl.load(DOC + rows, mask=rows < T, other=0)
-        doc_lo = gl.load(DOC + gl.minimum(first, T - 1))
-        one_doc = doc_lo == gl.load(DOC + gl.minimum(first + ROWS, T) - 1)
-        own_lo = gl.where(first < T, doc_lo // BLOCK_N, n_blocks)  # rows past T: no block
-        full_lo = gl.where(one_doc & (first < T), gl.cdiv(doc_lo, BLOCK_N), n_full)
+    key_lo = rows
+    if BOUNDED:  # from the tile of its first row's first key; mask-free past its last row's (key_lo grows)
+        key_lo = gl.load(KEY_LO + rows, mask=rows < T, other=0)
+        first_lo = gl.load(KEY_LO + gl.minimum(first, T - 1))
+        last_lo = gl.load(KEY_LO + gl.minimum(first + ROWS, T) - 1)
+        own_lo = gl.where(first < T, first_lo // BLOCK_N, n_blocks)  # rows past T: no block
+        full_lo = gl.where(first < T, gl.cdiv(last_lo, BLOCK_N), n_full)
     q_t = q_smem.index(C)
     mbarrier.wait(q_bar.index(C), 0)
     for j in range(lo, own_lo):
         _fwd_pass(j - lo, k_ready, v_ready, kv_empty, STAGES)
     for j in range(own_lo, gl.minimum(full_lo, n_full)):
         acc, l_i, m_i = _fwd_step(j - lo, j, acc, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready, kv_empty, rows,
-                                  cols, doc_rows, T, S, qk_scale, True, CAUSAL, DOC_MASK)
+                                  cols, key_lo, T, S, qk_scale, True, CAUSAL, BOUNDED)
     for j in range(full_lo, n_full):
         acc, l_i, m_i = _fwd_step(j - lo, j, acc, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready, kv_empty, rows,
-                                  cols, doc_rows, T, S, qk_scale, False, CAUSAL, DOC_MASK)
+                                  cols, key_lo, T, S, qk_scale, False, CAUSAL, BOUNDED)
     for j in range(gl.maximum(own_lo, n_full), n_blocks):
         acc, l_i, m_i = _fwd_step(j - lo, j, acc, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready, kv_empty, rows,
-                                  cols, doc_rows, T, S, qk_scale, True, CAUSAL, DOC_MASK)
+                                  cols, key_lo, T, S, qk_scale, True, CAUSAL, BOUNDED)
 
     l_safe = gl.where(l_i == 0.0, 1.0, l_i)  # rows that attend no key: O = 0, LSE = -inf
     lse = (m_i + gl.log2(l_safe)) / _LOG2E
@@ -635,22 +634,22 @@ def _fwd_consume(descs, smem, bars, coords, CAUSAL: gl.constexpr, DOC_MASK: gl.c
 
 
 @gluon.jit
-def _fwd_consume_1(descs, smem, bars, coords, CAUSAL: gl.constexpr, DOC_MASK: gl.constexpr):
-    _fwd_consume(descs, smem, bars, coords, CAUSAL, DOC_MASK, 1)
+def _fwd_consume_1(descs, smem, bars, coords, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr):
+    _fwd_consume(descs, smem, bars, coords, CAUSAL, BOUNDED, 1)
 
 
 @gluon.jit
-def _fwd_consume_2(descs, smem, bars, coords, CAUSAL: gl.constexpr, DOC_MASK: gl.constexpr):
-    _fwd_consume(descs, smem, bars, coords, CAUSAL, DOC_MASK, 2)
+def _fwd_consume_2(descs, smem, bars, coords, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr):
+    _fwd_consume(descs, smem, bars, coords, CAUSAL, BOUNDED, 2)
 
 
 @gluon.jit
-def _fwd_produce(descs, smem, bars, coords, CAUSAL: gl.constexpr, DOC_MASK: gl.constexpr):
+def _fwd_produce(descs, smem, bars, coords, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr):
     """The producer warp: each consumer's Q tile, then the K/V blocks lo .. n_blocks - 1 through the ring."""
     q_desc, k_desc, v_desc, o_desc, LSE = descs
     q_smem, k_smem, v_smem = smem
     q_bar, k_ready, v_ready, kv_empty = bars
-    off_b, off_h, off_hkv, start_m, lo, n_blocks, DOC, H, T, S, qk_scale = coords
+    off_b, off_h, off_hkv, start_m, lo, n_blocks, KEY_LO, H, T, S, qk_scale = coords
     CONSUMERS: gl.constexpr = q_smem.type.shape[0]
     ROWS: gl.constexpr = q_smem.type.shape[1]
     HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
@@ -676,10 +675,10 @@ def _fwd_kernel(
     q_desc, k_desc, v_desc,  # TMA descriptors of (B, H, T, D), (B, H_kv, S, D) x2
     o_desc,  # of (B, H, T, D): the output
     LSE,  # (B, H, T) fp32, natural log
-    DOC_START,  # (B, T) int32: the first index of each token's document (read with DOC_MASK only)
+    KEY_LO,  # (B, T) int32: each query's first key (BOUNDED only: documents, a window)
     H, GROUP, T, S,
     qk_scale,  # softmax_scale * log2(e)
-    CAUSAL: gl.constexpr, DOC_MASK: gl.constexpr, CONSUMERS: gl.constexpr, STAGES: gl.constexpr,
+    CAUSAL: gl.constexpr, BOUNDED: gl.constexpr, CONSUMERS: gl.constexpr, STAGES: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
 ):
     dtype: gl.constexpr = q_desc.dtype
@@ -694,10 +693,10 @@ def _fwd_kernel(
     if CAUSAL:  # one past the last key the program's last row sees (<= 0: its rows see none)
         key_end = gl.minimum(S, start_m + CONSUMERS * ROWS + S - T)
     n_blocks = gl.cdiv(gl.maximum(key_end, 0), BLOCK_N)
-    doc = DOC_START + off_b.to(gl.int64) * T
-    lo = 0  # with documents, keys before the first row's document are never loaded
-    if DOC_MASK:
-        lo = gl.load(doc + start_m) // BLOCK_N
+    key_lo = KEY_LO + off_b.to(gl.int64) * T
+    lo = 0  # bounded, keys before the first row's first key are never loaded
+    if BOUNDED:
+        lo = gl.load(key_lo + start_m) // BLOCK_N
 
     q_tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM], dtype)
     kv_tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
@@ -718,17 +717,17 @@ def _fwd_kernel(
     descs = (q_desc, k_desc, v_desc, o_desc, LSE)
     smem = (q_smem, k_smem, v_smem)
     bars = (q_bar, k_ready, v_ready, kv_empty)
-    coords = (off_b, off_h, off_h // GROUP, start_m, lo, n_blocks, doc, H, T, S, qk_scale)
+    coords = (off_b, off_h, off_h // GROUP, start_m, lo, n_blocks, key_lo, H, T, S, qk_scale)
     if CONSUMERS == 2:
-        gl.warp_specialize([(_fwd_consume, (descs, smem, bars, coords, CAUSAL, DOC_MASK, 0)),
-                            (_fwd_consume_1, (descs, smem, bars, coords, CAUSAL, DOC_MASK)),
-                            (_fwd_produce, (descs, smem, bars, coords, CAUSAL, DOC_MASK))],
+        gl.warp_specialize([(_fwd_consume, (descs, smem, bars, coords, CAUSAL, BOUNDED, 0)),
+                            (_fwd_consume_1, (descs, smem, bars, coords, CAUSAL, BOUNDED)),
+                            (_fwd_produce, (descs, smem, bars, coords, CAUSAL, BOUNDED))],
                            [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
-        gl.warp_specialize([(_fwd_consume, (descs, smem, bars, coords, CAUSAL, DOC_MASK, 0)),
-                            (_fwd_consume_1, (descs, smem, bars, coords, CAUSAL, DOC_MASK)),
-                            (_fwd_consume_2, (descs, smem, bars, coords, CAUSAL, DOC_MASK)),
-                            (_fwd_produce, (descs, smem, bars, coords, CAUSAL, DOC_MASK))],
+        gl.warp_specialize([(_fwd_consume, (descs, smem, bars, coords, CAUSAL, BOUNDED, 0)),
+                            (_fwd_consume_1, (descs, smem, bars, coords, CAUSAL, BOUNDED)),
+                            (_fwd_consume_2, (descs, smem, bars, coords, CAUSAL, BOUNDED)),
+                            (_fwd_produce, (descs, smem, bars, coords, CAUSAL, BOUNDED))],
                            [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -741,14 +740,14 @@ def fwd_blocks(head_dim: int, seq_len: int) -> tuple[int, int, int]:
     return 2, 128, 2
 
 
-def _fwd_meta(causal: bool, documents: bool, blocks: tuple[int, int, int]) -> dict:
+def _fwd_meta(causal: bool, bounded: bool, blocks: tuple[int, int, int]) -> dict:
     consumers, _, stages = blocks
     # registers are shared out per warpgroup, 64K in all: the producer's warp takes a warpgroup
     # slot at PRODUCER_REGS; the consumers split the rest, the default partition (consumer 0)
     # getting what maxnreg leaves it
     maxnreg = 65536 // ((consumers + 1) * 128) // 8 * 8
     consumer_regs = (65536 // 128 - PRODUCER_REGS.value) // consumers // 8 * 8
-    return dict(CAUSAL=causal, DOC_MASK=documents, CONSUMERS=consumers, STAGES=stages, CONSUMER_REGS=consumer_regs,
+    return dict(CAUSAL=causal, BOUNDED=bounded, CONSUMERS=consumers, STAGES=stages, CONSUMER_REGS=consumer_regs,
                 num_warps=4, maxnreg=maxnreg)
 
 
@@ -757,10 +756,10 @@ def _fwd_grid(q, blocks: tuple[int, int, int]) -> tuple[int, int, int]:
     return triton.cdiv(T, blocks[0] * FWD_ROWS), H, B
 
 
-def _fwd_args(q, k, v, o, lse, doc_start, scale: float, block_n: int) -> tuple:
+def _fwd_args(q, k, v, o, lse, key_lo, scale: float, block_n: int) -> tuple:
     (_, H, T, D), (H_kv, S) = q.shape, k.shape[1:3]
     return (_descriptor(q, [1, 1, FWD_ROWS, D]), _descriptor(k, [1, 1, block_n, D]), _descriptor(v, [1, 1, block_n, D]),
-            _descriptor(o, [1, 1, FWD_ROWS, D]), lse, doc_start, H, H // H_kv, T, S, scale * _LOG2E.value)
+            _descriptor(o, [1, 1, FWD_ROWS, D]), lse, key_lo, H, H // H_kv, T, S, scale * _LOG2E.value)
 
 
 # the compiled forward per input layout, with its grid, its four descriptors' shapes and strides
@@ -771,33 +770,33 @@ def _fwd_args(q, k, v, o, lse, doc_start, scale: float, block_n: int) -> tuple:
 _FWD_BOUND: dict[tuple, tuple] = {}
 
 
-def forward(q, k, v, o, lse, causal: bool, scale: float, doc_start: torch.Tensor | None = None,
+def forward(q, k, v, o, lse, causal: bool, scale: float, key_lo: torch.Tensor | None = None,
             blocks: tuple[int, int, int] | None = None) -> None:
     """Writes o (shaped like q, head dim contiguous) and lse ((B, H, T) fp32, contiguous, natural
-    log). doc_start ((B, T) int32, contiguous; causal only): each token's document's first index,
-    to attend within documents (kernels/flash_attn.py's Documents.start). blocks overrides
+    log). key_lo ((B, T) int32, contiguous; causal only): each query's first key, to attend within
+    documents or a window (kernels/flash_attn.py's Bounds.key_lo). blocks overrides
     fwd_blocks (benchmarks)."""
-    documents = doc_start is not None
-    doc_start = lse if doc_start is None else doc_start  # lse stands in for absent documents: unread
+    bounded = key_lo is not None
+    key_lo = lse if key_lo is None else key_lo  # lse stands in for absent bounds: unread
     layout = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), o.stride(), q.dtype, q.device.index, causal,
-              documents, scale, blocks, lse.data_ptr() % 16 == 0, doc_start.data_ptr() % 16 == 0)
+              bounded, scale, blocks, lse.data_ptr() % 16 == 0, key_lo.data_ptr() % 16 == 0)
     if bound := _FWD_BOUND.get(layout):
         compiled, grid, descs, tail = bound
-        launch_compiled(compiled, grid, q.device.index, (*_rebound((q, k, v, o), descs), lse, doc_start, *tail))
+        launch_compiled(compiled, grid, q.device.index, (*_rebound((q, k, v, o), descs), lse, key_lo, *tail))
         return
     blocks = blocks or fwd_blocks(q.shape[3], q.shape[2])
-    args = _fwd_args(q, k, v, o, lse, doc_start, scale, blocks[1])
+    args = _fwd_args(q, k, v, o, lse, key_lo, scale, blocks[1])
     grid = _fwd_grid(q, blocks)
-    meta = _fwd_meta(causal, documents, blocks)
+    meta = _fwd_meta(causal, bounded, blocks)
     compiled = _fwd_kernel[grid](*args, **meta)
     descs = _kept(args[:4])
     _FWD_BOUND[layout] = compiled, grid, descs, (*args[6:], *(meta[name] for name in _fwd_kernel.arg_names[len(args):]))
 
 
-def compile_only_forward(q, k, v, causal: bool, documents: bool = False, blocks: tuple[int, int, int] | None = None):
+def compile_only_forward(q, k, v, causal: bool, bounded: bool = False, blocks: tuple[int, int, int] | None = None):
     """The compiled forward kernel for these inputs' layout, without launching it (kernels/sm90.py)."""
     (B, H, T, D) = q.shape
     blocks = blocks or fwd_blocks(D, T)
     args = _fwd_args(q, k, v, torch.empty_like(q), torch.empty((B, H, T), dtype=torch.float32),
                      torch.empty((B, T), dtype=torch.int32), D ** -0.5, blocks[1])
-    return _fwd_kernel.warmup(*args, grid=_fwd_grid(q, blocks), **_fwd_meta(causal, documents, blocks))
+    return _fwd_kernel.warmup(*args, grid=_fwd_grid(q, blocks), **_fwd_meta(causal, bounded, blocks))

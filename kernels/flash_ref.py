@@ -138,10 +138,11 @@ def flash_attention_reference_backward(q, k, v, o, lse, do, causal=True, scale=N
     return (scale * dq).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def attention_probs(q, k, causal=True, scale=None, dtype=torch.float64, doc_ids=None):
+def attention_probs(q, k, causal=True, scale=None, dtype=torch.float64, doc_ids=None, window=0):
     """Dense softmax probabilities P (B, H, T, S) with an explicit mask, every op in `dtype`,
     and the natural-log LSE (B, H, T). Differentiable. Rows that attend no key get P = 0 and
-    LSE = -inf. doc_ids (B, T), with T == S: query i attends key j only if both ids match."""
+    LSE = -inf. doc_ids (B, T), with T == S: query i attends key j only if both ids match.
+    window W > 0: query i attends only keys j > i + S - T - W (its last W, with causal)."""
     H, T, D = q.shape[1:]
     S = k.shape[2]
     scale = D**-0.5 if scale is None else scale
@@ -151,13 +152,16 @@ def attention_probs(q, k, causal=True, scale=None, dtype=torch.float64, doc_ids=
         s = s.masked_fill(~_causal_mask(rows, cols, T, S), float("-inf"))
     if doc_ids is not None:
         s = s.masked_fill((doc_ids[:, None, :, None] != doc_ids[:, None, None, :]), float("-inf"))
+    if window:
+        rows, cols = torch.arange(T, device=q.device), torch.arange(S, device=q.device)
+        s = s.masked_fill(cols[None, :] <= rows[:, None] + (S - T - window), float("-inf"))
     lse = torch.logsumexp(s.detach(), dim=-1)
     empty = torch.isinf(lse)[..., None]  # softmax of an all -inf row is NaN: give it zeros instead
     return torch.softmax(s.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0), lse
 
 
-def attention_reference(q, k, v, causal=True, scale=None, dtype=torch.float64, doc_ids=None):
+def attention_reference(q, k, v, causal=True, scale=None, dtype=torch.float64, doc_ids=None, window=0):
     """Dense attention with an explicit mask, every op in `dtype`: (o, LSE in natural log).
     Differentiable; rows that attend no key give o = 0, LSE = -inf and zero gradients."""
-    p, lse = attention_probs(q, k, causal, scale, dtype, doc_ids)
+    p, lse = attention_probs(q, k, causal, scale, dtype, doc_ids, window)
     return p @ _expand_kv(v, q.shape[1]).to(dtype), lse

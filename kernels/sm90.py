@@ -61,7 +61,7 @@ def stand_in():
         driver._active = previous
 
 
-MASKS = ("full", "causal", "documents")  # documents: causal within packed documents
+MASKS = ("full", "causal", "documents")  # documents: causal within packed documents (windows: the same kernels)
 
 
 def compile_hopper(direction: str, head_dim: int, dtype: torch.dtype, mask: str):

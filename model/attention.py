@@ -2,14 +2,15 @@
 
 Every implementation takes q (B, H, T, D), k and v (B, H_kv, T, D) with H_kv dividing H (grouped
 key/value heads: query head h reads kv head h // (H / H_kv)), and optionally doc_ids (B, T) of packed
-documents, and returns causal attention shaped like q, in its dtype, within each document when
-doc_ids is given. The model calls the `fn` of the Attention it is given and never asks which one
+documents and a window W, and returns causal attention shaped like q, in its dtype, within each
+document when doc_ids is given, over each query's last W keys (its own included) when W > 0. The model calls the `fn` of the Attention it is given and never asks which one
 it is. What an attention can do (head dims, splitting a sequence over ranks, what selective
 activation checkpointing keeps of it) is written in its entry, once: the config's choices and
 checks, the trainer, the benchmark and the equivalence check read it from here. A new attention
 is a function and an entry below.
 """
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,46 +19,76 @@ import torch
 import torch.nn.functional as F
 
 from kernels import MAX_HEAD_DIM, flash_attention, unsupported
+from kernels.decode import decode_attention
 
-AttentionFn = Callable[..., torch.Tensor]  # (q, k, v, doc_ids=None) -> (B, H, T, D)
+AttentionFn = Callable[..., torch.Tensor]  # (q, k, v, doc_ids=None, window=0) -> (B, H, T, D)
+# (q (B, H, T, D), k_cache, v_cache (B, H_kv, max_len, D), length (1,) int32 on the device, its host
+# copy filled, window) -> (B, H, T, D): the T newest positions, the last T of the `filled`, against the cache
+DecodeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int], torch.Tensor]
 
 
-def hidden_keys(doc_ids: torch.Tensor | None, T: int, device: torch.device) -> torch.Tensor:
-    """(B or 1, 1, T, T) bool: True where query i may not see key j (the future, another document)."""
-    future = torch.ones(T, T, dtype=torch.bool, device=device).triu(1)[None, None]
+def hidden_keys(doc_ids: torch.Tensor | None, T: int, device: torch.device, window: int = 0) -> torch.Tensor:
+    """(B or 1, 1, T, T) bool: True where query i may not see key j (the future, another document,
+    W or more keys back)."""
+    offset = torch.arange(T, device=device)[:, None] - torch.arange(T, device=device)[None, :]  # i - j
+    hidden = (offset < 0) | (offset >= window) if window else offset < 0
     if doc_ids is None:
-        return future
-    return future | (doc_ids[:, None, :, None] != doc_ids[:, None, None, :])
+        return hidden[None, None]
+    return hidden[None, None] | (doc_ids[:, None, :, None] != doc_ids[:, None, None, :])
 
 
-def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None = None
-                    ) -> torch.Tensor:
+def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None = None,
+                    window: int = 0) -> torch.Tensor:
     """Textbook attention: materialises the (B, H, T, T) scores in the input dtype. Fewer key/value
     heads (GQA) are repeated, each for its group of query heads."""
     if k.size(1) != q.size(1):  # query head h reads kv head h // (H / H_kv)
         k, v = (t.repeat_interleave(q.size(1) // k.size(1), dim=1) for t in (k, v))
     scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.size(-1)))  # (B, H, T, T)
-    scores = scores.masked_fill(hidden_keys(doc_ids, q.size(-2), q.device), float("-inf"))
+    scores = scores.masked_fill(hidden_keys(doc_ids, q.size(-2), q.device, window), float("-inf"))
     # softmax in (at least) fp32: bf16 exp/sum would lose the many small probabilities
     probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(q.dtype, torch.float32)).to(q.dtype)
     return probs @ v  # (B, H, T, D)
 
 
-def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None = None
-                   ) -> torch.Tensor:
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None = None,
+                   window: int = 0) -> torch.Tensor:
     """PyTorch's fused attention; which backend runs is torch's choice unless pinned (configs/runtime.py).
-    With documents it gets a dense (B, 1, T, T) mask, which its flash and cuDNN kernels do not take."""
+    With documents or a window (shorter than the sequence) it gets a dense (B or 1, 1, T, T) mask,
+    which its flash and cuDNN kernels do not take."""
     gqa = k.size(1) != q.size(1)
-    if doc_ids is None:
+    T = q.size(-2)
+    if doc_ids is None and not 0 < window < T:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=~hidden_keys(doc_ids, q.size(-2), q.device),
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=~hidden_keys(doc_ids, T, q.device, window),
                                           enable_gqa=gqa)
 
 
-def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None = None
-                     ) -> torch.Tensor:
-    """Our FlashAttention-2 Triton kernels (kernels/flash_attn.py); with documents, block-sparse."""
-    return flash_attention(q, k, v, causal=True, doc_ids=doc_ids)
+def dense_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, length: torch.Tensor, filled: int,
+                 window: int = 0, fused: bool = True) -> torch.Tensor:
+    """Decoding against the cache's filled slice, with a dense (T, filled) mask: SDPA's (fused) or the
+    textbook scores (naive). The slice's length is read on the host: eager only (no CUDA graph)."""
+    T, S = q.size(2), filled
+    k, v = k_cache[:, :, :S], v_cache[:, :, :S]
+    offset = torch.arange(T, device=q.device)[:, None] + (S - T) - torch.arange(S, device=q.device)[None, :]  # i' - j
+    visible = (offset >= 0) & (offset < window) if window else offset >= 0
+    if fused:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=k.size(1) != q.size(1))
+    k, v = (t.repeat_interleave(q.size(1) // k.size(1), dim=1) for t in (k, v))
+    scores = (q @ k.transpose(-2, -1) * (1.0 / math.sqrt(q.size(-1)))).masked_fill(~visible, float("-inf"))
+    return torch.softmax(scores, dim=-1, dtype=torch.promote_types(q.dtype, torch.float32)).to(q.dtype) @ v
+
+
+def triton_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, length: torch.Tensor, filled: int,
+                  window: int = 0) -> torch.Tensor:
+    """Our FlashDecoding kernel (kernels/decode.py): reads the length on the device, so a CUDA graph
+    can replay it."""
+    return decode_attention(q, k_cache, v_cache, length, window)
+
+
+def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None = None,
+                     window: int = 0) -> torch.Tensor:
+    """Our FlashAttention-2 Triton kernels (kernels/flash_attn.py); with documents or a window, block-sparse."""
+    return flash_attention(q, k, v, causal=True, doc_ids=doc_ids, window=window)
 
 
 @dataclass(frozen=True)
@@ -71,10 +102,15 @@ class Attention:
     context_parallel: bool = False  # one sequence over several ranks: ring attention over its kernels
     # the ops selective activation checkpointing keeps (output and LSE); none: recomputed whole
     saved_ops: tuple = ()
+    # generation against a KV cache (model/kv_cache.py); graphable: it reads no host copy of the
+    # cache's length, so a decode step may be captured in a CUDA graph
+    decode: DecodeFn = functools.partial(dense_decode, fused=True)
+    graphable: bool = False
 
 
 ATTENTIONS = {a.name: a for a in (
-    Attention("naive", naive_attention, "textbook softmax attention, the (T x T) scores in memory"),
+    Attention("naive", naive_attention, "textbook softmax attention, the (T x T) scores in memory",
+              decode=functools.partial(dense_decode, fused=False)),
     Attention("sdpa", sdpa_attention, "torch.nn.functional.scaled_dot_product_attention (backend logged on CUDA)",
               saved_ops=(torch.ops.aten._scaled_dot_product_flash_attention.default,
                          torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
@@ -82,7 +118,7 @@ ATTENTIONS = {a.name: a for a in (
                          torch.ops.aten._scaled_dot_product_cudnn_attention.default)),
     Attention("triton", triton_attention, "our FlashAttention-2 forward and backward Triton kernels",
               max_head_dim=MAX_HEAD_DIM, unsupported=unsupported, context_parallel=True,
-              saved_ops=(torch.ops.kernels.flash_attn_fwd.default,)),
+              saved_ops=(torch.ops.kernels.flash_attn_fwd.default,), decode=triton_decode, graphable=True),
 )}
 
 

@@ -9,6 +9,7 @@ the tokens (the caller passes their ids).
 import contextlib
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -17,8 +18,9 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from kernels import attention_flops
 from kernels.cross_entropy import full_cross_entropy, linear_cross_entropy
-from model.attention import Attention, AttentionFn, get_attention
+from model.attention import Attention, AttentionFn, DecodeFn, get_attention
 from model.config import ModelConfig
+from model.kv_cache import KVCache
 from model.offload import Offload
 
 
@@ -48,9 +50,19 @@ class Rotary(nn.Module):
         return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2).to(x.dtype)
 
 
+class CacheStep(NamedTuple):
+    """One forward of generation against a KV cache: the cache, and how many positions it holds
+    once this forward's tokens are in (on the device, (1,) int32)."""
+    cache: KVCache
+    end: torch.Tensor
+
+
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, attention: AttentionFn | None, rotary: Rotary | None):
+    def __init__(self, cfg: ModelConfig, attention: AttentionFn | None, rotary: Rotary | None, window: int = 0):
         super().__init__()
+        self.window = window  # each query's last `window` keys (0: all)
+        self.decode: DecodeFn | None = None  # set with attention (GPT.set_attention)
+        self.layer = 0  # this block's index: its slot in a KV cache
         self.n_head, self.n_kv_head = cfg.n_head, cfg.n_kv_head or cfg.n_head
         # one projection: n_head query heads, then n_kv_head key and n_kv_head value heads
         self.qkv = nn.Linear(cfg.d_model, (self.n_head + 2 * self.n_kv_head) * (cfg.d_model // cfg.n_head),
@@ -61,9 +73,10 @@ class CausalSelfAttention(nn.Module):
         self.rotary = rotary
         self.dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor, pos: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None
-                ) -> torch.Tensor:
-        """x (B, T, C); pos (T,): the tokens' positions, if not 0..T-1."""
+    def forward(self, x: torch.Tensor, pos: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None,
+                cache: "CacheStep | None" = None) -> torch.Tensor:
+        """x (B, T, C); pos (T,): the tokens' positions, if not 0..T-1; cache: this step of generation
+        with a KV cache (the tokens' positions are then the cache's next ones)."""
         B, T, C = x.shape
         H, H_kv = self.n_head, self.n_kv_head
         # (B, T, H + 2 H_kv, D) -> (B, H, T, D), (B, H_kv, T, D) x2 strided views; the kernels
@@ -72,7 +85,17 @@ class CausalSelfAttention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if self.rotary is not None:
             q, k = self.rotary(q, pos), self.rotary(k, pos)
-        y = self.attention(q, k, v) if doc_ids is None else self.attention(q, k, v, doc_ids=doc_ids)  # (B, H, T, D)
+        masks = {} if doc_ids is None else {"doc_ids": doc_ids}
+        if self.window:
+            masks["window"] = self.window
+        if cache is None:
+            y = self.attention(q, k, v, **masks)  # (B, H, T, D)
+        else:
+            k_cache, v_cache = cache.cache.append(self.layer, k, v, pos)
+            if cache.cache.filled == 0:  # prefill: the prompt alone, as in training
+                y = self.attention(q, k, v, **masks)
+            else:
+                y = self.decode(q, k_cache, v_cache, cache.end, cache.cache.filled + T, self.window)
         y = y.transpose(1, 2).reshape(B, T, C)
         return self.dropout(self.proj(y))
 
@@ -101,25 +124,26 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, attention: AttentionFn | None, rotary: Rotary | None):
+    def __init__(self, cfg: ModelConfig, attention: AttentionFn | None, rotary: Rotary | None, window: int = 0):
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
-        self.attn = CausalSelfAttention(cfg, attention, rotary)
+        self.attn = CausalSelfAttention(cfg, attention, rotary, window)
         self.ln2 = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, pos: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None
-                ) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x), pos, doc_ids)
+    def forward(self, x: torch.Tensor, pos: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None,
+                cache: "CacheStep | None" = None) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x), pos, doc_ids, cache)
         return x + self.mlp(self.ln2(x))
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: ModelConfig, attention: Attention | str, ac: str = "none"):
+    def __init__(self, cfg: ModelConfig, attention: Attention | str, ac: str = "none", window: int = 0):
         """attention: an entry of model/attention.py's registry, or its name; ac: activation
-        checkpointing per block, none | selective | full | offload (model/config.py)."""
+        checkpointing per block, none | selective | full | offload (model/config.py); window: each
+        query sees its last `window` keys (attn.window; 0: all)."""
         super().__init__()
-        self.cfg, self.ac = cfg, ac
+        self.cfg, self.ac, self.window = cfg, ac, window
         self.offload = Offload() if ac == "offload" else None
         self.vocab_size = padded_vocab(cfg.vocab_size)
         head_dim = cfg.d_model // cfg.n_head
@@ -128,7 +152,9 @@ class GPT(nn.Module):
         self.tok_emb = nn.Embedding(self.vocab_size, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model) if rotary is None else None
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg, None, rotary) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(Block(cfg, None, rotary, window) for _ in range(cfg.n_layer))
+        for i, block in enumerate(self.blocks):
+            block.attn.layer = i
         self.ln_f = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
         self.head = nn.Linear(cfg.d_model, self.vocab_size, bias=False)
         self.head.weight = self.tok_emb.weight  # tied: https://arxiv.org/abs/1608.05859
@@ -140,7 +166,7 @@ class GPT(nn.Module):
         plain kernels again, for generating whole sequences after training on context-parallel shards."""
         self.attention = get_attention(attention) if isinstance(attention, str) else attention
         for block in self.blocks:
-            block.attn.attention = self.attention.fn
+            block.attn.attention, block.attn.decode = self.attention.fn, self.attention.decode
 
     def _init_weights(self, module: nn.Module) -> None:
         # GPT-2 init; residual projections scaled by 1/sqrt(2 * n_layer) so the residual stream's
@@ -162,18 +188,26 @@ class GPT(nn.Module):
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token (PaLM's MFU convention): 6N for the weights, plus causal
-        attention's QK^T and PV forward (kernels/flops.py) times 3 for forward and backward."""
+        attention's QK^T and PV forward (kernels/flops.py; over the window's pairs only) times 3 for
+        forward and backward."""
         head_dim = self.cfg.d_model // self.cfg.n_head
-        attention = attention_flops(1, self.cfg.n_head, seq_len, seq_len, head_dim, causal=True) / seq_len
+        attention = attention_flops(1, self.cfg.n_head, seq_len, seq_len, head_dim, True, self.window) / seq_len
         return 6 * self.num_params(matmul_only=True) + 3 * self.cfg.n_layer * attention
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, pos: torch.Tensor | None = None,
-                doc_ids: torch.Tensor | None = None):
+                doc_ids: torch.Tensor | None = None, cache: KVCache | None = None):
         """idx (B, T) token ids -> (logits (B, T, V), None); with targets (B, T), (logits, mean loss),
         where model.loss=chunked returns no logits: it never makes them (kernels/cross_entropy.py).
         pos (T,): the tokens' positions in their sequence if not 0..T-1 (a context-parallel shard);
-        doc_ids (B, T): attend within packed documents, each a run of equal ids."""
+        doc_ids (B, T): attend within packed documents, each a run of equal ids. cache: generation's
+        KV cache (model/kv_cache.py): idx are the tokens after those it holds, and join them."""
         B, T = idx.shape
+        step = None
+        if cache is not None:
+            if cache.filled + T > min(self.cfg.max_seq_len, cache.max_len):
+                raise ValueError(f"{cache.filled} cached + {T} new tokens exceed the cache's "
+                                 f"{min(self.cfg.max_seq_len, cache.max_len)} positions")
+            pos, step = cache.positions(T), CacheStep(cache, cache.length + T)
         if pos is None and T > self.cfg.max_seq_len:
             raise ValueError(f"sequence of {T} tokens exceeds model.max_seq_len {self.cfg.max_seq_len}")
         x = self.tok_emb(idx)  # (B, T, C)
@@ -188,7 +222,9 @@ class GPT(nn.Module):
                 with self.offload.hooks() if self.offload is not None else contextlib.nullcontext():
                     x = checkpoint(block, x, pos, doc_ids, use_reentrant=False, context_fn=self._ac_context)
             else:
-                x = block(x, pos, doc_ids)
+                x = block(x, pos, doc_ids, step)
+        if cache is not None:
+            cache.advance(T)
         x = self.ln_f(x)
         if targets is not None and self.cfg.loss == "chunked":
             loss = linear_cross_entropy(x.view(B * T, -1), self.head.weight, targets.view(-1), self.cfg.loss_chunk,
@@ -213,16 +249,64 @@ class GPT(nn.Module):
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 0.8, top_k: int | None = 200,
                  generator: torch.Generator | None = None,
-                 doc_ids_of: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
-        """Extends idx (B, T) by max_new_tokens sampled tokens (no KV cache: recomputes the window);
-        doc_ids_of: the document ids of a window, for a model that attends within documents."""
+                 doc_ids_of: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 kv_cache: bool = True, cuda_graph: bool = True) -> torch.Tensor:
+        """Extends idx (B, T) by max_new_tokens sampled tokens (top_k=1: greedy).
+
+        kv_cache (model/kv_cache.py): the prompt's forward once, then one token's forward per new
+        token, replayed from a CUDA graph where the attention reads the cache's length on the device
+        (cuda_graph, on CUDA). Without it, and past model.max_seq_len tokens, and for a model that
+        attends within documents (doc_ids_of: the document ids of a window), every token recomputes
+        the forward of the last max_seq_len tokens."""
+        B, T0 = idx.shape
+        cache = graph = None
+        if kv_cache and doc_ids_of is None and T0 < self.cfg.max_seq_len and max_new_tokens > 1:
+            head_dim = self.cfg.d_model // self.cfg.n_head
+            max_len = min(T0 + max_new_tokens - 1, self.cfg.max_seq_len)  # the last token needs no forward
+            cache = KVCache(self.cfg.n_layer, B, self.cfg.n_kv_head or self.cfg.n_head, max_len, head_dim, idx.device)
         for _ in range(max_new_tokens):
-            window = idx[:, -self.cfg.max_seq_len:]
-            logits, _ = self(window, doc_ids=None if doc_ids_of is None else doc_ids_of(window))
-            logits = logits[:, -1, : self.cfg.vocab_size].float() / temperature  # drop padded ids
+            if cache is not None and idx.size(1) <= cache.max_len:
+                new = idx[:, cache.filled:]  # the prompt, then each sampled token
+                if graph is not None:
+                    logits = graph(new)
+                else:
+                    logits = self(new, cache=cache)[0][:, -1]
+                    # one eager step has compiled and tuned the kernels: capture the next ones
+                    graphable = cuda_graph and idx.is_cuda and self.attention.graphable
+                    if graphable and new.size(1) == 1 and cache.filled < cache.max_len:
+                        graph = DecodeGraph(self, cache, B)
+            else:
+                window = idx[:, -self.cfg.max_seq_len:]
+                logits = self(window, doc_ids=None if doc_ids_of is None else doc_ids_of(window))[0][:, -1]
+            logits = logits[:, : self.cfg.vocab_size].float() / temperature  # drop padded ids
             if top_k is not None:
                 kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
                 logits = logits.masked_fill(logits < kth, float("-inf"))
             probs = torch.softmax(logits, dim=-1)
             idx = torch.cat((idx, torch.multinomial(probs, 1, generator=generator)), dim=1)
         return idx
+
+
+class DecodeGraph:
+    """One decode step (a token per row against the KV cache) captured in a CUDA graph: every later
+    token replays the step's launches at once, where eager decoding pays Python per kernel. The
+    graph reads its token from a fixed buffer and writes its logits to another; the cache's
+    device-side length moves it along."""
+
+    def __init__(self, model: GPT, cache: KVCache, batch: int):
+        self.cache = cache
+        self.idx = torch.zeros(batch, 1, dtype=torch.long, device=cache.length.device)
+        self.graph = torch.cuda.CUDAGraph()
+        # autocast's cache of cast weights would keep tensors of the capture's pool alive past it
+        autocast = torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"),
+                                  enabled=torch.is_autocast_enabled("cuda"), cache_enabled=False)
+        with autocast, torch.cuda.graph(self.graph):
+            self.logits = model(self.idx, cache=cache)[0][:, -1]
+        cache.filled -= 1  # capturing ran the step's Python (advance) but none of its kernels
+
+    def __call__(self, token: torch.Tensor) -> torch.Tensor:
+        """The logits (B, V) after `token` (B, 1): valid until the next call."""
+        self.idx.copy_(token)
+        self.graph.replay()
+        self.cache.filled += 1
+        return self.logits

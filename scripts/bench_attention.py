@@ -9,6 +9,7 @@ its inputs and the gradients it returns (the scores for naive, LSE and scratch f
     python scripts/bench_attention.py                       # full sweep, into bench/<date>_<time>/
     python scripts/bench_attention.py --quick --impls triton,sdpa_flash --out docs/bench
     python scripts/bench_attention.py --documents synthetic --head-dims 64 --seq-lens 32768
+    python scripts/bench_attention.py --window 1024 --seq-lens 32768      # sliding windows, with and without documents
 """
 import contextlib
 import csv
@@ -41,7 +42,7 @@ from scripts.args import (ArgumentParser, directory, names, non_negative_int, po
 
 SEQ_LENS = [512, 1024, 2048, 4096, 8192, 16384]
 QUICK_SEQ_LENS = [1024, 8192]
-DOC_SEQ_LENS = [8192, 16384, 32768, 65536]
+DOC_SEQ_LENS = [8192, 16384, 32768, 65536]  # --documents and --window
 HEAD_DIMS = [64, 128]
 # naive fwd+bwd keeps bf16 scores, a masked copy, fp32 softmax and their gradients: ~20 bytes a score
 NAIVE_BYTES_PER_SCORE = 20
@@ -289,6 +290,9 @@ def parse_args(argv=None):
     p.add_argument("--documents", choices=["synthetic", "shakespeare"],
                    help="packed documents instead: B = 1, T = --seq-lens (default 8192-65536), the mask "
                         "within documents of 256-4096 tokens (synthetic) or Shakespeare's scenes (data=shakespeare_scenes)")
+    p.add_argument("--window", type=positive_int,
+                   help="sliding windows instead: B = 1, T = --seq-lens (default 8192-65536), each query sees its "
+                        "last WINDOW keys, alone and within synthetic documents (as --documents synthetic)")
     p.add_argument("--tokens", type=positive_int, default=16384, help="B·T, fixed across T")
     p.add_argument("--width", type=positive_int, default=1024, help="H·D, fixed across D")
     p.add_argument("--warmup", type=non_negative_int, default=25, help="do_bench warmup, ms")
@@ -300,7 +304,9 @@ def parse_args(argv=None):
     if args.quick:
         args.seq_lens = QUICK_SEQ_LENS
     require_divisors(p, "--head-dims", args.head_dims, args.width, "--width", "H·D")
-    if args.documents:  # B = 1: T is free
+    if args.documents and args.window:
+        p.error("--documents and --window are two modes: --window times windows within synthetic documents too")
+    if args.documents or args.window:  # B = 1: T is free
         args.seq_lens = DOC_SEQ_LENS if args.seq_lens == SEQ_LENS else args.seq_lens
         return args
     require_divisors(p, "--seq-lens", args.seq_lens, args.tokens, "--tokens", "B·T")
@@ -379,12 +385,78 @@ def run_documents(args, env):
     print(f"\n{env}\nforward+backward, ms and TFLOP/s of the work within the documents\n\n{table}")
 
 
+def _timed(attn, leaves, get_qkv, dout, args) -> float | str:
+    """fwd+bwd ms of one implementation, or the name of the error that stopped it."""
+    try:
+        return bench_one(attn, leaves, get_qkv, dout, args.warmup, args.rep)[1]
+    except (torch.cuda.OutOfMemoryError, *CELL_ERRORS) as e:
+        return type(e).__name__
+    finally:
+        for x in leaves:
+            x.grad = None
+        free_memory()
+
+
+def run_windows(args, env):
+    """fwd+bwd of ours with a sliding window of args.window keys, alone and within synthetic
+    documents, against FlexAttention with the same BlockMask and SDPA with the dense mask; and
+    how close ours comes to work proportional to the window: its time against our full causal
+    time scaled by (window's pairs / causal pairs)."""
+    W = args.window
+    rows = [f"| D | T | ours, W = {W} | Flex, W = {W} | ours / Flex | SDPA, dense mask | ours, W + documents "
+            "| Flex, W + documents | ours / Flex | ours, full causal | ours W vs T/W-proportional |", "|---" * 11 + "|"]
+    for D in args.head_dims:
+        H = args.width // D
+        for T in args.seq_lens:
+            lengths = document_lengths("synthetic", T)
+            doc_ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[None].cuda()
+            docs = doc_ids[0]
+            work = {"window": 3.5 * attention_flops(1, H, T, T, D, True, W),
+                    "docs": 3.5 * sum(attention_flops(1, H, n, n, D, True, W) for n in lengths),
+                    "causal": 3.5 * attention_flops(1, H, T, T, D)}
+            leaves, get_qkv, dout = make_inputs(1, H, T, D, "btHd")
+            torch._dynamo.reset()
+            flex = torch.compile(flex_attention, dynamic=False)
+            window_mask = create_block_mask(lambda b, h, q, kv: (q >= kv) & (q - kv < W), B=None, H=None,
+                                            Q_LEN=T, KV_LEN=T, device="cuda")
+            docs_mask = create_block_mask(lambda b, h, q, kv: (q >= kv) & (q - kv < W) & (docs[q] == docs[kv]),
+                                          B=None, H=None, Q_LEN=T, KV_LEN=T, device="cuda")
+            dense = ~hidden_keys(None, T, doc_ids.device, W)
+            impls = {"ours": (lambda q, k, v: flash_attention(q, k, v, window=W), "window"),
+                     "flex": (lambda q, k, v: flex(q, k, v, block_mask=window_mask), "window"),
+                     "sdpa_dense": (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=dense), "window"),
+                     "ours_docs": (lambda q, k, v: flash_attention(q, k, v, doc_ids=doc_ids, window=W), "docs"),
+                     "flex_docs": (lambda q, k, v: flex(q, k, v, block_mask=docs_mask), "docs"),
+                     "ours_causal": (lambda q, k, v: flash_attention(q, k, v), "causal")}
+            _timed(impls["ours"][0], leaves, get_qkv, dout, args)  # discarded: see main()
+            ms = {name: _timed(attn, leaves, get_qkv, dout, args) for name, (attn, _) in impls.items()}
+
+            def cell(name):
+                t = ms[name]
+                return t if isinstance(t, str) else f"{t:.2f} ms, {work[impls[name][1]] / t / 1e9:.0f}"
+
+            def ratio(a, b, scale=1.0):
+                return f"{ms[b] * scale / ms[a]:.2f}x" if all(isinstance(ms[n], float) for n in (a, b)) else "n/a"
+            proportional = ratio("ours", "ours_causal", work["window"] / work["causal"])
+            rows.append(f"| {D} | {T} | {cell('ours')} | {cell('flex')} | {ratio('ours', 'flex')} | "
+                        f"{cell('sdpa_dense')} | {cell('ours_docs')} | {cell('flex_docs')} | "
+                        f"{ratio('ours_docs', 'flex_docs')} | {cell('ours_causal')} | {proportional} |")
+            print(rows[-1], flush=True)
+            leaves = get_qkv = dout = dense = window_mask = docs_mask = None  # freed before the next shape
+            free_memory()
+    table = "\n".join(rows)
+    (args.out / f"window_{W}.md").write_text(f"{env}\n\n{table}\n")
+    print(f"\n{env}\nforward+backward, ms and TFLOP/s of the work inside the mask; ours / Flex: Flex's time over "
+          f"ours; vs T/W-proportional: (our causal time x window pairs / causal pairs) over our window time "
+          f"(1.00: the skipped tiles cost nothing)\n\n{table}")
+
+
 def main():
     args = parse_args()
     require_cuda("bench_attention.py")
-    if args.documents:
+    if args.documents or args.window:
         args.out.mkdir(parents=True, exist_ok=True)
-        return run_documents(args, environment())
+        return (run_documents if args.documents else run_windows)(args, environment())
     env = environment()
     print(env)
     print(f"layout {args.layout}, B·T = {args.tokens}, H·D = {args.width}, impls {args.impls}")

@@ -40,6 +40,7 @@ class SampleConfig:  # the types of sample.yaml's keys; their values are there
     seed: int = MISSING
     device: str = MISSING
     attention: Optional[AttnName] = MISSING
+    kv_cache: bool = MISSING
 
 
 def check(cfg: DictConfig) -> torch.device:
@@ -68,7 +69,7 @@ def load_model(ckpt: str, attention: str | None, device: torch.device) -> GPT:
     state = load_checkpoint(path)
     trained = state["config"]
     model = GPT(OmegaConf.merge(OmegaConf.structured(ModelConfig), trained["model"]),
-                attention or trained["attn"]["name"])
+                attention or trained["attn"]["name"], window=trained["attn"].get("window", 0))
     load_weights(model, state["model"], path)
     return model.to(device).eval()
 
@@ -86,7 +87,7 @@ def main(cfg: DictConfig) -> None:
     idx = torch.tensor([enc.encode_ordinary(cfg.prompt)] * cfg.num_samples, device=device)
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
     with autocast("auto", device):
-        out = model.generate(idx, cfg.max_new_tokens, cfg.temperature, cfg.top_k, generator=gen)
+        out = model.generate(idx, cfg.max_new_tokens, cfg.temperature, cfg.top_k, generator=gen, kv_cache=cfg.kv_cache)
     for row in out.tolist():
         print(enc.decode(row), end="\n---------------\n")
 

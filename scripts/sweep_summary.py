@@ -3,13 +3,15 @@
     python train.py -m experiment=sweep                              # writes multirun/<date>/<time>/
     python scripts/sweep_summary.py multirun/<date>/<time> [--out DIR]
 
-Reads every Hydra job under the sweep directory (`<job>/.hydra/config.yaml` for attn and seq_len,
-`metrics.jsonl` for the curves, `summary.json` for the outcome) and writes, into --out (default:
-the sweep directory):
+Reads every Hydra job under the sweep directory (`<job>/.hydra/config.yaml` for the setting: attn,
+attn.window, model.n_kv_head and seq_len; `metrics.jsonl` for the curves, `summary.json` for the
+outcome) and writes, into --out (default: the sweep directory):
 - summary.csv: one row per job, raw numbers;
-- summary.md:  the same rows sorted by seq_len then attn, and tokens/s pivoted seq_len x attn;
-- sweep.png:   tokens/s and peak allocated GPU memory against seq_len, one line per attention,
-               out-of-memory jobs marked with an x on the axis.
+- summary.md:  the same rows sorted by seq_len then setting, and tokens/s pivoted seq_len x setting
+               (a setting: the attention, with its window and key/value heads where not the default);
+- sweep.png:   tokens/s and peak allocated GPU memory against seq_len, one line per setting,
+               out-of-memory jobs marked with an x on the axis;
+- losses.png:  every job's training loss against the step, one line per setting and seq_len.
 No network and no W&B: the same numbers are in W&B, grouped by sweep, but this works offline.
 
 tokens/s and MFU are means over the logged intervals after the first, which holds warmup,
@@ -40,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/ sits be
 from trainer.metrics import read_metrics, steady  # noqa: E402
 from scripts.args import ArgumentParser, directory, fail, unwritable  # noqa: E402
 
-COLUMNS = ["attn", "seq_len", "status", "steps", "tokens_per_s", "mfu",
+COLUMNS = ["attn", "window", "n_kv_head", "seq_len", "status", "steps", "tokens_per_s", "mfu",
            "peak_mem_alloc_gib", "peak_mem_reserved_gib", "final_loss", "final_val_loss", "device", "message"]
 # what train.py writes: a number (or null, for a non-finite one) under these keys of a metrics record
 NUMBERS = ("loss", "val_loss", "tokens_per_s", "mfu", "peak_mem_alloc_gib", "peak_mem_reserved_gib")
@@ -68,12 +70,14 @@ def _one_line(e: Exception) -> str:
     return " ".join(str(e).split())
 
 
-def job_config(path: Path) -> tuple[str, int]:
-    """(attn, seq_len) from a job's .hydra/config.yaml."""
+def job_config(path: Path) -> tuple[str, int, int, int]:
+    """(attn, seq_len, attn.window, model.n_kv_head) from a job's .hydra/config.yaml (a config from
+    before the last two existed: 0, their default)."""
     try:
         cfg = OmegaConf.load(path)
-        attn, seq_len = (OmegaConf.select(cfg, key) if isinstance(cfg, DictConfig) else None
-                         for key in ("attn.name", "seq_len"))
+        attn, seq_len, window, n_kv_head = (
+            OmegaConf.select(cfg, key, default=default) if isinstance(cfg, DictConfig) else None
+            for key, default in (("attn.name", None), ("seq_len", None), ("attn.window", 0), ("model.n_kv_head", 0)))
     except OSError as e:
         raise SweepError(f"{path}: {e.strerror}") from None
     except (yaml.YAMLError, OmegaConfBaseException) as e:
@@ -81,7 +85,16 @@ def job_config(path: Path) -> tuple[str, int]:
     if not isinstance(attn, str) or not _is_int(seq_len):
         raise SweepError(f"{path} holds attn.name={attn!r}, seq_len={seq_len!r}: a train.py job's config has a string "
                          "attn.name and an integer seq_len")
-    return attn, seq_len
+    for key, value in (("attn.window", window), ("model.n_kv_head", n_kv_head)):
+        if not _is_int(value) or value < 0:
+            raise SweepError(f"{path} holds {key}={value!r}: a train.py job's config has an integer >= 0 there")
+    return attn, seq_len, window, n_kv_head
+
+
+def setting(row: dict) -> str:
+    """What a job ablates, in a label: the attention, and its window and key/value heads if set."""
+    return row["attn"] + (f" W={row['window']}" if row["window"] else "") + (
+        f" kv={row['n_kv_head']}" if row["n_kv_head"] else "")
 
 
 def job_records(path: Path) -> list[dict]:
@@ -127,7 +140,7 @@ def job_summary(path: Path) -> dict:
 
 def job_row(job: Path) -> dict:
     """One sweep job's row: what it ran (its Hydra config) and how it went (its metrics)."""
-    attn, seq_len = job_config(job / ".hydra" / "config.yaml")
+    attn, seq_len, window, n_kv_head = job_config(job / ".hydra" / "config.yaml")
     records = job_records(job / "metrics.jsonl")
     summary = job_summary(job / "summary.json")
     train = [r for r in records if "loss" in r]
@@ -139,16 +152,17 @@ def job_row(job: Path) -> dict:
         status = "oom" if any(r.get("event") == "oom" for r in records) else "failed"
     peaks = {k: max((r[k] for r in steady_train if r.get(k) is not None), default=None)
              for k in ("peak_mem_alloc_gib", "peak_mem_reserved_gib")}
-    return {"attn": attn, "seq_len": seq_len, "status": status,
+    return {"attn": attn, "window": window, "n_kv_head": n_kv_head, "seq_len": seq_len, "status": status,
             "steps": summary.get("steps", train[-1]["step"] if train else 0),
             "tokens_per_s": mean([r.get("tokens_per_s") for r in steady_train]),
             "mfu": mean([r.get("mfu") for r in steady_train]),
             **peaks, "final_loss": train[-1]["loss"] if train else None, "final_val_loss": val[-1] if val else None,
-            "device": summary.get("device"), "message": summary.get("message")}
+            "device": summary.get("device"), "message": summary.get("message"),
+            "curve": [(r["step"], r["loss"]) for r in train if r.get("loss") is not None]}
 
 
 def read_sweep(sweep_dir: Path) -> list[dict]:
-    """Every job's row, by seq_len then attn; SweepError naming the first file that is not train.py's."""
+    """Every job's row, by seq_len then setting; SweepError naming the first file that is not train.py's."""
     if not sweep_dir.is_dir():
         raise SweepError(f"{sweep_dir}: no such directory: pass the multirun/<date>/<time> directory written by "
                          "`train.py -m experiment=sweep`")
@@ -163,7 +177,7 @@ def read_sweep(sweep_dir: Path) -> list[dict]:
         except SweepError as e:
             raise SweepError(f"{e}: repair it, or move {job.name} out of the sweep dir to summarise the other "
                              "jobs") from None
-    return sorted(rows, key=lambda r: (r["seq_len"], r["attn"]))
+    return sorted(rows, key=lambda r: (r["seq_len"], r["attn"], r["window"], r["n_kv_head"]))
 
 
 # -----------------------------------------------------------------------------
@@ -177,28 +191,47 @@ def write_csv(rows: list[dict], path: Path) -> None:
         writer.writerows({k: "" if r[k] is None else r[k] for k in COLUMNS} for r in rows)
 
 
+def plot_losses(rows: list[dict], path: Path) -> None:
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, r in enumerate(rows):
+        if r["curve"]:
+            steps, losses = zip(*r["curve"])
+            ax.plot(steps, losses, color=f"C{i % 10}", label=f"{setting(r)}, T={r['seq_len']}")
+    if not any(r["curve"] for r in rows):
+        ax.text(0.5, 0.5, "no job logged a loss", ha="center", va="center", transform=ax.transAxes, color="gray")
+    else:
+        ax.legend(fontsize=8)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def fmt(value, spec: str) -> str:
     return "—" if value is None else format(value, spec)
 
 
 def markdown(rows: list[dict], sweep_dir: Path) -> str:
-    attns = sorted({r["attn"] for r in rows})
+    attns = list(dict.fromkeys(setting(r) for r in rows))
     devices = sorted({r["device"] for r in rows if r["device"]}) or ["unknown"]
     lines = [f"## Sweep `{sweep_dir}`", "",
              f"Device: {', '.join(devices)}. tokens/s, MFU (means) and peak memory (max) over the logged "
              "intervals after the first.", "",
-             "| attn | seq_len | status | steps | tokens/s | MFU | peak alloc GiB | peak reserved GiB "
-             "| final loss | final val loss |",
-             "|---|--:|---|--:|--:|--:|--:|--:|--:|--:|"]
+             "| attn | window | kv heads | seq_len | status | steps | tokens/s | MFU | peak alloc GiB "
+             "| peak reserved GiB | final loss | final val loss |",
+             "|---|--:|--:|--:|---|--:|--:|--:|--:|--:|--:|--:|"]
     for r in rows:
         mfu = None if r["mfu"] is None else 100 * r["mfu"]
-        lines.append(f"| {r['attn']} | {r['seq_len']} | {r['status']} | {r['steps']} "
+        lines.append(f"| {r['attn']} | {r['window'] or 'all'} | {r['n_kv_head'] or 'n_head'} | {r['seq_len']} "
+                     f"| {r['status']} | {r['steps']} "
                      f"| {fmt(r['tokens_per_s'], ',.0f')} "
                      f"| {fmt(mfu, '.1f')}{'%' if mfu is not None else ''} | {fmt(r['peak_mem_alloc_gib'], '.2f')} "
                      f"| {fmt(r['peak_mem_reserved_gib'], '.2f')} | {fmt(r['final_loss'], '.4f')} "
                      f"| {fmt(r['final_val_loss'], '.4f')} |")
-    cells = {(r["seq_len"], r["attn"]): r for r in rows}
-    lines += ["", "tokens/s by seq_len (rows) and attention (columns):", "",
+    cells = {(r["seq_len"], setting(r)): r for r in rows}
+    lines += ["", "tokens/s by seq_len (rows) and setting (columns):", "",
               "| seq_len | " + " | ".join(attns) + " |", "|--:|" + "--:|" * len(attns)]
     for seq_len in sorted({r["seq_len"] for r in rows}):
         row = []
@@ -207,7 +240,7 @@ def markdown(rows: list[dict], sweep_dir: Path) -> str:
             row.append("—" if r is None else "OOM" if r["status"] == "oom"
                        else fmt(r["tokens_per_s"], ",.0f") if r["status"] == "ok" else r["status"])
         lines.append(f"| {seq_len} | " + " | ".join(row) + " |")
-    notes = [f"- {r['attn']}, seq_len {r['seq_len']}: {r['status']}: {r['message']}" for r in rows if r["message"]]
+    notes = [f"- {setting(r)}, seq_len {r['seq_len']}: {r['status']}: {r['message']}" for r in rows if r["message"]]
     if notes:
         lines += ["", "Jobs that did not finish:", "", *notes]
     return "\n".join(lines) + "\n"
@@ -220,9 +253,9 @@ def plot(rows: list[dict], path: Path) -> None:
               ("peak_mem_alloc_gib", "peak allocated GPU memory (GiB)", {"value": "log", "base": 2},
                "no GPU memory recorded\n(train.py logs it on CUDA only)")]
     seq_lens = sorted({r["seq_len"] for r in rows})
-    attns = sorted({r["attn"] for r in rows})
+    attns = list(dict.fromkeys(setting(r) for r in rows))
     for ax, (key, label, yscale, empty_note) in zip(axes, panels):
-        done = {a: [r for r in rows if r["attn"] == a and r["status"] == "ok" and r[key] is not None] for a in attns}
+        done = {a: [r for r in rows if setting(r) == a and r["status"] == "ok" and r[key] is not None] for a in attns}
         for i, attn in enumerate(attns):
             if done[attn]:
                 ax.plot([r["seq_len"] for r in done[attn]], [r[key] for r in done[attn]], "o-", color=f"C{i}",
@@ -234,7 +267,7 @@ def plot(rows: list[dict], path: Path) -> None:
         # a job that ran out of memory has no value: an x on the bottom edge of the panel instead
         bottom = ax.get_ylim()[0]
         for i, attn in enumerate(attns):
-            oom = [r["seq_len"] for r in rows if r["attn"] == attn and r["status"] == "oom"]
+            oom = [r["seq_len"] for r in rows if setting(r) == attn and r["status"] == "oom"]
             if oom:
                 ax.plot(oom, [bottom] * len(oom), "x", color=f"C{i}", markersize=10, mew=2, clip_on=False,
                         label=f"{attn}: OOM")
@@ -258,7 +291,7 @@ def main() -> None:
     parser = ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("sweep_dir", type=Path, help="the multirun/<date>/<time> directory of `train.py -m`")
     parser.add_argument("--out", type=directory,
-                        help="where to write summary.csv/.md and sweep.png (default: sweep_dir)")
+                        help="where to write summary.csv/.md, sweep.png and losses.png (default: sweep_dir)")
     args = parser.parse_args()
     try:
         rows = read_sweep(args.sweep_dir)
@@ -273,7 +306,8 @@ def main() -> None:
     table = markdown(rows, args.sweep_dir)
     (out / "summary.md").write_text(table)
     plot(rows, out / "sweep.png")
-    print(f"wrote {out / 'summary.csv'}, {out / 'summary.md'}, {out / 'sweep.png'}\n")
+    plot_losses(rows, out / "losses.png")
+    print(f"wrote {out / 'summary.csv'}, {out / 'summary.md'}, {out / 'sweep.png'}, {out / 'losses.png'}\n")
     print(table)
 
 

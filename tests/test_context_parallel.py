@@ -118,6 +118,7 @@ def test_context_parallel_training_on_two_gpus_matches_one(data_root, tmp_path):
     (["parallel.cp=2", "attn=triton", "seq_len=30"], 2, r"seq_len=30: must be a multiple of 2 x parallel.cp = 4"),
     (["parallel.cp=2", "attn=triton", "data.doc_mask=true"], 2, r"data.doc_mask=True: is not supported with "
                                                                 r"parallel.cp > 1"),
+    (["parallel.cp=2", "attn=triton", "attn.window=16"], 2, r"attn.window=16: is not supported with parallel.cp > 1"),
     (["parallel.cp=0"], 1, r"parallel.cp=0: must be at least 1"),
     (["parallel.cp=2", "attn=triton", "batch_tokens=32"], 4, r"batch_tokens=32: must be a multiple of seq_len x "
                                                              r"data-parallel processes = 32 x 2"),

@@ -78,21 +78,21 @@ def _make_inputs(case_id, B, H, H_kv, T, S, D, dtype, layout, device="cpu"):
     return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), randn(B, T, H, D).transpose(1, 2)
 
 
-def _dense(q, k, v, do, causal, dtype, doc_ids=None):
+def _dense(q, k, v, do, causal, dtype, doc_ids=None, window=0):
     """(o, lse, dq, dk, dv) of the dense reference with every op in `dtype`."""
     q, k, v = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
-    o, lse = attention_reference(q, k, v, causal, dtype=dtype, doc_ids=doc_ids)
+    o, lse = attention_reference(q, k, v, causal, dtype=dtype, doc_ids=doc_ids, window=window)
     return (o.detach(), lse, *torch.autograd.grad(o, (q, k, v), do.to(dtype)))
 
 
-def _error_scales(q, k, v, do, causal, doc_ids=None):
+def _error_scales(q, k, v, do, causal, doc_ids=None, window=0):
     """(o, lse, dq, dk, dv) maxima with every factor replaced by its absolute value (P |V| for
     P V, ...), in float64: the size of the sums each output is made of, which sets the scale of
     their rounding error even where they cancel (dQ is exactly 0 when S = 1)."""
     q, k, v, do = (t.detach().double() for t in (q, k, v, do))
     B, H, _, D = q.shape
     H_kv, S = k.shape[1], k.shape[2]
-    p, lse = attention_probs(q, k, causal, doc_ids=doc_ids)  # (B, H, T, S)
+    p, lse = attention_probs(q, k, causal, doc_ids=doc_ids, window=window)  # (B, H, T, S)
     k_h, v_h = (t.repeat_interleave(H // H_kv, dim=1).abs() for t in (k, v))
     o = p @ v_h
     ds = p * (do.abs() @ v_h.transpose(-1, -2) + (do.abs() * o).sum(-1, keepdim=True))  # |P| (|dP| + |delta|)
@@ -126,19 +126,20 @@ def _assert_within_reference_error(name, got, ref64, ref_lowp, dtype, n_terms, e
     assert err <= 2 * ref_err + floor, f"{name}: error {err:.3g} > 2 * reference error {ref_err:.3g} + {floor:.3g}"
 
 
-def _check_against_float64(case_id, B, H, H_kv, T, S, D, causal, dtype, layout, device="cpu", doc_ids=None):
+def _check_against_float64(case_id, B, H, H_kv, T, S, D, causal, dtype, layout, device="cpu", doc_ids=None,
+                           window=0):
     q, k, v, do = _make_inputs(case_id, B, H, H_kv, T, S, D, dtype, layout, device)
-    o = flash_attention(q, k, v, causal=causal, doc_ids=doc_ids)
+    o = flash_attention(q, k, v, causal=causal, doc_ids=doc_ids, window=window)
     grads = torch.autograd.grad(o, (q, k, v), do)
-    _, lse = flash_attn_forward(q.detach(), k.detach(), v.detach(), causal, doc_ids=doc_ids)
+    _, lse = flash_attn_forward(q.detach(), k.detach(), v.detach(), causal, doc_ids=doc_ids, window=window)
 
     assert o.dtype == dtype and all(g.dtype == dtype for g in grads)
-    ref64 = _dense(q, k, v, do, causal, torch.float64, doc_ids)
-    ref_lowp = _dense(q, k, v, do, causal, dtype, doc_ids)
+    ref64 = _dense(q, k, v, do, causal, torch.float64, doc_ids, window)
+    ref_lowp = _dense(q, k, v, do, causal, dtype, doc_ids, window)
     # fp32 sums in the kernels: over the keys for O, LSE and dQ; over the queries of the whole
     # GQA group for dK and dV
     n_terms = (S, S, S, T * H // H_kv, T * H // H_kv)
-    scales = _error_scales(q, k, v, do, causal, doc_ids)
+    scales = _error_scales(q, k, v, do, causal, doc_ids, window)
     outputs = zip(("o", "lse", "dq", "dk", "dv"), (o, lse, *grads), ref64, ref_lowp, n_terms, scales, strict=True)
     for name, got, want, lowp, n, scale in outputs:
         _assert_within_reference_error(name, got, want, lowp, dtype, n, scale)
@@ -287,6 +288,81 @@ def test_document_ids_must_fit_the_inputs():
         flash_attention(q, q, q, causal=False, doc_ids=torch.zeros(1, 8, dtype=torch.long))
     with pytest.raises(ValueError, match="doc_ids needs self-attention"):
         flash_attention(q, torch.randn(1, 2, 9, 16), torch.randn(1, 2, 9, 16), doc_ids=torch.zeros(1, 8, dtype=torch.long))
+
+
+# (dtype, B, H, H_kv, T, S, D, layout, window, document lengths or None): a window of one key, windows
+# that are not and that are a multiple of the CPU tiles (16 and 32 rows), T < S and T > S (the
+# window counts back from each query's diagonal key), MQA, windows within documents
+WINDOW_CASES = [
+    (F32, 2, 4, 4, 100, 100, 32, "bthd", 1, None),
+    (F16, 1, 4, 2, 129, 129, 48, "packed", 23, None),
+    (F32, 2, 4, 1, 64, 64, 16, "contiguous", 32, None),
+    (F32, 1, 2, 2, 77, 120, 64, "bthd", 30, None),
+    (F32, 1, 2, 2, 120, 77, 64, "bthd", 30, None),
+    (F32, 2, 4, 2, 101, 101, 32, "bthd", 19, [[30, 1, 50, 20], [101]]),
+    (F16, 1, 2, 1, 96, 96, 80, "contiguous", 40, [[7] * 8 + [40]]),
+]
+
+
+@pytest.mark.parametrize("case", WINDOW_CASES, ids=lambda c: f"{str(c[0])[6:]}-T{c[4]}-S{c[5]}-W{c[8]}-docs{c[9]}")
+def test_sliding_window_matches_float64_reference(case):
+    dtype, B, H, H_kv, T, S, D, layout, window, lengths = case
+    doc_ids = None if lengths is None else _doc_ids(lengths)
+    _check_against_float64(f"window-{case}", B, H, H_kv, T, S, D, True, dtype, layout, doc_ids=doc_ids,
+                           window=window)
+
+
+@pytest.mark.parametrize("T, S", [(77, 77), (50, 77), (77, 50)])
+def test_a_window_as_long_as_the_keys_is_plain_causal_bit_for_bit(T, S):
+    q, k, v, do = _make_inputs("long-window", 1, 4, 2, T, S, 32, F32, "bthd")
+    plain = flash_attention(q, k, v)
+    plain_grads = torch.autograd.grad(plain, (q, k, v), do)
+    for window in (S, S + 9):
+        long = flash_attention(q, k, v, window=window)
+        assert torch.equal(long, plain)
+        for a, b in zip(torch.autograd.grad(long, (q, k, v), do), plain_grads, strict=True):
+            assert torch.equal(a, b)
+
+
+def test_tiles_outside_the_window_are_skipped_not_masked():
+    # NaN where no query of a tile's window looks: a tile that was loaded and only masked would
+    # still multiply NaN into the sums (0 * NaN); a skipped tile is never loaded. W = 20 on the
+    # CPU's 16- and 32-row tiles: queries from 64 on see keys from 45 on, so no kernel loads the
+    # key tile [0, 32) for them; keys below 64 are seen by queries up to 83 only, so no kernel
+    # loads the query tile [96, 128) for them.
+    window = 20
+    q, k, v, do = _make_inputs("window-skip", 1, 2, 2, 128, 128, 16, F32, "bthd")
+    ref = _dense(q, k, v, do, True, torch.float64, window=window)
+    with torch.no_grad():
+        k_nan, v_nan = k.detach().clone(), v.detach().clone()
+        k_nan[:, :, :32] = float("nan")
+        v_nan[:, :, :32] = float("nan")
+    k_nan.requires_grad_()
+    v_nan.requires_grad_()
+    o = flash_attention(q, k_nan, v_nan, window=window)
+    (dq,) = torch.autograd.grad(o, (q,), do)
+    for got, want in ((o, ref[0]), (dq, ref[2])):
+        assert torch.isfinite(got[:, :, 64:]).all()
+        assert torch.allclose(got[:, :, 64:].double(), want[:, :, 64:], atol=1e-5)
+    with torch.no_grad():
+        q_nan, do_nan = q.detach().clone(), do.clone()
+        q_nan[:, :, 96:] = float("nan")
+        do_nan[:, :, 96:] = float("nan")
+    q_nan.requires_grad_()
+    o = flash_attention(q_nan, k, v, window=window)
+    _, dk, dv = torch.autograd.grad(o, (q_nan, k, v), do_nan)
+    for got, want in zip((dk, dv), ref[3:], strict=True):
+        assert torch.isfinite(got[:, :, :64]).all()
+        assert torch.allclose(got[:, :, :64].double(), want[:, :, :64], atol=1e-5)
+
+
+def test_a_bad_window_says_what_is_allowed():
+    q = torch.randn(1, 2, 8, 16)
+    for window in (-1, 2.5, True):
+        with pytest.raises(ValueError, match=rf"window={window!r}: must be an int >= 0"):
+            flash_attention(q, q, q, window=window)
+    with pytest.raises(ValueError, match="window needs causal=True"):
+        flash_attention(q, q, q, causal=False, window=4)
 
 
 def _check_config(launcher, config, D, dtype, device):
@@ -579,6 +655,16 @@ def test_gpu_document_mask_matches_float64_reference(D, dtype):
     lengths = [[1, 700, 1300, 64, 33, 1950], [4048]]  # 4048 tokens, tiles of 64 and 128 rows
     _check_against_float64(f"gpu-docs-{D}", 2, 4, 2, 4048, 4048, D, True, dtype, "packed", "cuda",
                            doc_ids=_doc_ids(lengths, "cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D, dtype, window, docs", [(64, BF16, 700, False), (128, F16, 1024, False),
+                                                     (96, BF16, 1, False), (64, BF16, 300, True)])
+def test_gpu_window_matches_float64_reference(D, dtype, window, docs):
+    lengths = [[1, 700, 1300, 64, 33, 1950], [4048]]
+    doc_ids = _doc_ids(lengths, "cuda") if docs else None
+    _check_against_float64(f"gpu-window-{D}-{window}-{docs}", 2, 4, 2, 4048, 4048, D, True, dtype, "packed", "cuda",
+                           doc_ids=doc_ids, window=window)
 
 
 @pytest.mark.gpu

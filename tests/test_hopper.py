@@ -171,6 +171,58 @@ def test_gluon_tiles_of_other_documents_are_skipped_not_masked(D, gluon):
         assert torch.isfinite(got[:, :, :1536]).all() and torch.equal(got[:, :, :1536], want[:, :, :1536])
 
 
+# (dtype, B, H, H_kv, T, S, D, layout, window, document lengths or None): a window of 1024 keys
+# (a multiple of every tile), one of 700 (of none), of one key, T < S, MQA, a window within documents
+GPU_WINDOW_CASES = [
+    (BF16, 2, 4, 2, 4100, 4100, 64, "packed", 1024, None),
+    (F16, 1, 4, 1, 3000, 3000, 128, "bthd", 700, None),
+    (BF16, 1, 8, 2, 2500, 2500, 128, "contiguous", 1, None),
+    (BF16, 1, 4, 2, 2100, 3000, 64, "bthd", 513, None),
+    (BF16, 2, 4, 2, 4048, 4048, 128, "packed", 300, [[1, 700, 1300, 64, 33, 1950], [4048]]),
+]
+
+
+@pytest.mark.gpu
+@sm90
+@pytest.mark.parametrize("case", GPU_WINDOW_CASES, ids=lambda c: f"{str(c[0])[6:]}-T{c[4]}-S{c[5]}-D{c[6]}-W{c[8]}")
+def test_gluon_window_matches_float64_reference(case, backend):
+    dtype, B, H, H_kv, T, S, D, layout, window, lengths = case
+    doc_ids = None if lengths is None else _doc_ids(lengths, "cuda")
+    _check_against_float64(f"gluon{backend}-window-{case}", B, H, H_kv, T, S, D, True, dtype, layout, "cuda",
+                           doc_ids=doc_ids, window=window)
+
+
+@pytest.mark.gpu
+@sm90
+@pytest.mark.parametrize("D", [64, 128])
+def test_gluon_tiles_outside_the_window_are_skipped_not_masked(D, backend):
+    # W = 1024: queries from 2304 on (an edge of every tile: 64, 128, 192 rows) see keys from 1281
+    # on, so no program of theirs loads a key below 1280; keys below 1024 are seen by queries up to
+    # 2046, so no program of theirs loads a query from 2112 on. NaN there leaves the other side's
+    # results bit for bit those of clean inputs.
+    window = 1024
+    q, k, v, do = _make_inputs(f"gluon-window-skip-{D}", 1, 4, 2, 4096, 4096, D, BF16, "bthd", "cuda")
+
+    def run(q, k, v, do):
+        q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        o = flash_attention(q, k, v, window=window)
+        return (o, *torch.autograd.grad(o, (q, k, v), do))
+
+    clean = run(q, k, v, do)
+    k_nan, v_nan = k.detach().clone(), v.detach().clone()
+    k_nan[:, :, :1024] = float("nan")
+    v_nan[:, :, :1024] = float("nan")
+    o, dq, _, _ = run(q, k_nan, v_nan, do)
+    for got, want in ((o, clean[0]), (dq, clean[1])):
+        assert torch.isfinite(got[:, :, 2304:]).all() and torch.equal(got[:, :, 2304:], want[:, :, 2304:])
+    q_nan, do_nan = q.detach().clone(), do.clone()
+    q_nan[:, :, 2304:] = float("nan")
+    do_nan[:, :, 2304:] = float("nan")
+    _, _, dk, dv = run(q_nan, k, v, do_nan)
+    for got, want in ((dk, clean[2]), (dv, clean[3])):
+        assert torch.isfinite(got[:, :, :1024]).all() and torch.equal(got[:, :, :1024], want[:, :, :1024])
+
+
 @pytest.mark.gpu
 @sm90
 @pytest.mark.parametrize("D", [64, 128])
@@ -191,12 +243,12 @@ def test_gluon_forward_never_reads_keys_past_its_rows(D, monkeypatch):
 
 @pytest.mark.gpu
 @sm90
-@pytest.mark.parametrize("mask", ["causal", "full", "documents"])
+@pytest.mark.parametrize("mask", ["causal", "full", "documents", "window"])
 def test_gluon_backward_is_bit_identical_over_100_runs(mask, gluon):
     # the dQ shares are added in a fixed order; unordered atomics would differ within a few runs
     q, k, v, do = _make_inputs(f"gluon-determinism-{mask}", 2, 8, 2, 2048, 2048, 128, BF16, "packed", "cuda")
     doc_ids = _doc_ids([[300, 1, 900, 847], [2048]], "cuda") if mask == "documents" else None
-    o = flash_attention(q, k, v, causal=mask != "full", doc_ids=doc_ids)
+    o = flash_attention(q, k, v, causal=mask != "full", doc_ids=doc_ids, window=700 if mask == "window" else 0)
     first = torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
     for _ in range(100):
         for a, b in zip(first, torch.autograd.grad(o, (q, k, v), do, retain_graph=True), strict=True):

@@ -28,11 +28,11 @@ def tiny_config(**overrides) -> ModelConfig:
     return ModelConfig(**{**base, **overrides})
 
 
-def twin_models(cfg: ModelConfig, attns: tuple[str, ...], dtype: torch.dtype) -> list[GPT]:
+def twin_models(cfg: ModelConfig, attns: tuple[str, ...], dtype: torch.dtype, window: int = 0) -> list[GPT]:
     models = []
     for attn in attns:
         torch.manual_seed(0)  # identical weights: only the attention differs
-        models.append(GPT(cfg, attn).to(dtype))
+        models.append(GPT(cfg, attn, window=window).to(dtype))
     return models
 
 
@@ -62,9 +62,11 @@ def test_initial_loss_is_uniform(pos_emb):
     assert abs(loss.item() - math.log(50304)) < 0.1
 
 
-def naive_equals_sdpa_float64(cfg: ModelConfig, idx: torch.Tensor, targets: torch.Tensor):
+def naive_equals_sdpa_float64(cfg: ModelConfig, idx: torch.Tensor, targets: torch.Tensor, window: int = 0,
+                              doc_ids: torch.Tensor | None = None):
     """Asserts naive and sdpa give the same logits and gradients in float64; returns sdpa's."""
-    naive, sdpa = (logits_and_grads(m, idx, targets) for m in twin_models(cfg, ("naive", "sdpa"), torch.float64))
+    naive, sdpa = (logits_and_grads(m, idx, targets, doc_ids)
+                   for m in twin_models(cfg, ("naive", "sdpa"), torch.float64, window))
     torch.testing.assert_close(naive[0], sdpa[0], rtol=1e-10, atol=1e-12)
     for name in naive[1]:
         torch.testing.assert_close(naive[1][name], sdpa[1][name], rtol=1e-9, atol=1e-12, msg=name)
@@ -90,6 +92,33 @@ def test_grouped_kv_heads_are_the_same_function_in_every_attention(n_kv_head):
     sdpa = naive_equals_sdpa_float64(cfg, idx, targets)
     triton, own = (logits_and_grads(m, idx, targets) for m in twin_models(cfg, ("triton", "sdpa"), torch.float32))
     assert_same_function(triton, own, sdpa, longest_sum(cfg, idx))
+
+
+@pytest.mark.parametrize("window, docs", [(1, False), (9, False), (6, True)], ids=["w1", "w9", "w6-docs"])
+def test_a_sliding_window_is_the_same_function_in_every_attention(window, docs):
+    # naive and sdpa mask the (T x T) scores densely, triton skips the tiles outside the window:
+    # the same function, with GQA, and within documents too
+    cfg = tiny_config(n_head=4, n_kv_head=2, pos_emb="rope")
+    if docs:
+        idx, _ = _packed([5, 1, 20, 11], seed=5)
+        idx = idx.expand(2, -1)
+    else:
+        idx = torch.randint(0, 50257, (2, 37), generator=torch.Generator().manual_seed(5))
+    targets = torch.roll(idx, -1, dims=1)
+    doc_ids = document_ids(idx) if docs else None
+    sdpa = naive_equals_sdpa_float64(cfg, idx, targets, window, doc_ids)
+    full = logits_and_grads(twin_models(cfg, ("sdpa",), torch.float64)[0], idx, targets, doc_ids)
+    assert not torch.allclose(full[0], sdpa[0], rtol=1e-3, atol=1e-4)  # the window matters here
+    triton, own = (logits_and_grads(m, idx, targets, doc_ids)
+                   for m in twin_models(cfg, ("triton", "sdpa"), torch.float32, window))
+    assert_same_function(triton, own, sdpa, longest_sum(cfg, idx))
+
+
+def test_a_window_as_long_as_the_sequence_is_plain_causal_attention():
+    idx = torch.randint(0, 50257, (2, 20))
+    plain, windowed = (twin_models(tiny_config(), ("sdpa",), torch.float32, w)[0] for w in (0, 20))
+    assert torch.equal(plain(idx)[0], windowed(idx)[0])
+    assert GPT(tiny_config(), "sdpa", window=8).flops_per_token(64) < plain.flops_per_token(64)
 
 
 def test_as_many_kv_heads_as_query_heads_is_plain_attention():

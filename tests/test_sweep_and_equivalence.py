@@ -77,6 +77,14 @@ def test_fp32_loss_curves_agree_with_documents_masked(short_docs, tmp_path):
     assert unmasked["curves"]["sdpa"] != result["curves"]["sdpa"]  # the mask changed the training
 
 
+def test_fp32_loss_curves_agree_with_a_window_and_one_kv_head(data_root, tmp_path):
+    # the ablation's knobs: every attention windows and groups its heads alike
+    cfg = compose_equivalence(TINY + [f"data.root={data_root}", "attn.window=5", "model.n_kv_head=1", "max_steps=8",
+                                      "attns=[sdpa,naive,triton]", "wandb.mode=disabled"])
+    result = equivalence.check(cfg, tmp_path)
+    assert result["mode"] == "strict" and result["verdict"] == "AGREE", result["stats"]
+
+
 def test_a_wrong_softmax_scale_is_caught(data_root, tmp_path, monkeypatch):
     def unscaled_attention(q, k, v, doc_ids=None):  # the classic bug: scores not divided by sqrt(head_dim)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1.0)
@@ -126,6 +134,22 @@ def test_cpu_sweep_runs_the_matrix_and_is_summarised(data_root, tmp_path):
     md = (out / "summary.md").read_text()
     assert "| seq_len | naive | sdpa | triton |" in md and proc.stdout.rstrip().endswith(md.rstrip())
     assert (out / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cpu_ablation_sweep_is_summarised_per_setting(data_root, tmp_path):
+    sweep, out = tmp_path / "sweep", tmp_path / "summary"
+    subprocess.run([sys.executable, "train.py", "-m", "experiment=ablation_cpu", f"data.root={data_root}",
+                    "wandb.mode=disabled", f"hydra.sweep.dir={sweep}"],
+                   cwd=REPO, check=True, capture_output=True, timeout=600)
+    subprocess.run([sys.executable, "scripts/sweep_summary.py", str(sweep), "--out", str(out)],
+                   cwd=REPO, check=True, capture_output=True, text=True, timeout=120)
+    rows = read_csv(out / "summary.csv")
+    assert [(r["window"], r["n_kv_head"]) for r in rows] == [("0", "0"), ("0", "1"), ("8", "0"), ("8", "1")]
+    assert all(r["status"] == "ok" and r["steps"] == "6" for r in rows)
+    assert len({r["final_loss"] for r in rows}) == 4  # each setting trains its own model
+    md = (out / "summary.md").read_text()
+    assert "| seq_len | sdpa | sdpa kv=1 | sdpa W=8 | sdpa W=8 kv=1 |" in md
+    assert (out / "losses.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def write_job(sweep: Path, name: str, attn: str, seq_len: int, records: list[dict], status: str | None) -> None:

@@ -1,0 +1,184 @@
+"""FlashDecoding: attention of a few new queries against a long KV cache, split over the keys.
+
+Decoding asks one query row per head (or a few) to attend every cached key: the training kernels'
+grid, one program per query block and head, would start B * H programs for a GPU of 132 SMs,
+each streaming the whole cache alone. Here the cache is cut into n_splits chunks and every
+(chunk, kv head, batch) gets its own program (Dao et al., "Flash-Decoding for long-context
+inference", 2023):
+
+    split s:  m_s, l_s, O_s = online softmax of q against keys [lo_s, hi_s)   (as the forward kernel)
+              LSE_s = m_s + log l_s,  O_s normalized by l_s
+    merge:    LSE = log sum_s exp(LSE_s),  O = sum_s exp(LSE_s - LSE) O_s
+
+The merge is exact: each split's normalized output is weighted by its share of the softmax
+denominator. A program reads its K/V chunk once for all GROUP query heads of its kv head and all
+T new rows (stacked as GROUP * T rows of one tile), so grouped heads cost no extra cache reads.
+
+The cache's length is read from a device tensor, not passed as a number: a decode step captured
+in a CUDA graph (model/kv_cache.py) replays with a longer cache every token. n_splits is fixed
+per call shape, and each split's chunk is computed from the length inside the kernel.
+
+Conventions: q (B, H, T, D); k_cache, v_cache (B, H_kv, S_max, D), any strides, of which the
+first `length` positions hold keys; the T queries are positions length - T .. length - 1 (the
+newest), causal among themselves, and see keys j <= their own position; window W > 0: only keys
+j > position - W. Returns (B, H, T, D) in q's dtype. fp16, bf16, fp32.
+"""
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.launch import Launcher, on_device
+
+_LOG2E = tl.constexpr(math.log2(math.e))
+
+
+@triton.jit
+def _split_kernel(
+    Q, K, V, LENGTH, O_PART, LSE_PART,  # O_PART (B, H, T, SPLITS, D) fp32; LSE_PART (B, H, T, SPLITS) fp32, log2 units
+    stride_qb, stride_qh, stride_qt, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    H, T, window, qk_scale,  # qk_scale = softmax_scale * log2(e)
+    GROUP: tl.constexpr, SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    split = tl.program_id(0)
+    off_hkv = tl.program_id(1)
+    off_b = tl.program_id(2)
+    length = tl.load(LENGTH)
+
+    # the tile's rows: GROUP query heads x T new positions, padded to BLOCK_M
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < GROUP * T
+    off_h = off_hkv * GROUP + rows // T
+    t = rows % T
+    pos = length - T + t  # each row's key position
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    q_ptrs = (Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64)[:, None] * stride_qh
+              + t[:, None] * stride_qt + offs_d[None, :] * stride_qd)
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+    # the keys any row sees: from the oldest row's window start to the cache's end, cut into
+    # SPLITS chunks of whole BLOCK_N tiles
+    lo = 0
+    if window > 0:
+        lo = tl.maximum(length - T - window + 1, 0) // BLOCK_N * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(length - lo, SPLITS), BLOCK_N) * BLOCK_N
+    start = lo + split * chunk
+    end = tl.minimum(start + chunk, length)
+
+    k_base = K + off_b.to(tl.int64) * stride_kb + off_hkv.to(tl.int64) * stride_kh
+    v_base = V + off_b.to(tl.int64) * stride_vb + off_hkv.to(tl.int64) * stride_vh
+    offs_n = tl.arange(0, BLOCK_N)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for start_n in range(start, end, BLOCK_N):
+        cols = start_n + offs_n
+        kv_mask = (cols[:, None] < end) & d_ok[None, :]
+        k = tl.load(k_base + cols.to(tl.int64)[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_mask,
+                    other=0.0)
+        qk = tl.dot(q, tl.trans(k))  # (BLOCK_M, BLOCK_N)
+        visible = (cols[None, :] < end) & (cols[None, :] <= pos[:, None])
+        if window > 0:
+            visible = visible & (cols[None, :] > pos[:, None] - window)
+        qk = tl.where(visible, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: exp2 gives 0, not NaN
+        p = tl.math.exp2(tl.fma(qk, qk_scale, -m_sub[:, None]))
+        alpha = tl.math.exp2(m_i - m_sub)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + cols.to(tl.int64)[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_mask,
+                    other=0.0)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m_i = m_new
+
+    # a split whose rows see none of its keys (or that has none) leaves LSE = -inf: weight 0
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    part = ((off_b * H + off_h) * T + t).to(tl.int64) * SPLITS + split  # (B, H, T, SPLITS) index
+    tl.store(LSE_PART + part, tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe)), mask=row_ok)
+    tl.store(O_PART + part[:, None] * HEAD_DIM + offs_d[None, :], acc / l_safe[:, None],
+             mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _merge_kernel(
+    O_PART, LSE_PART, O,  # O (B, H, T, D) with these strides
+    stride_ob, stride_oh, stride_ot, stride_od,
+    H, T,
+    SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    row = tl.program_id(0)  # (b * H + h) * T + t
+    splits = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    lse = tl.load(LSE_PART + row.to(tl.int64) * SPLITS + splits, mask=splits < SPLITS, other=float("-inf"))
+    m = tl.max(lse, 0)
+    w = tl.math.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # each split's share, up to a common factor
+    parts = tl.load(O_PART + (row.to(tl.int64) * SPLITS + splits)[:, None] * HEAD_DIM + offs_d[None, :],
+                    mask=(splits[:, None] < SPLITS) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    total = tl.sum(w, 0)
+    o = tl.sum(w[:, None] * parts, 0) / tl.where(total == 0.0, 1.0, total)
+    b = row // (H * T)
+    h = row // T % H
+    t = row % T
+    tl.store(O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + t * stride_ot + offs_d * stride_od,
+             o.to(O.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+# streaming the cache is all a split does: deep pipelines of wide tiles, the fastest picked per shape
+_SPLIT = Launcher(_split_kernel, [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=s)
+                                  for n, w, s in ((128, 4, 3), (128, 4, 4), (64, 4, 4), (256, 8, 3))],
+                  triton.Config({"BLOCK_N": 16}))
+_MERGE = Launcher(_merge_kernel, [triton.Config({}, num_warps=4)], triton.Config({}))
+MAX_SPLITS = 128
+
+
+@functools.cache
+def _sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_splits(batch: int, kv_heads: int, max_len: int, device: torch.device) -> int:
+    """Chunks per (batch, kv head): enough programs to give every SM two, but no chunk shorter than
+    256 keys (below that the merge costs more than the split saves)."""
+    sms = _sms(device.index or 0) if device.type == "cuda" else 4
+    return max(1, min(triton.cdiv(2 * sms, batch * kv_heads), triton.cdiv(max_len, 256), MAX_SPLITS))
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, length: torch.Tensor,
+                     window: int = 0, softmax_scale: float | None = None, splits: int | None = None) -> torch.Tensor:
+    """Attention of the T newest positions q (B, H, T, D) against the first `length` (a one-element
+    int32 tensor on q's device) positions of k_cache, v_cache (B, H_kv, S_max, D); causal, and
+    within the last `window` keys when window > 0. splits: chunks per (batch, kv head); None:
+    num_splits for S_max. Returns (B, H, T, D) in q's dtype."""
+    (B, H, T, D), (H_kv, S_max) = q.shape, k_cache.shape[1:3]
+    if k_cache.shape != v_cache.shape or k_cache.shape[0] != B or k_cache.shape[3] != D or H % H_kv:
+        raise ValueError(f"decode_attention: q {tuple(q.shape)} against caches {tuple(k_cache.shape)}, "
+                         f"{tuple(v_cache.shape)}: need (B, H_kv, S_max, D) caches with H_kv dividing H")
+    if length.numel() != 1 or length.dtype != torch.int32 or length.device != q.device:
+        raise ValueError(f"decode_attention: length must be a one-element int32 tensor on {q.device}")
+    if q.dtype == torch.bfloat16 and q.device.type == "cpu":  # the interpreter's bf16 tl.dot is wrong
+        out = decode_attention(q.float(), k_cache.float(), v_cache.float(), length, window, softmax_scale, splits)
+        return out.to(torch.bfloat16)
+    splits = splits or num_splits(B, H_kv, S_max, q.device)
+    scale = (D ** -0.5 if softmax_scale is None else softmax_scale) * _LOG2E.value
+    group = H // H_kv
+    o_part = torch.empty((B, H, T, splits, D), dtype=torch.float32, device=q.device)
+    lse_part = torch.empty((B, H, T, splits), dtype=torch.float32, device=q.device)
+    o = torch.empty_like(q)
+    block_d = max(16, triton.next_power_of_2(D))
+    key = (q.device.index, q.dtype, block_d, group * T)
+    with on_device(q):
+        _SPLIT(lambda c: (splits, H_kv, B),
+               (q, k_cache, v_cache, length, o_part, lse_part, *q.stride(), *k_cache.stride(), *v_cache.stride(),
+                H, T, window, scale), key,
+               GROUP=group, SPLITS=splits, HEAD_DIM=D, BLOCK_D=block_d,
+               BLOCK_M=max(16, triton.next_power_of_2(group * T)))
+        _MERGE(lambda c: (B * H * T,), (o_part, lse_part, o, *o.stride(), H, T), key,
+               SPLITS=splits, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_S=max(2, triton.next_power_of_2(splits)))
+    return o
