@@ -5,7 +5,7 @@ key/value heads: query head h reads kv head h // (H / H_kv)), and optionally doc
 documents and a window W, and returns causal attention shaped like q, in its dtype, within each
 document when doc_ids is given, over each query's last W keys (its own included) when W > 0. The model calls the `fn` of the Attention it is given and never asks which one
 it is. What an attention can do (head dims, splitting a sequence over ranks, what selective
-activation checkpointing keeps of it) is written in its entry, once: the config's choices and
+activation checkpointing keeps of it, how it decodes against a KV cache) is written in its entry, once: the config's choices and
 checks, the trainer, the benchmark and the equivalence check read it from here. A new attention
 is a function and an entry below.
 """

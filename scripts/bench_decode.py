@@ -7,7 +7,7 @@ flash, efficient and cuDNN kernels on the cache's filled slice, each pinned; GPU
 replayed from a CUDA graph (as generation runs it: launch overhead is not the kernels'), and the
 cache's bytes read per microsecond.
 
-Part 2, generation: GPT-2 small (random weights, bf16 autocast, max_seq_len --context) extends a
+Part 2, generation: GPT-2 small (random weights, in bf16, max_seq_len --context) extends a
 prompt of context - new tokens by --new tokens, at each batch size: recomputing the window per
 token (kv_cache=False), the cache in eager PyTorch, and the cache through a CUDA graph per token
 (GPT.generate's default). Decode tokens/s is per token after the first: the prompt's forward and
@@ -97,29 +97,28 @@ def _timed_generate(model, idx, new, **kw) -> float:
 def generation_table(args) -> str:
     cfg = ModelConfig(name="gpt2_small", max_seq_len=args.context,
                       n_kv_head=0 if args.kv_heads == 12 else args.kv_heads)
-    model = GPT(cfg, "triton").cuda().eval()
+    model = GPT(cfg, "triton").cuda().to(torch.bfloat16).eval()  # inference weights: no cast per matmul
     rows = ["| batch | context | recompute, tok/s | cache eager, tok/s | cache + CUDA graph, tok/s "
             "| once per run (prompt, capture), ms: eager, graph | graph / recompute |", "|---" * 7 + "|"]
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        for B in args.batches:
-            prompt = torch.randint(0, 50257, (B, args.context - args.new), device="cuda")
-            _timed_generate(model, prompt, 3)  # compiles and tunes every kernel of both paths
-            _timed_generate(model, prompt, 3, kv_cache=False)
-            steps = max(2, min(args.new, 16 if B == 1 else 4))  # the recompute path is slow: fewer tokens
-            recompute = B * steps / _timed_generate(model, prompt, steps, kv_cache=False)
-            # a decode token's cost: the difference between args.new tokens and half as many, which
-            # leaves out what every run pays once (the prompt's forward, the graph's capture)
-            half = args.new // 2
-            rates, fixed = {}, {}
-            for name, kw in (("eager", {"cuda_graph": False}), ("graph", {})):
-                short, long = (_timed_generate(model, prompt, n, **kw) for n in (half, args.new))
-                rates[name] = B * (args.new - half) / (long - short)
-                fixed[name] = long - (args.new - 1) * (long - short) / (args.new - half)
-            rows.append(f"| {B} | {args.context:,} | {recompute:,.0f} | {rates['eager']:,.0f} | {rates['graph']:,.0f} "
-                        f"| {fixed['eager'] * 1e3:.0f}, {fixed['graph'] * 1e3:.0f} "
-                        f"| {rates['graph'] / recompute:.1f}x |")
-            print(rows[-1], flush=True)
-            torch.cuda.empty_cache()
+    for B in args.batches:
+        prompt = torch.randint(0, 50257, (B, args.context - args.new), device="cuda")
+        _timed_generate(model, prompt, 3)  # compiles and tunes every kernel of both paths
+        _timed_generate(model, prompt, 3, kv_cache=False)
+        steps = max(2, min(args.new, 16 if B == 1 else 4))  # the recompute path is slow: fewer tokens
+        recompute = B * steps / _timed_generate(model, prompt, steps, kv_cache=False)
+        # a decode token's cost: the difference between args.new tokens and half as many, which
+        # leaves out what every run pays once (the prompt's forward, the graph's capture)
+        half = args.new // 2
+        rates, fixed = {}, {}
+        for name, kw in (("eager", {"cuda_graph": False}), ("graph", {})):
+            short, long = (_timed_generate(model, prompt, n, **kw) for n in (half, args.new))
+            rates[name] = B * (args.new - half) / (long - short)
+            fixed[name] = long - (args.new - 1) * (long - short) / (args.new - half)
+        rows.append(f"| {B} | {args.context:,} | {recompute:,.0f} | {rates['eager']:,.0f} | {rates['graph']:,.0f} "
+                    f"| {fixed['eager'] * 1e3:.0f}, {fixed['graph'] * 1e3:.0f} "
+                    f"| {rates['graph'] / recompute:.1f}x |")
+        print(rows[-1], flush=True)
+        torch.cuda.empty_cache()
     return "\n".join(rows)
 
 
@@ -132,7 +131,7 @@ def main():
     kernels = kernel_table(args)
     generation = generation_table(args)
     print(f"\n{env}\n\ndecode attention, one new row per head, 12 heads x 64, {args.kv_heads} kv heads, bf16: GPU time "
-          f"per call (CUDA graph replay)\n\n{kernels}\n\ngeneration, GPT-2 small, greedy, bf16 autocast: decode "
+          f"per call (CUDA graph replay)\n\n{kernels}\n\ngeneration, GPT-2 small in bf16, greedy: decode "
           f"tokens/s over the batch (once-per-run costs apart)\n\n{generation}")
 
 

@@ -79,6 +79,14 @@ BAD = [
     # host_overhead.py
     case("host_overhead.py", "--bogus", "unrecognized arguments: --bogus; host_overhead.py takes -h, --help"),
     case("host_overhead.py", "", "host_overhead.py needs a CUDA GPU", what="(no CUDA)", marks=NO_CUDA),
+    case("bench_attention.py", "--window 0", "argument --window: '0'"),
+    case("bench_attention.py", "--window 512 --documents synthetic", "--documents and --window are two modes"),
+    case("bench_attention.py", "--window 512 --seq-lens 1000", "bench_attention.py needs a CUDA GPU", marks=NO_CUDA),
+    # bench_decode.py
+    case("bench_decode.py", "--kv-heads 5", "--kv-heads 5: must divide the 12 query heads"),
+    case("bench_decode.py", "--new 64 --context 64", "--new 64: must be below --context 64"),
+    case("bench_decode.py", "--cache-lens 0", "argument --cache-lens: '0'"),
+    case("bench_decode.py", "", "bench_decode.py needs a CUDA GPU", what="(no CUDA)", marks=NO_CUDA),
     # profile_attention.py
     case("profile_attention.py", "--head-dims 100", "--head-dims: [100] do not divide --width 1024"),
     case("profile_attention.py", "--seq-lens 3000", "--seq-lens: [3000] do not divide --tokens 16384"),
