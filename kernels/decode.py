@@ -44,7 +44,7 @@ def _split_kernel(
     stride_vb, stride_vh, stride_vn, stride_vd,
     H, T, window, qk_scale,  # qk_scale = softmax_scale * log2(e)
     GROUP: tl.constexpr, SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     split = tl.program_id(0)
     off_hkv = tl.program_id(1)
@@ -83,7 +83,7 @@ def _split_kernel(
         kv_mask = (cols[:, None] < end) & d_ok[None, :]
         k = tl.load(k_base + cols.to(tl.int64)[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_mask,
                     other=0.0)
-        qk = tl.dot(q, tl.trans(k))  # (BLOCK_M, BLOCK_N)
+        qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)  # (BLOCK_M, BLOCK_N)
         visible = (cols[None, :] < end) & (cols[None, :] <= pos[:, None])
         if window > 0:
             visible = visible & (cols[None, :] > pos[:, None] - window)
@@ -95,7 +95,7 @@ def _split_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_base + cols.to(tl.int64)[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_mask,
                     other=0.0)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=INPUT_PRECISION)
         m_i = m_new
 
     # a split whose rows see none of its keys (or that has none) leaves LSE = -inf: weight 0
@@ -136,6 +136,7 @@ _SPLIT = Launcher(_split_kernel, [triton.Config({"BLOCK_N": n}, num_warps=w, num
                   triton.Config({"BLOCK_N": 16}))
 _MERGE = Launcher(_merge_kernel, [triton.Config({}, num_warps=4)], triton.Config({}))
 MAX_SPLITS = 128
+MAX_ROWS = 128  # a program's query rows, group x new positions, in one tile
 
 
 @functools.cache
@@ -160,6 +161,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if k_cache.shape != v_cache.shape or k_cache.shape[0] != B or k_cache.shape[3] != D or H % H_kv:
         raise ValueError(f"decode_attention: q {tuple(q.shape)} against caches {tuple(k_cache.shape)}, "
                          f"{tuple(v_cache.shape)}: need (B, H_kv, S_max, D) caches with H_kv dividing H")
+    if (H // H_kv) * T > MAX_ROWS:
+        raise ValueError(f"decode_attention: {H // H_kv} query heads per kv head x {T} new rows exceed the "
+                         f"{MAX_ROWS} rows of one tile: decode fewer rows at a time (or prefill with flash_attention)")
     if length.numel() != 1 or length.dtype != torch.int32 or length.device != q.device:
         raise ValueError(f"decode_attention: length must be a one-element int32 tensor on {q.device}")
     if q.dtype == torch.bfloat16 and q.device.type == "cpu":  # the interpreter's bf16 tl.dot is wrong
@@ -178,6 +182,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                (q, k_cache, v_cache, length, o_part, lse_part, *q.stride(), *k_cache.stride(), *v_cache.stride(),
                 H, T, window, scale), key,
                GROUP=group, SPLITS=splits, HEAD_DIM=D, BLOCK_D=block_d,
+               INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32: true fp32, as in training
                BLOCK_M=max(16, triton.next_power_of_2(group * T)))
         _MERGE(lambda c: (B * H * T,), (o_part, lse_part, o, *o.stride(), H, T), key,
                SPLITS=splits, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_S=max(2, triton.next_power_of_2(splits)))

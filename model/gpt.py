@@ -270,10 +270,12 @@ class GPT(nn.Module):
                 if graph is not None:
                     logits = graph(new)
                 else:
+                    decoded = cache.filled > 0  # not the prompt's forward, which runs the training kernel
                     logits = self(new, cache=cache)[0][:, -1]
-                    # one eager step has compiled and tuned the kernels: capture the next ones
+                    # an eager decode step has compiled and tuned its kernels (and cast the weights,
+                    # under autocast): capture the next ones
                     graphable = cuda_graph and idx.is_cuda and self.attention.graphable
-                    if graphable and new.size(1) == 1 and cache.filled < cache.max_len:
+                    if graphable and decoded and cache.filled < cache.max_len:
                         graph = DecodeGraph(self, cache, B)
             else:
                 window = idx[:, -self.cfg.max_seq_len:]
@@ -297,10 +299,10 @@ class DecodeGraph:
         self.cache = cache
         self.idx = torch.zeros(batch, 1, dtype=torch.long, device=cache.length.device)
         self.graph = torch.cuda.CUDAGraph()
-        # autocast's cache of cast weights would keep tensors of the capture's pool alive past it
-        autocast = torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"),
-                                  enabled=torch.is_autocast_enabled("cuda"), cache_enabled=False)
-        with autocast, torch.cuda.graph(self.graph):
+        # under autocast the eager decode step before this one left every weight's cast in autocast's
+        # cache: the graph reads those, where a capture without the cache would re-cast every weight
+        # on every token
+        with torch.cuda.graph(self.graph):
             self.logits = model(self.idx, cache=cache)[0][:, -1]
         cache.filled -= 1  # capturing ran the step's Python (advance) but none of its kernels
 

@@ -80,20 +80,23 @@ def test_decode_kernel_says_what_it_takes():
     q, k, v, n = _cache_inputs(1, 4, 2, 1, 8, 16, 16, F32)
     with pytest.raises(ValueError, match="one-element int32 tensor"):
         decode_attention(q, k, v, n.long())
+    q, k, v, n = _cache_inputs(1, 4, 1, 33, 40, 40, 16, F32)
+    with pytest.raises(ValueError, match="4 query heads per kv head x 33 new rows exceed the 128 rows"):
+        decode_attention(q, k, v, n)
 
 
-@pytest.mark.parametrize("attn, kv_heads, window, pos_emb", [
-    ("naive", 0, 0, "learned"), ("sdpa", 2, 5, "rope"), ("sdpa", 1, 0, "learned"), ("triton", 2, 5, "rope"),
+@pytest.mark.parametrize("attn, kv_heads, window, pos_emb, prompt", [
+    ("naive", 0, 0, "learned", 5), ("sdpa", 2, 5, "rope", 5), ("sdpa", 1, 0, "learned", 1), ("triton", 2, 5, "rope", 5),
 ])
-def test_greedy_generation_with_the_cache_is_token_identical(attn, kv_heads, window, pos_emb):
+def test_greedy_generation_with_the_cache_is_token_identical(attn, kv_heads, window, pos_emb, prompt):
     # past max_seq_len (12) both recompute the last 12 tokens' forward per token: identical there too
     torch.manual_seed(0)
     model = GPT(tiny_config(n_kv_head=kv_heads, pos_emb=pos_emb, max_seq_len=12), attn, window=window).eval()
-    idx = torch.randint(0, 50257, (2, 5), generator=torch.Generator().manual_seed(1))
+    idx = torch.randint(0, 50257, (2, prompt), generator=torch.Generator().manual_seed(1))
     new = 10 if attn == "triton" else 16  # the interpreter is slow
     cached = model.generate(idx, new, top_k=1, kv_cache=True)
     recomputed = model.generate(idx, new, top_k=1, kv_cache=False)
-    assert cached.shape == (2, 5 + new) and torch.equal(cached, recomputed)
+    assert cached.shape == (2, prompt + new) and torch.equal(cached, recomputed)
 
 
 @pytest.mark.gpu
@@ -104,14 +107,28 @@ def test_gpu_decode_kernel_matches_float64_reference(B, H_kv, length, window):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kv_heads, window", [(0, 0), (2, 7)])
-def test_gpu_greedy_generation_through_a_cuda_graph_is_token_identical(kv_heads, window):
-    # fp32: the recomputed forward and the decode kernel add in different orders; in fp32 that
-    # moves no argmax of this model
+@pytest.mark.parametrize("kv_heads, window, prompt", [(0, 0, 9), (2, 7, 9), (2, 0, 1)])
+def test_gpu_greedy_generation_through_a_cuda_graph_is_token_identical(kv_heads, window, prompt):
+    # fp32 (true fp32 matmuls in every kernel): the recomputed forward and the decode kernel add in
+    # different orders, which in fp32 moves no argmax of this model. A one-token prompt: the graph is
+    # captured only after an eager decode step, never right after the prompt's forward
     torch.manual_seed(0)
     model = GPT(tiny_config(n_kv_head=kv_heads, max_seq_len=48), "triton", window=window).cuda().eval()
-    idx = torch.randint(0, 50257, (3, 9), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    idx = torch.randint(0, 50257, (3, prompt), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
     graphed = model.generate(idx, 60, top_k=1, kv_cache=True, cuda_graph=True)
     eager = model.generate(idx, 60, top_k=1, kv_cache=True, cuda_graph=False)
     recomputed = model.generate(idx, 60, top_k=1, kv_cache=False)
     assert torch.equal(graphed, eager) and torch.equal(graphed, recomputed)
+
+
+@pytest.mark.gpu
+def test_gpu_graph_under_autocast_decodes_as_the_eager_steps_do():
+    # fp32 weights under bf16 autocast, as scripts/sample.py runs them: the graph reads the casts the
+    # eager decode step left in autocast's cache, and replays exactly the eager steps' kernels
+    torch.manual_seed(0)
+    model = GPT(tiny_config(n_kv_head=2, max_seq_len=48), "triton").cuda().eval()
+    idx = torch.randint(0, 50257, (2, 6), device="cuda", generator=torch.Generator("cuda").manual_seed(2))
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        graphed = model.generate(idx, 30, top_k=1)
+        eager = model.generate(idx, 30, top_k=1, cuda_graph=False)
+    assert torch.equal(graphed, eager)
