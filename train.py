@@ -39,6 +39,7 @@ from data import DatasetError, TokenWindows, document_ids, get_encoding
 from data.files import DiskFullError, atomic_write
 from data.prepare import prepare_on_node
 from model import GPT, get_attention
+from model.attention import sdpa_masked
 from trainer.checkpoint import CHECKPOINT_NAME, CheckpointError, load_checkpoint, load_weights, save_checkpoint
 from trainer.metrics import json_line
 from trainer.parallel import Parallel
@@ -246,7 +247,8 @@ def run_info(cfg: DictConfig, par: Parallel, model: GPT) -> dict:
             head_dim = cfg.model.d_model // cfg.model.n_head
             info["sdpa_backend"] = probe_sdpa_backend(cfg.seq_len, cfg.model.n_head, head_dim, dtype, device,
                                                       cfg.attn.sdpa_backend,
-                                                      cfg.data.doc_mask or 0 < cfg.attn.window < cfg.seq_len,
+                                                      sdpa_masked(cfg.data.doc_mask, cfg.attn.window, cfg.seq_len,
+                                                                  cfg.seq_len),
                                                       cfg.model.n_kv_head)
         except RuntimeError as e:
             raise ConfigError(f"attn.sdpa_backend={cfg.attn.sdpa_backend}: torch has no such kernel for these "

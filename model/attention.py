@@ -3,9 +3,10 @@
 Every implementation takes q (B, H, T, D), k and v (B, H_kv, T, D) with H_kv dividing H (grouped
 key/value heads: query head h reads kv head h // (H / H_kv)), and optionally doc_ids (B, T) of packed
 documents and a window W, and returns causal attention shaped like q, in its dtype, within each
-document when doc_ids is given, over each query's last W keys (its own included) when W > 0. The model calls the `fn` of the Attention it is given and never asks which one
-it is. What an attention can do (head dims, splitting a sequence over ranks, what selective
-activation checkpointing keeps of it, how it decodes against a KV cache) is written in its entry, once: the config's choices and
+document when doc_ids is given, over each query's last W keys (its own included) when W > 0. The
+model calls the `fn` of the Attention it is given and never asks which one it is. What an attention
+can do (head dims, splitting a sequence over ranks, what selective activation checkpointing keeps
+of it, how it decodes against a KV cache) is written in its entry, once: the config's choices and
 checks, the trainer, the benchmark and the equivalence check read it from here. A new attention
 is a function and an entry below.
 """
@@ -27,10 +28,13 @@ AttentionFn = Callable[..., torch.Tensor]  # (q, k, v, doc_ids=None, window=0) -
 DecodeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int], torch.Tensor]
 
 
-def hidden_keys(doc_ids: torch.Tensor | None, T: int, device: torch.device, window: int = 0) -> torch.Tensor:
-    """(B or 1, 1, T, T) bool: True where query i may not see key j (the future, another document,
-    W or more keys back)."""
-    offset = torch.arange(T, device=device)[:, None] - torch.arange(T, device=device)[None, :]  # i - j
+def hidden_keys(doc_ids: torch.Tensor | None, T: int, device: torch.device, window: int = 0,
+                S: int | None = None) -> torch.Tensor:
+    """(B or 1, 1, T, S) bool: True where query i, the key position i + S - T (the newest T of S
+    keys; S = T by default), may not see key j: the future, another document (T = S), W or more
+    keys back."""
+    S = T if S is None else S
+    offset = torch.arange(T, device=device)[:, None] + (S - T) - torch.arange(S, device=device)[None, :]  # i' - j
     hidden = (offset < 0) | (offset >= window) if window else offset < 0
     if doc_ids is None:
         return hidden[None, None]
@@ -39,43 +43,42 @@ def hidden_keys(doc_ids: torch.Tensor | None, T: int, device: torch.device, wind
 
 def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None = None,
                     window: int = 0) -> torch.Tensor:
-    """Textbook attention: materialises the (B, H, T, T) scores in the input dtype. Fewer key/value
-    heads (GQA) are repeated, each for its group of query heads."""
+    """Textbook attention: materialises the (B, H, T, S) scores in the input dtype (S = T in training;
+    the cache's length in decoding). Fewer key/value heads (GQA) are repeated, each for its group of
+    query heads."""
     if k.size(1) != q.size(1):  # query head h reads kv head h // (H / H_kv)
         k, v = (t.repeat_interleave(q.size(1) // k.size(1), dim=1) for t in (k, v))
-    scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.size(-1)))  # (B, H, T, T)
-    scores = scores.masked_fill(hidden_keys(doc_ids, q.size(-2), q.device, window), float("-inf"))
+    scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.size(-1)))  # (B, H, T, S)
+    scores = scores.masked_fill(hidden_keys(doc_ids, q.size(-2), q.device, window, k.size(-2)), float("-inf"))
     # softmax in (at least) fp32: bf16 exp/sum would lose the many small probabilities
     probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(q.dtype, torch.float32)).to(q.dtype)
     return probs @ v  # (B, H, T, D)
 
 
+def sdpa_masked(documents: bool, window: int, T: int, S: int) -> bool:
+    """Whether sdpa_attention passes SDPA a dense mask (which its flash and cuDNN kernels do not take):
+    with documents, a window shorter than the keys, or fewer queries than keys (SDPA's is_causal is
+    aligned top-left, the newest queries' bottom-right)."""
+    return documents or 0 < window < S or T != S
+
+
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None = None,
                    window: int = 0) -> torch.Tensor:
     """PyTorch's fused attention; which backend runs is torch's choice unless pinned (configs/runtime.py).
-    With documents or a window (shorter than the sequence) it gets a dense (B or 1, 1, T, T) mask,
-    which its flash and cuDNN kernels do not take."""
+    Where sdpa_masked says so it gets a dense (B or 1, 1, T, S) mask."""
     gqa = k.size(1) != q.size(1)
-    T = q.size(-2)
-    if doc_ids is None and not 0 < window < T:
+    T, S = q.size(-2), k.size(-2)
+    if not sdpa_masked(doc_ids is not None, window, T, S):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=~hidden_keys(doc_ids, T, q.device, window),
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=~hidden_keys(doc_ids, T, q.device, window, S),
                                           enable_gqa=gqa)
 
 
 def dense_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, length: torch.Tensor, filled: int,
-                 window: int = 0, fused: bool = True) -> torch.Tensor:
-    """Decoding against the cache's filled slice, with a dense (T, filled) mask: SDPA's (fused) or the
-    textbook scores (naive). The slice's length is read on the host: eager only (no CUDA graph)."""
-    T, S = q.size(2), filled
-    k, v = k_cache[:, :, :S], v_cache[:, :, :S]
-    offset = torch.arange(T, device=q.device)[:, None] + (S - T) - torch.arange(S, device=q.device)[None, :]  # i' - j
-    visible = (offset >= 0) & (offset < window) if window else offset >= 0
-    if fused:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=k.size(1) != q.size(1))
-    k, v = (t.repeat_interleave(q.size(1) // k.size(1), dim=1) for t in (k, v))
-    scores = (q @ k.transpose(-2, -1) * (1.0 / math.sqrt(q.size(-1)))).masked_fill(~visible, float("-inf"))
-    return torch.softmax(scores, dim=-1, dtype=torch.promote_types(q.dtype, torch.float32)).to(q.dtype) @ v
+                 window: int = 0, attend: AttentionFn = sdpa_attention) -> torch.Tensor:
+    """Decoding with an attention that has no cache kernel: `attend` over the cache's filled slice, the
+    T new queries its newest positions. The slice's length is read on the host: eager only (no CUDA graph)."""
+    return attend(q, k_cache[:, :, :filled], v_cache[:, :, :filled], window=window)
 
 
 def triton_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, length: torch.Tensor, filled: int,
@@ -104,13 +107,13 @@ class Attention:
     saved_ops: tuple = ()
     # generation against a KV cache (model/kv_cache.py); graphable: it reads no host copy of the
     # cache's length, so a decode step may be captured in a CUDA graph
-    decode: DecodeFn = functools.partial(dense_decode, fused=True)
+    decode: DecodeFn = dense_decode
     graphable: bool = False
 
 
 ATTENTIONS = {a.name: a for a in (
     Attention("naive", naive_attention, "textbook softmax attention, the (T x T) scores in memory",
-              decode=functools.partial(dense_decode, fused=False)),
+              decode=functools.partial(dense_decode, attend=naive_attention)),
     Attention("sdpa", sdpa_attention, "torch.nn.functional.scaled_dot_product_attention (backend logged on CUDA)",
               saved_ops=(torch.ops.aten._scaled_dot_product_flash_attention.default,
                          torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,

@@ -340,6 +340,18 @@ def document_lengths(source, T, seed=0):
     return lengths
 
 
+def _timed(attn, leaves, get_qkv, dout, args) -> float | str:
+    """fwd+bwd ms of one implementation, or the name of the error that stopped it."""
+    try:
+        return bench_one(attn, leaves, get_qkv, dout, args.warmup, args.rep)[1]
+    except (torch.cuda.OutOfMemoryError, *CELL_ERRORS) as e:
+        return type(e).__name__
+    finally:
+        for x in leaves:
+            x.grad = None
+        free_memory()
+
+
 def run_documents(args, env):
     """fwd+bwd of ours with the document mask against FlexAttention with the same document
     BlockMask, SDPA with the dense mask, and the full causal kernels; TFLOP/s of the work inside
@@ -365,17 +377,11 @@ def run_documents(args, env):
                      "ours_causal": lambda q, k, v: flash_attention(q, k, v),
                      "cudnn_causal": _sdpa(SDPBackend.CUDNN_ATTENTION)(T)}
             cells = []
-            bench_one(impls["ours_docs"], leaves, get_qkv, dout, args.warmup, args.rep)  # discarded: see main()
+            _timed(impls["ours_docs"], leaves, get_qkv, dout, args)  # discarded: see main()
             for name, attn in impls.items():
-                try:
-                    _, ms, _ = bench_one(attn, leaves, get_qkv, dout, args.warmup, args.rep)
-                    cells.append(f"{ms:.2f} ms, {useful / ms / 1e9:.0f}" if "docs" in name or "dense" in name
-                                 else f"{ms:.2f} ms")
-                except (torch.cuda.OutOfMemoryError, *CELL_ERRORS) as e:
-                    cells.append(type(e).__name__)
-                for x in leaves:
-                    x.grad = None
-                free_memory()
+                ms = _timed(attn, leaves, get_qkv, dout, args)
+                cells.append(ms if isinstance(ms, str) else f"{ms:.2f} ms, {useful / ms / 1e9:.0f}"
+                             if "docs" in name or "dense" in name else f"{ms:.2f} ms")
             print(f"D={D} T={T}: " + " | ".join(f"{n} {c}" for n, c in zip(impls, cells)), flush=True)
             rows.append(f"| {D} | {T} | {len(lengths)} | {T / len(lengths):,.0f} | " + " | ".join(cells) + " |")
             leaves = get_qkv = dout = dense = block_mask = None  # freed before the next shape
@@ -383,18 +389,6 @@ def run_documents(args, env):
     table = "\n".join(rows)
     (args.out / f"documents_{args.documents}.md").write_text(f"{env}\n\n{table}\n")
     print(f"\n{env}\nforward+backward, ms and TFLOP/s of the work within the documents\n\n{table}")
-
-
-def _timed(attn, leaves, get_qkv, dout, args) -> float | str:
-    """fwd+bwd ms of one implementation, or the name of the error that stopped it."""
-    try:
-        return bench_one(attn, leaves, get_qkv, dout, args.warmup, args.rep)[1]
-    except (torch.cuda.OutOfMemoryError, *CELL_ERRORS) as e:
-        return type(e).__name__
-    finally:
-        for x in leaves:
-            x.grad = None
-        free_memory()
 
 
 def run_windows(args, env):

@@ -25,7 +25,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/ sits be
 
 import torch
 import torch.nn.functional as F
-import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench_cudagraph
 
@@ -33,6 +32,7 @@ from configs.schema import ModelConfig
 from kernels.decode import decode_attention
 from model import GPT
 from scripts.args import ArgumentParser, positive_int, positive_ints, require_cuda
+from scripts.bench_attention import environment
 
 SDPA = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION,
         "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}
@@ -125,8 +125,7 @@ def generation_table(args) -> str:
 def main():
     args = parse_args()
     require_cuda("bench_decode.py")
-    env = (f"{torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__} "
-           f"| cuDNN {torch.backends.cudnn.version()}")
+    env = environment()
     print(env, flush=True)
     kernels = kernel_table(args)
     generation = generation_table(args)
