@@ -86,6 +86,7 @@ BAD = [
     case("bench_decode.py", "--kv-heads 5", "--kv-heads 5: must divide the 12 query heads"),
     case("bench_decode.py", "--new 64 --context 64", "--new 64: must be below --context 64"),
     case("bench_decode.py", "--cache-lens 0", "argument --cache-lens: '0'"),
+    case("bench_decode.py", "--new 8", "--new 8: must be at least 16"),
     case("bench_decode.py", "", "bench_decode.py needs a CUDA GPU", what="(no CUDA)", marks=NO_CUDA),
     # profile_attention.py
     case("profile_attention.py", "--head-dims 100", "--head-dims: [100] do not divide --width 1024"),
