@@ -177,15 +177,21 @@ def batch_size_per_process(cfg: DictConfig, world: int) -> int:
     return cfg.batch_size if cfg.batch_tokens is None else cfg.batch_tokens // (cfg.seq_len * dp)
 
 
-# what a resume may change without breaking the run it continues: how long it runs and how it
-# reports, where it runs and how its sequences are split over GPUs, with which (equivalent)
-# attention kernel, loss, activation checkpointing and MLP tiling, and the lr schedule, which depends on
-# max_steps anyway. Everything else (model, data, batch, seeds, precision, AdamW's own constants)
-# would make a different run.
-RESUMABLE = ("max_steps", "log_interval", "eval_interval", "eval_steps", "ckpt_interval", "sample_tokens",
-             "sample_prompt", "wandb.", "compile", "ac", "profile", "device", "resume", "attn.", "model.loss",
-             "model.mlp_chunk", "data.root",
-             "optim.lr", "optim.min_lr_ratio", "optim.warmup_steps", "optim.grad_clip", "parallel.cp")
+# what a resume may change: the keys that leave it the same run. Every other key would make another
+# one: the model, the data and its document mask, attn.window, seq_len, the global batch, the seeds,
+# dtype, AdamW's other constants, and parallel.dp (FSDP's checkpoints key the optimizer state by
+# parameter name, DDP's by number).
+RESUMABLE = frozenset({
+    # how long it runs, what it reports and samples at the end (model.name: a label of the shape)
+    "max_steps", "log_interval", "eval_interval", "eval_steps", "ckpt_interval", "sample_tokens", "sample_prompt",
+    "profile", "resume", "model.name", "wandb.project", "wandb.mode", "wandb.entity", "wandb.group", "wandb.name",
+    "wandb.tags",
+    # the same function on the same batches, computed elsewhere or otherwise: other kernels, other rounding
+    # (data.cycle changes only windows longer than their split, which fail without it)
+    "device", "compile", "compile_mode", "ac", "attn.name", "attn.sdpa_backend", "model.loss", "model.loss_chunk",
+    "model.mlp_chunk", "parallel.cp", "data.root", "data.cycle",
+    # the lr schedule, which depends on max_steps anyway
+    "optim.lr", "optim.min_lr_ratio", "optim.warmup_steps", "optim.grad_clip"})
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
@@ -224,10 +230,10 @@ def check_resume(ckpt: dict, now: dict, dp: int, path) -> str:
         raise ConfigError(f"resume={path}: the checkpoint's config has keys this version does not know "
                           f"({', '.join(unknown[:3])}): resume it with the version of flash-gpt that wrote it")
     changed = {k: (before.get(k), after[k]) for k in sorted(after) if before.get(k) != after[k]}
-    refused = {k: v for k, v in changed.items() if not k.startswith(RESUMABLE)}
+    refused = {k: v for k, v in changed.items() if k not in RESUMABLE}
     text = lambda d: ", ".join(f"{k} {old} -> {new}" for k, (old, new) in d.items())
     if refused:
-        raise ConfigError(f"resume={path}: {text(refused)} would not continue the same run (model, data, batch, "
-                          f"seeds and precision must match the checkpoint's): drop those overrides, or start a new "
-                          f"run; may change on resume: {', '.join(RESUMABLE)}")
+        raise ConfigError(f"resume={path}: {text(refused)} would not continue the same run (model, data, attention "
+                          f"window, batch, seeds and precision must match the checkpoint's): drop those overrides, or "
+                          f"start a new run; may change on resume: {', '.join(sorted(RESUMABLE))}")
     return text({k: v for k, v in changed.items() if k != "resume"})
