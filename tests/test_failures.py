@@ -11,6 +11,7 @@
 - a run killed before its first checkpoint starts again in place, by the same command or resume=;
 - a checkpoint truncated, with a zeroed block, or with flipped bits, or of another format, keys,
   types or weights is refused in one line;
+- a ckpt.pt that is a directory: resume= and a fresh run into its dir say so in the same one line;
 - two runs into one dir: one proceeds, the other gets one line, the first's files are untouched;
   two runs started together into default dirs get one dir each;
 - a diverging run stops, its last checkpoint loadable and finite, and resumes with a sane lr;
@@ -286,6 +287,24 @@ def test_a_foreign_checkpoint_is_refused_in_one_line(kind, good_checkpoint, data
     damage(run_dir / "ckpt.pt")
     refused = run(command(data_root, f"resume={run_dir}", "max_steps=6"), tmp_path)
     assert refused.returncode == 2 and said in stderr_line(refused), refused.stderr[-2000:]
+
+
+@pytest.mark.parametrize("finished", [False, True], ids=["stopped run", "finished run"])
+def test_a_ckpt_pt_that_is_a_directory_gets_the_same_one_line_from_resume_and_a_fresh_run(finished, tmp_path,
+                                                                                          monkeypatch, capsys):
+    run_dir = tmp_path / "run"
+    (run_dir / "ckpt.pt").mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+    if finished:
+        (run_dir / "summary.json").write_text('{"status": "ok"}')
+    monkeypatch.chdir(tmp_path)
+    for how in (f"resume={run_dir}", f"hydra.run.dir={run_dir}"):
+        with pytest.raises(SystemExit) as exit_:
+            preflight.preflight([*TINY, how])
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert exit_.value.code == 2 and lines == [f"error: {run_dir / 'ckpt.pt'} is a directory, not a checkpoint "
+                                                   "file: remove it, or use another run dir"], (how, lines)
+    assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "ckpt.pt", "metrics.jsonl"] + ["summary.json"] * finished
 
 
 # ----------------------------------------------------------------------------- runs side by side

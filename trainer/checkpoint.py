@@ -84,9 +84,13 @@ def save_checkpoint(path: Path, state: dict) -> None:
 
 
 def require_checkpoint(path: Path) -> None:
-    """CheckpointError, saying what to pass instead, unless path is a file."""
-    if not path.is_file():
-        raise CheckpointError(f"no checkpoint at {path}: pass a run dir holding {CHECKPOINT_NAME} or a .pt file")
+    """CheckpointError, saying what to do, unless path is a file."""
+    if path.is_file():
+        return
+    if path.exists():  # a directory (or a socket...) in a checkpoint's place: neither a run to continue nor none
+        what = "a directory" if path.is_dir() else "not a regular file"
+        raise CheckpointError(f"{path} is {what}, not a checkpoint file: remove it, or use another run dir")
+    raise CheckpointError(f"no checkpoint at {path}: pass a run dir holding {CHECKPOINT_NAME} or a .pt file")
 
 
 def load_checkpoint(path: Path) -> dict:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from configs.overrides import override
 from configs.validate import ConfigError
-from trainer.checkpoint import CHECKPOINT_NAME, CheckpointError, checkpoint_path
+from trainer.checkpoint import CHECKPOINT_NAME, CheckpointError, checkpoint_path, require_checkpoint
 
 RUN_FILES = ("metrics.jsonl", CHECKPOINT_NAME, "summary.json")  # what makes a dir a run's
 _locks: dict[Path, int] = {}  # run dirs this process holds, -> the open lock file
@@ -35,7 +35,7 @@ def _finished(run_dir: Path) -> bool:
 def claim_run_dir(run_dir: Path, fresh: bool) -> None:
     """Creates run_dir if needed and locks it for this process (until it exits, kill -9 too).
     ConfigError if another live run holds it, or, for a fresh run, if an earlier run left a
-    checkpoint or finished there. An earlier run that stopped before its first checkpoint left
+    checkpoint or finished there (CheckpointError if its ckpt.pt is not a file). An earlier run that stopped before its first checkpoint left
     only records of steps no checkpoint holds: they are removed and the run starts again in place."""
     run_dir = Path(run_dir).resolve()
     if run_dir not in _locks:
@@ -60,6 +60,7 @@ def claim_run_dir(run_dir: Path, fresh: bool) -> None:
     if not fresh:
         return
     if (run_dir / CHECKPOINT_NAME).exists():
+        require_checkpoint(run_dir / CHECKPOINT_NAME)
         raise ConfigError(f"run dir {run_dir} already holds a run: {override('resume', str(run_dir))} continues it; "
                           "choose another hydra.run.dir for a new one")
     if _finished(run_dir):
@@ -80,7 +81,8 @@ def resume_target(resume: str | Path) -> tuple[Path | None, Path]:
     path = Path(resume).expanduser()
     ckpt = checkpoint_path(path)
     try:
-        if ckpt.is_file():
+        if ckpt.exists():
+            require_checkpoint(ckpt)
             return ckpt, ckpt.parent
         is_run_dir = path.is_dir() and any((path / name).exists() for name in (*RUN_FILES, ".hydra", ".lock"))
     except OSError as e:
