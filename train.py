@@ -16,6 +16,8 @@ import contextlib
 import importlib.metadata
 import math
 import os
+import re
+import shlex
 import signal
 import sys
 from dataclasses import dataclass, field
@@ -28,10 +30,10 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from configs.overrides import quoted_where_needed, shell_override
+from configs.overrides import override, quoted_where_needed, shell_override
 from configs.runtime import (autocast, autocast_dtype, grad_scaler, precision, precision_line, probe_sdpa_backend,
                              resolve_device, sdpa_backend)
-from configs.schema import plain
+from configs.schema import TrainConfig, plain
 from configs.store import register_configs
 from configs.validate import ConfigError, batch_size_per_process, check_resume, validate
 from kernels.flash_attn import backends as attention_backends
@@ -46,7 +48,7 @@ from trainer.parallel import Parallel
 from trainer.preflight import preflight
 from trainer.profiling import Profiler
 from trainer.report import Meter, RunLog
-from trainer.rundir import abandon_run_dir, claim_run_dir, resume_target
+from trainer.rundir import abandon_run_dir, claim_run_dir, finished_summary, holds, resume_target, write_record
 from trainer.signals import Stopped, StopSignals
 
 register_configs()
@@ -354,7 +356,15 @@ def last_checkpoint(run: Run) -> str:
 
 
 def resume_hint(run: Run) -> str:
+    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+        return f"{sweep_command()} continues the sweep (each job in its own dir; finished jobs are skipped)"
     return f"add {shell_override('resume', str(run.run_dir))} to the same command to continue"
+
+
+def sweep_command() -> str:
+    """This sweep's command, into its sweep dir: what continues it (train.py -m, in a shell)."""
+    args = [a for a in sys.argv[1:] if not re.match(r"\+*hydra\.(sweep\.dir|output_subdir)=", a)]
+    return shlex.join(["python", sys.argv[0], *args, override("hydra.sweep.dir", HydraConfig.get().sweep.dir)])
 
 
 # -----------------------------------------------------------------------------
@@ -443,11 +453,11 @@ def stop_for(run: Run, signum: int) -> str:
 
 
 def finish(run: Run, status: str, message: str | None) -> dict:
-    """Writes summary.json and closes the W&B run (rank 0); returns the summary."""
+    """Writes summary.json and closes the W&B run (rank 0); returns the summary, whose message the
+    caller says (main(): train.py's line; a script stopped or failed by it, its own)."""
     cfg = run.cfg
     if message and run.master:
-        print(message, file=sys.stderr)
-        with contextlib.suppress(OSError):  # a full disk said its line already; the record may not fit
+        with contextlib.suppress(OSError):  # a full disk: the record may not fit, the summary's message says it
             run.log.log({"step": run.step, "event": status, status: 1, "message": message})
     history = run.meter.history
     summary = {"status": status, "message": message, "steps": run.step,
@@ -490,37 +500,65 @@ def exit_code(summary: dict) -> int:
     return 0 if summary["status"] == "ok" else 1
 
 
+def start_sweep_job(cfg: DictConfig, job_dir: Path) -> dict | None:
+    """Where a sweep job starts. Its summary.json if an earlier run of the sweep finished it (it is
+    skipped); else it continues its own dir: from the checkpoint there (resume=), or fresh, with
+    Hydra's record of the command (.hydra/, which preflight turned off) written once the dir is
+    this process's: never over the record of another run, live or finished."""
+    done = finished_summary(job_dir)
+    if done is not None and done["steps"] >= cfg.max_steps:
+        return done
+    if (job_dir / CHECKPOINT_NAME).exists():
+        cfg.resume = str(job_dir)  # setup() claims the dir; its record stays that of the run that wrote the checkpoint
+        return None
+    claim_run_dir(job_dir, fresh=True)
+    write_record(job_dir, cfg, HydraConfig.instance().cfg)
+    return None
+
+
 @hydra.main(version_base="1.3", config_path="configs", config_name="config")
 def main(cfg: DictConfig) -> float | None:
     hc = HydraConfig.get()
+    run_dir = Path(hc.runtime.output_dir)
+    sweep = hc.mode == RunMode.MULTIRUN
     try:
-        summary = train(cfg, Path(hc.runtime.output_dir))
+        done = start_sweep_job(cfg, run_dir) if sweep else None
+        if done is not None:
+            print(f"{run_dir.name}: skipped: its run finished at step {done['steps']} (a larger max_steps trains it "
+                  "further; other settings need another hydra.sweep.dir)", file=sys.stderr)
+            return done.get("final_val_loss")
+        summary = train(cfg, run_dir)
     except DiskFullError as e:  # preparing data or a cache before training started
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
     except Stopped as e:
-        print(e, file=sys.stderr)
-        abandon_run_dir(Path(hc.runtime.output_dir))
+        if sweep:
+            print(f"stopped by {signal.Signals(e.signum).name} before the first step of {run_dir.name}; nothing of it "
+                  f"was saved: {sweep_command()} continues the sweep", file=sys.stderr)
+        else:
+            print(e, file=sys.stderr)
+        abandon_run_dir(run_dir)
         sys.exit(128 + e.signum)
     except (ConfigError, DatasetError, CheckpointError) as e:
-        if hc.mode == RunMode.RUN:
+        if not sweep:
             print(f"error: {e}", file=sys.stderr)
-            abandon_run_dir(Path(hc.runtime.output_dir))
+            abandon_run_dir(run_dir)
             sys.exit(2)
-        # a sweep job that cannot run is recorded with its reason and skipped; the sweep goes on
+        # a sweep job that cannot run is recorded with its reason (in its own dir only) and skipped; the sweep goes on
         print(f"error: {e} (this job is skipped; the sweep goes on)", file=sys.stderr)
-        job_dir = Path(hc.runtime.output_dir)
-        if not any((job_dir / name).exists() for name in ("summary.json", CHECKPOINT_NAME)):
-            atomic_write(job_dir / "summary.json", json_line({"status": "skipped", "message": str(e)}).encode())
+        if holds(run_dir) and not any((run_dir / name).exists() for name in ("summary.json", CHECKPOINT_NAME)):
+            atomic_write(run_dir / "summary.json", json_line({"status": "skipped", "message": str(e)}).encode())
         return None
+    if summary["message"] and int(os.environ.get("RANK", "0")) == 0:
+        print(summary["message"], file=sys.stderr)
     # a failed sweep job is recorded and the next one runs; a stopped one stops the sweep
-    if summary["status"] != "ok" and (hc.mode == RunMode.RUN or summary["status"] == "stopped"):
+    if summary["status"] != "ok" and (not sweep or summary["status"] == "stopped"):
         sys.exit(exit_code(summary))
     return summary["final_val_loss"]
 
 
 if __name__ == "__main__":
-    sys.argv[1:] = quoted_where_needed(sys.argv[1:])  # any path as typed: hydra.run.dir=/data/ü_日本
+    sys.argv[1:] = quoted_where_needed(sys.argv[1:], TrainConfig)  # any path as typed: hydra.run.dir=/data/ü_日本
     if int(os.environ.get("RANK", "0")) > 0:
         # under torchrun rank 0 alone owns the Hydra run dir; the other ranks get none and write nothing
         sys.argv += ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=disabled",

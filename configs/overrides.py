@@ -4,18 +4,26 @@ overrides may add or delete keys, and Hydra's composition errors in one line (on
 Hydra's override grammar takes unquoted values of plain ASCII only: a path with a space, an `ü`, a
 quote or a `${` must be quoted, or the run cannot start or resume (preflight hands Hydra the run
 dir as an override). A command-line value Hydra cannot read as it stands is quoted for it
-(quoted_where_needed), so `hydra.run.dir=/data/ü_日本` works as typed.
+(quoted_where_needed), so `hydra.run.dir=/data/ü_日本` works as typed. A comma separates the values
+of a sweep: without -m, a string key's value with a comma (`prompt=To be, or not`, `hydra.run.dir=/a,b`)
+is quoted too, as it can only mean that string; any other comma, and one under -m, stays a sweep's,
+and where it cannot be one the error says how to quote it.
 
 `+key=` and `++key=` add a key where the schema has none, bypassing the typo
 check of configs/schema.py, and `~key` deletes one the training needs: additions are refused
 unless they name an existing key, a config group or one of Hydra's own, deletions unless Hydra's.
 """
 
+import dataclasses
 import difflib
 import re
 import shlex
+import typing
+from typing import Optional
 
+from hydra.conf import HydraConf
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import ChoiceSweep
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 
@@ -47,18 +55,32 @@ def override(key: str, value: str) -> str:
     return f"{key}={value if plain else quote(value)}"
 
 
-def quoted_where_needed(argv: list[str]) -> list[str]:
+def _holds_string(schema: type, key: str) -> bool:
+    """Whether `key` (dotted; `hydra.` keys are Hydra's own) is a string key of dataclass `schema`."""
+    parts = key.lstrip("+").split(".")
+    node = HydraConf if parts[0] == "hydra" else schema
+    for part in parts[1:] if parts[0] == "hydra" else parts:
+        node = typing.get_type_hints(node).get(part) if dataclasses.is_dataclass(node) else None
+    return node in (str, Optional[str])
+
+
+def quoted_where_needed(argv: list[str], schema: type) -> list[str]:
     """argv with each `key=value` that Hydra cannot parse as it stands, but can once its value is
-    quoted, quoted; everything else as it was (Hydra reports it)."""
+    quoted, quoted; without -m, also a value with a comma of a string key of `schema` (the
+    dataclass of the app's config); everything else as it was (Hydra reports it)."""
+    sweep = any(arg in ("-m", "--multirun") for arg in argv)
     out = []
     for arg in argv:
         key, eq, value = arg.partition("=")
         if eq and not arg.startswith("-") and re.fullmatch(r"[+~]*[\w.@/-]+", key):
             try:
-                _PARSER.parse_override(arg)
+                parsed = _PARSER.parse_override(arg).value()
+                needed = (not sweep and isinstance(parsed, ChoiceSweep) and parsed.simple_form
+                          and _holds_string(schema, key))
             except HydraException:
-                if _reads_back(key, quote(value), value):
-                    arg = f"{key}={quote(value)}"
+                needed = True
+            if needed and _reads_back(key, quote(value), value):
+                arg = f"{key}={quote(value)}"
         out.append(arg)
     return out
 
@@ -100,7 +122,12 @@ def one_line(e: Exception) -> str:
     """A Hydra/OmegaConf composition error as one line: what was wrong and what is allowed."""
     lines = [line.strip() for line in str(e).split("Config search path:")[0].splitlines() if line.strip()]
     options = [line for line in lines[1:] if not line.endswith(":") and not line.endswith("_schema")]
-    if lines and "Available options" in str(e):
+    ambiguous = re.fullmatch(r"Ambiguous value for argument '(.*)'", lines[0]) if lines else None
+    if ambiguous:  # Hydra's advice, key='a,b', loses its quotes in a shell: the quoting that survives one
+        key, _, value = ambiguous.group(1).partition("=")
+        text = (f"{ambiguous.group(1)}: a comma separates the values of a sweep: add -m to run one job per "
+                f"value, or quote the value to keep its comma: {shell_override(key, value)}")
+    elif lines and "Available options" in str(e):
         text = f"{lines[0]}; choose one of: {', '.join(options)}"
     else:
         # Hydra's advice to append with +key= is refused here (configs/overrides.py): left out

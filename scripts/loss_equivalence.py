@@ -287,7 +287,7 @@ if __name__ == "__main__":
     # configs/equivalence.yaml compose train.py's whole config, typed, plus the keys above. Here, not
     # at import: importing this module changes no global state
     register_configs(EquivalenceConfig)
-    sys.argv[1:] = quoted_where_needed(sys.argv[1:])  # any path as typed: hydra.run.dir=/data/ü_日本
+    sys.argv[1:] = quoted_where_needed(sys.argv[1:], EquivalenceConfig)  # any path as typed: hydra.run.dir=/data/ü_日本
     cfg = hydra_config(sys.argv[1:], "equivalence")
     if cfg is not None:  # checked before Hydra makes the run dir, so that a bad config leaves nothing
         try:

@@ -95,6 +95,6 @@ def main(cfg: DictConfig) -> None:
 if __name__ == "__main__":
     # here, not at import: importing this module changes no global state
     ConfigStore.instance().store(name="sample_schema", node=SampleConfig)
-    sys.argv[1:] = quoted_where_needed(sys.argv[1:])  # a prompt or path as typed: prompt='Où, "Roméo"'"
+    sys.argv[1:] = quoted_where_needed(sys.argv[1:], SampleConfig)  # as typed: prompt='To be, or "not"'
     hydra_config(sys.argv[1:], "sample")  # a bad override in one line, not Hydra's block
     main()

@@ -26,6 +26,7 @@
 
 import os
 import random
+import re
 import shlex
 import shutil
 import signal
@@ -37,6 +38,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from configs.overrides import quoted_where_needed
+from configs.schema import TrainConfig
 from trainer import preflight
 from trainer import checkpoint
 from trainer.checkpoint import CheckpointError, load_checkpoint
@@ -192,6 +195,75 @@ def test_a_run_killed_before_its_first_checkpoint_starts_again_in_place(data_roo
         assert curve(run_dir) == uninterrupted, how  # the killed run's records are gone, the new run's whole
         if i == 0:  # the second round starts from a fresh dir again
             shutil.rmtree(run_dir)
+
+
+def files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.slow
+def test_a_stopped_sweep_goes_on_by_the_command_its_stop_line_gives(data_root, uninterrupted, tmp_path):
+    # three jobs: the first finishes, SIGTERM stops the second, the third never starts; the stop
+    # line's command continues the sweep: each job in its own dir, the finished one untouched
+    base = [o for o in BASE if not o.startswith("max_steps")]
+    sweep_cmd = [sys.executable, str(REPO / "train.py"), "-m", *base, f"data.root={data_root}", "max_steps=6,24,12"]
+    log = tmp_path / "sweep.log"
+    proc = start(sweep_cmd, tmp_path, log)
+    second = lambda: max((last_step(job) for job in tmp_path.glob("multirun/*/*/1_sdpa_T32")), default=0)
+    assert interrupt(proc, lambda: second() >= 4, signal.SIGTERM), log.read_text()[-1500:]
+    assert proc.returncode == 143, log.read_text()[-2000:]
+    (sweep,) = tmp_path.glob("multirun/*/*")
+    jobs = [sweep / f"{i}_sdpa_T32" for i in range(3)]
+    assert not jobs[2].exists() and load_checkpoint(jobs[1] / "ckpt.pt")["step"] == last_step(jobs[1]) >= 4
+    finished = files(jobs[0])
+    assert read_metrics(jobs[0] / "summary.json")[0]["steps"] == 6
+    command_ = re.fullmatch(r"stopped by SIGTERM after step \d+; .*: (python .*) continues the sweep \(.*\)",
+                            stop_line(log, "SIGTERM"))
+    assert command_, stop_line(log, "SIGTERM")
+    again = shlex.split(command_.group(1))
+    assert again[0] == "python" and f"hydra.sweep.dir={sweep.relative_to(tmp_path)}" in again
+    done = run([sys.executable, *again[1:]], tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "0_sdpa_T32: skipped: its run finished at step 6" in done.stderr
+    assert files(jobs[0]) == finished  # not retrained, not rewritten
+    assert curve(jobs[1]) == uninterrupted  # resumed in its own dir: bit-identical, every step once
+    assert [r[0] for r in curve(jobs[2]) if r[1] is not None] == list(range(1, 13))
+    assert [load_checkpoint(job / "ckpt.pt")["step"] for job in jobs] == [6, 24, 12]
+    refused = run([*sweep_cmd, "resume=" + str(jobs[1])], tmp_path)
+    assert refused.returncode == 2 and "a sweep continues by its own command" in stderr_line(refused)
+
+
+@pytest.mark.slow
+def test_a_sweep_never_rewrites_the_record_of_another_run(data_root, tmp_path):
+    sweep = tmp_path / "sweep"
+    sweep_cmd = [sys.executable, str(REPO / "train.py"), "-m", *BASE, f"data.root={data_root}", "max_steps=2",
+                 "optim.lr=1e-3,2e-3", f"hydra.sweep.dir={sweep}"]
+    done = run(sweep_cmd, tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    before = files(sweep)
+    assert "seed: 1337" in before["0_sdpa_T32/.hydra/config.yaml"].decode()
+    # the same sweep again with another seed: every job finished, is skipped, and keeps its files and its
+    # record of the command that trained it
+    again = run([*sweep_cmd, "seed=7"], tmp_path)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert again.stderr.count(": skipped: its run finished at step 2") == 2
+    assert {k: v for k, v in files(sweep).items() if k != "multirun.yaml"} == {
+        k: v for k, v in before.items() if k != "multirun.yaml"}
+    # a live run in a job's dir: the job is skipped, and the live run's record and files are its own
+    live_dir = tmp_path / "other" / "0_sdpa_T32"
+    live = start(command(data_root, f"hydra.run.dir={live_dir}", "max_steps=1000000", "ckpt_interval=1000000"),
+                 tmp_path, tmp_path / "live.log")
+    deadline = time.monotonic() + 600
+    while last_step(live_dir) < 1 and live.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    record = files(live_dir / ".hydra")
+    skipped = run([*sweep_cmd[:-1], f"hydra.sweep.dir={live_dir.parent}"], tmp_path)
+    assert live.poll() is None, (tmp_path / "live.log").read_text()[-2000:]
+    assert interrupt(live, lambda: True, signal.SIGTERM)
+    assert skipped.returncode == 0 and "is in use by another running train.py" in skipped.stderr, skipped.stderr[-2000:]
+    assert files(live_dir / ".hydra") == record
+    assert read_metrics(live_dir / "summary.json")[0]["status"] == "stopped"  # the live run's own, not "skipped"
+    assert read_metrics(live_dir.parent / "1_sdpa_T32" / "summary.json")[0]["status"] == "ok"
 
 
 @pytest.mark.slow
@@ -453,6 +525,30 @@ def test_the_command_line_says_it_in_one_line_too(data_root, tmp_path):
     done = run(command(data_root, "optim.beta2=1.5"), tmp_path)
     assert done.returncode == 2 and stderr_line(done) == "error: optim.beta2=1.5: must be in [0, 1)"
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_comma_in_a_path_is_taken_as_typed(data_root, tmp_path):
+    run_dir = tmp_path / "a,b"
+    done = run(command(data_root, f"hydra.run.dir={run_dir}", "max_steps=1"), tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert read_metrics(run_dir / "summary.json")[0]["status"] == "ok"
+
+
+def test_a_comma_that_cannot_be_taken_as_typed_says_how_to_quote_it(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    cases = {("seq_len=64,128",): "seq_len=64,128: a comma separates the values of a sweep: add -m to run one job "
+                                  "per value, or quote the value to keep its comma: 'seq_len=\"64,128\"'",
+             ("-m", f"hydra.sweep.dir={tmp_path}/a,b"): f"hydra.sweep.dir={tmp_path}/a,b: Hydra's own keys take one "
+                                                        "value, and in a sweep (-m) a comma separates values: quote "
+                                                        f"the value to keep its comma: 'hydra.sweep.dir=\"{tmp_path}/a,b\"'"}
+    for argv, said in cases.items():
+        with pytest.raises(SystemExit) as exit_:
+            preflight.preflight(quoted_where_needed([*argv, *TINY], TrainConfig))
+        assert exit_.value.code == 2 and capsys.readouterr().err.strip().splitlines() == [f"error: {said}"]
+    assert list(tmp_path.iterdir()) == []
+    # the quoting it gives, as a shell passes it on, keeps the comma in the sweep dir
+    advised = shlex.split(f"'hydra.sweep.dir=\"{tmp_path}/a,b\"'")
+    assert preflight.preflight(["-m", *TINY, *advised]) == ["hydra.output_subdir=null"]
 
 
 def test_an_online_dataset_without_the_hub_is_one_line_and_leaves_nothing(tmp_path):

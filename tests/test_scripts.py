@@ -240,3 +240,9 @@ def test_sample_runs_with_each_attention_and_the_trained_one(attention, checkpoi
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.startswith("ROMEO:") and len(done.stdout) > len("ROMEO:")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_sample_takes_a_prompt_with_a_comma_as_typed(checkpoint, tmp_path):
+    done = run("sample.py", [f"ckpt={checkpoint}", "prompt=To be, or not", "max_new_tokens=2", "device=cpu"], tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("To be, or not")

@@ -9,7 +9,9 @@ nothing. A resume runs in the original run's dir without a new Hydra record ther
 timestamped dir that another run took in the same second gets a suffix; an explicit hydra.run.dir
 that holds another run is refused, unless that run stopped before its first checkpoint: it starts
 again in place. Multirun (-m) jobs are validated one by one in train(); the sweep dir is claimed
-here the same way.
+here the same way, and Hydra's record of each job's command is left to train.py, which writes it
+once the job's dir is its own. A sweep is continued by its own command into its sweep dir, not by
+resume=.
 """
 
 import contextlib
@@ -26,7 +28,8 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from configs.overrides import check_additions, one_line, override, quoted_where_needed
+from configs.overrides import check_additions, one_line, override, quoted_where_needed, shell_override
+from configs.schema import TrainConfig
 from configs.store import register_configs
 from configs.validate import ConfigError, validate
 from trainer.checkpoint import CheckpointError
@@ -81,15 +84,20 @@ def _check_sweep(overrides: list[str]) -> DictConfig:
     """The first job's config; every value of every sweep list composes (a typo or a value of the
     wrong type is one line here, not a block from Hydra after the sweep dir exists)."""
     parsed = OverridesParser.create().parse_overrides(overrides)
+    for o in parsed:
+        if o.is_sweep_override() and o.get_key_element().lstrip("+").startswith("hydra."):
+            key, _, value = o.input_line.partition("=")
+            _exit(f"{o.input_line}: Hydra's own keys take one value, and in a sweep (-m) a comma separates values: "
+                  f"quote the value to keep its comma: {shell_override(key, value)}")
     values = {o.get_key_element(): list(o.sweep_string_iterator()) for o in parsed if o.is_sweep_override()}
     base = [o.input_line for o in parsed if not o.is_sweep_override()]
     first = [f"{key}={v[0]}" for key, v in values.items()]
     try:
-        cfg = _compose(quoted_where_needed(base + first))
+        cfg = _compose(quoted_where_needed(base + first, TrainConfig))
         for key, options in values.items():
             for value in options[1:]:
                 _compose(quoted_where_needed(base + [f for f in first if not f.startswith(f"{key}=")] +
-                                             [f"{key}={value}"]))
+                                             [f"{key}={value}"], TrainConfig))
     except (HydraException, OmegaConfBaseException) as e:
         _exit(one_line(e))
     return cfg
@@ -101,10 +109,15 @@ def preflight(argv: list[str]) -> list[str]:
     args = _parse_args(argv)
     _check_additions(args.overrides)
     if args.multirun:
-        if any(re.match(r"\+*hydra\.sweep\.dir=", arg) for arg in args.overrides):
-            return []
         cfg = _check_sweep(args.overrides)
-        return [override("hydra.sweep.dir", str(claim_new(Path(cfg.hydra.sweep.dir))))]
+        if cfg.resume:
+            _exit(f"resume={cfg.resume}: a sweep continues by its own command with hydra.sweep.dir=<its dir> (each "
+                  "job resumes its own dir, finished jobs are skipped; a stopped sweep prints that command): drop "
+                  "resume")
+        # each job writes Hydra's record of its command itself, once its dir is its own (train.py)
+        if any(re.match(r"\+*hydra\.sweep\.dir=", arg) for arg in args.overrides):
+            return ["hydra.output_subdir=null"]
+        return [override("hydra.sweep.dir", str(claim_new(Path(cfg.hydra.sweep.dir)))), "hydra.output_subdir=null"]
     if len(args.overrides) < len(argv):  # --cfg, --help, -cn ...: Hydra's own business
         return []
     try:

@@ -4,7 +4,9 @@ A run dir holds RUN_FILES once its run has written anything of its own; `.lock` 
 by the kernel when the process ends, kill -9 too) keeps a second live run out. A default,
 timestamped dir that another run took in the same second gets a suffix (claim_new). A fresh run
 into a dir that holds a checkpoint or a finished run is refused; one into a dir whose run stopped
-before its first checkpoint removes that run's records and starts again in place.
+before its first checkpoint removes that run's records and starts again in place. A sweep job's
+record of its command (.hydra/) is written here once its dir is held (write_record): Hydra would
+write it before the job could know whether the dir is another run's.
 """
 
 import fcntl
@@ -15,8 +17,11 @@ import shutil
 import sys
 from pathlib import Path
 
+from omegaconf import DictConfig, OmegaConf
+
 from configs.overrides import override
 from configs.validate import ConfigError
+from data.files import atomic_write
 from trainer.checkpoint import CHECKPOINT_NAME, CheckpointError, checkpoint_path, require_checkpoint
 
 RUN_FILES = ("metrics.jsonl", CHECKPOINT_NAME, "summary.json")  # what makes a dir a run's
@@ -24,12 +29,27 @@ _locks: dict[Path, int] = {}  # run dirs this process holds, -> the open lock fi
 _created: set[Path] = set()  # run dirs this process made
 
 
-def _finished(run_dir: Path) -> bool:
-    """Whether run_dir's summary.json says its run completed (status ok)."""
+def finished_summary(run_dir: Path) -> dict | None:
+    """run_dir's summary.json if it says its run completed (status ok), else None."""
     try:
-        return json.loads((run_dir / "summary.json").read_text()).get("status") == "ok"
+        summary = json.loads((Path(run_dir) / "summary.json").read_text())
+        return summary if summary.get("status") == "ok" else None
     except (OSError, ValueError, AttributeError):
-        return False
+        return None
+
+
+def holds(run_dir: Path) -> bool:
+    """Whether this process holds run_dir (claim_run_dir locked it)."""
+    return Path(run_dir).resolve() in _locks
+
+
+def write_record(run_dir: Path, task: DictConfig, hydra: DictConfig) -> None:
+    """Hydra's record of the command in run_dir/.hydra (config.yaml, hydra.yaml, overrides.yaml, as
+    Hydra writes them), each file whole: for a dir this process holds."""
+    record = Path(run_dir) / ".hydra"
+    record.mkdir(exist_ok=True)
+    for name, node in (("config.yaml", task), ("hydra.yaml", hydra), ("overrides.yaml", hydra.hydra.overrides.task)):
+        atomic_write(record / name, OmegaConf.to_yaml(node).encode())
 
 
 def claim_run_dir(run_dir: Path, fresh: bool) -> None:
@@ -63,7 +83,7 @@ def claim_run_dir(run_dir: Path, fresh: bool) -> None:
         require_checkpoint(run_dir / CHECKPOINT_NAME)
         raise ConfigError(f"run dir {run_dir} already holds a run: {override('resume', str(run_dir))} continues it; "
                           "choose another hydra.run.dir for a new one")
-    if _finished(run_dir):
+    if finished_summary(run_dir) is not None:
         raise ConfigError(f"run dir {run_dir} holds a finished run (without a checkpoint: ckpt_interval=-1): "
                           "choose another hydra.run.dir")
     leftovers = [name for name in RUN_FILES if (run_dir / name).exists()]
@@ -87,7 +107,7 @@ def resume_target(resume: str | Path) -> tuple[Path | None, Path]:
         is_run_dir = path.is_dir() and any((path / name).exists() for name in (*RUN_FILES, ".hydra", ".lock"))
     except OSError as e:
         raise CheckpointError(f"resume={resume}: {e.filename} cannot be read ({e.strerror})") from None
-    if is_run_dir and not _finished(path):
+    if is_run_dir and finished_summary(path) is None:
         return None, path
     if is_run_dir:
         raise CheckpointError(f"resume={resume}: that run finished without writing a checkpoint "
