@@ -32,6 +32,7 @@ from configs.schema import ModelConfig
 from kernels.decode import decode_attention
 from model import GPT
 from scripts.args import ArgumentParser, positive_int, positive_ints, require_cuda
+from scripts.stopping import stoppable
 from scripts.bench_attention import environment
 
 SDPA = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION,
@@ -138,4 +139,5 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    with stoppable("bench_decode.py", lambda: "the rows above are what was measured"):
+        main()

@@ -11,7 +11,6 @@ tokens/s(N) / (N x tokens/s(1)). Autotuning is off, as in scripts/long_context.p
     python scripts/context_parallel.py --gpus 4 --seq-lens 1048576 --steps 1 ac=full
 """
 
-import csv
 import json
 import os
 import subprocess
@@ -25,6 +24,7 @@ sys.path.insert(0, str(REPO))  # scripts/ sits beside the packages
 from trainer.metrics import read_metrics  # noqa: E402
 from scripts.args import (ArgumentParser, directory, positive_int, positive_ints, require_cuda,  # noqa: E402
                           train_config)
+from scripts.stopping import Stop, stoppable, write_csv, write_text  # noqa: E402
 
 FIELDS = ["gpus", "seq_len", "status", "tokens_per_s", "step_s", "peak_mem_alloc_gib", "efficiency", "wall_s"]
 
@@ -41,15 +41,24 @@ def run(gpus: int, seq_len: int, steps: int, out: Path, overrides: list[str]) ->
     cmd = [*launcher, str(REPO / "train.py"), f"hydra.run.dir={run_dir}",
            *train_overrides(gpus, seq_len, steps, overrides)]
     env = {**os.environ, "FLASH_ATTENTION_AUTOTUNE": "0", "PYTHONPATH": str(REPO)}
+    log = out / f"gpus{gpus}_T{seq_len}.log"
     start = time.perf_counter()
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT)
+        try:
+            returncode = proc.wait()
+        except Stop as e:  # the run stops with this script: its step finishes, is checkpointed, every rank exits
+            proc.send_signal(e.signum)
+            proc.wait()
+            raise
     wall = time.perf_counter() - start
     row = {"gpus": gpus, "seq_len": seq_len, "wall_s": wall}
     summary_path = run_dir / "summary.json"
     if not summary_path.exists():
-        print(done.stderr[-2000:], file=sys.stderr)
-        oom = "out of memory" in done.stderr.lower()
-        return {**row, "status": "oom" if oom else f"failed (exit {done.returncode})"}
+        said = log.read_text()
+        print(said[-2000:], file=sys.stderr)
+        oom = "out of memory" in said.lower()
+        return {**row, "status": "oom" if oom else f"failed (exit {returncode}; {log})"}
     summary = json.loads(summary_path.read_text())
     last = [r for r in read_metrics(run_dir / "metrics.jsonl") if "tokens_per_s" in r][-1]  # a step, even the only one
     tok_s = summary["mean_tokens_per_s"]
@@ -96,14 +105,13 @@ def main():
         one = next((r for r in rows if (r["gpus"], r["seq_len"], r["status"]) == (1, row["seq_len"], "ok")), None)
         if one and row["status"] == "ok" and row["gpus"] > 1:
             row["efficiency"] = row["tokens_per_s"] / (row["gpus"] * one["tokens_per_s"])
-    with open(args.out / "context_parallel.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS, extrasaction="ignore", restval="")
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(args.out / "context_parallel.csv", FIELDS, rows, extrasaction="ignore", restval="")
     md = table(rows)
-    (args.out / "context_parallel.md").write_text(md + "\n")
+    write_text(args.out / "context_parallel.md", md + "\n")
     print("\n" + md)
 
 
 if __name__ == "__main__":
-    main()
+    with stoppable("context_parallel.py", lambda: "the run in flight stopped with it (its checkpoint is in its run "
+                                                  "dir); no table was written"):
+        main()

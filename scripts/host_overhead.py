@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/ sits be
 
 from kernels import flash_attention, flash_attn_backward, flash_attn_forward  # noqa: E402
 from scripts.args import ArgumentParser, require_cuda  # noqa: E402
+from scripts.stopping import stoppable  # noqa: E402
 
 
 class _Empty(torch.autograd.Function):
@@ -125,4 +126,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with stoppable("host_overhead.py", lambda: "the lines above are what was measured"):
+        main()

@@ -35,11 +35,11 @@ from omegaconf import DictConfig  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/ sits beside the packages
 
-import train  # noqa: E402
 from configs.runtime import precision, resolve_device  # noqa: E402
 from configs.schema import AttnName, Checkpointing  # noqa: E402
 from scripts.args import (ArgumentParser, directory, fail, names, non_negative_ints, positive_int,  # noqa: E402
                           require_cuda, train_config)
+from scripts.stopping import save_figure, stoppable, trained, write_csv, write_text  # noqa: E402
 
 FIELDS = ["attn", "ac", "mlp_chunk", "seq_len", "status", "steps", "tokens_per_s", "step_s", "peak_mem_alloc_gib",
           "reason"]
@@ -69,11 +69,11 @@ def rung(cfg: DictConfig, out: Path) -> dict:
     row = {"attn": str(cfg.attn.name), "ac": str(cfg.ac), "mlp_chunk": cfg.model.mlp_chunk, "seq_len": cfg.seq_len}
     start = time.perf_counter()
     try:
-        summary = train.train(cfg, out / f"{row['attn']}_{row['ac']}_mlp{row['mlp_chunk']}_T{row['seq_len']}")
+        summary = trained(cfg, out / f"{row['attn']}_{row['ac']}_mlp{row['mlp_chunk']}_T{row['seq_len']}")
     except Exception as e:  # a shape a kernel refuses, a kernel error, a split too short: the rung failed
         return {**row, "status": "oom" if isinstance(e, torch.OutOfMemoryError) else "error", "reason": one_line(e)}
     tok_s = summary["mean_tokens_per_s"]
-    reason = "CUDA out of memory" if summary["status"] == "oom" else ""
+    reason = "CUDA out of memory" if summary["status"] == "oom" else (summary["message"] or "")
     return {**row, "status": summary["status"], "steps": summary["steps"], "tokens_per_s": tok_s,
             "step_s": row["seq_len"] / tok_s if tok_s else None, "peak_mem_alloc_gib": summary["peak_mem_alloc_gib"],
             "reason": reason, "wall_s": time.perf_counter() - start}
@@ -159,7 +159,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
         ax.legend(fontsize=7)
     fig.suptitle(f"GPT-2-small shape, one sequence per step, RoPE, chunked loss | {title}", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
     plt.close(fig)
 
 
@@ -222,10 +222,18 @@ def parse_args() -> argparse.Namespace:
 
 def main():
     args = parse_args()
+    rows = []
+    # a stop keeps the rungs measured before it in long_context.csv; the one in flight is left out
+    with stoppable("long_context.py", lambda: f"{len(rows)} rungs measured before it are in "
+                                              f"{args.out / 'long_context.csv'}" if rows else "no rung was measured"):
+        ladders(args, rows)
+
+
+def ladders(args: argparse.Namespace, rows: list[dict]) -> None:
+    """Runs every ladder, appending each rung's row to rows (with --from-csv: writes the CSV's)."""
     if args.from_csv:
-        rows = read_rows(args.from_csv)
         args.out.mkdir(parents=True, exist_ok=True)
-        write(rows, args.out, args.title)
+        write(read_rows(args.from_csv), args.out, args.title)
         return
     seq_lens = ladder(args.min, args.max)
     grid = [(attn, ac, chunk) for attn in args.attns for ac in args.acs for chunk in args.mlp_chunks]
@@ -234,7 +242,6 @@ def main():
                for setting in grid for seq_len in seq_lens}
     require_cuda("long_context.py")
     args.out.mkdir(parents=True, exist_ok=True)
-    rows = []
     for setting in grid:
         for seq_len in seq_lens:
             row = rung(configs[(*setting, seq_len)], args.out)
@@ -243,10 +250,8 @@ def main():
             print(f"{label(setting)} T={seq_len:,}: {row['status']}"
                   + (f", {row['tokens_per_s']:,.0f} tokens/s, {row['peak_mem_alloc_gib']:.1f} GiB"
                      if row["status"] == "ok" else f" ({row['reason']})"), flush=True)
-            with open(args.out / "long_context.csv", "w", newline="") as f:  # rewritten after each rung
-                writer = csv.DictWriter(f, fieldnames=FIELDS, extrasaction="ignore", restval="")
-                writer.writeheader()
-                writer.writerows(rows)
+            # rewritten after each rung
+            write_csv(args.out / "long_context.csv", FIELDS, rows, extrasaction="ignore", restval="")
             if row["status"] != "ok":
                 break
     cfg = next(iter(configs.values()))  # every rung runs in the same precision
@@ -256,7 +261,7 @@ def main():
 
 def write(rows: list[dict], out: Path, title: str) -> None:
     md = table(rows) + "\n\nPeak allocated memory against seq_len, fitted per setting:\n\n" + fit_table(rows)
-    (out / "long_context.md").write_text(md + "\n")
+    write_text(out / "long_context.md", md + "\n")
     plot(rows, out / "long_context.png", title)
     print("\n" + md)
 

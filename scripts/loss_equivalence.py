@@ -45,7 +45,6 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/ sits beside the packages
 
-import train  # noqa: E402
 from configs.overrides import quoted_where_needed  # noqa: E402
 from configs.runtime import autocast_dtype, resolve_device  # noqa: E402
 from configs.schema import TrainConfig, plain  # noqa: E402
@@ -58,6 +57,7 @@ from data.prepare import dataset_dir  # noqa: E402
 from model.attention import ATTENTIONS  # noqa: E402
 from trainer.report import open_wandb  # noqa: E402
 from scripts.args import fail, hydra_config, unwritable  # noqa: E402
+from scripts.stopping import save_figure, stoppable, trained, write_text  # noqa: E402
 
 NAN = float("nan")
 STRICT_TOL = 1e-4  # fp32: |Δloss| at every step, and |Δ final val loss|
@@ -109,7 +109,9 @@ def train_curve(cfg: DictConfig, attn: str, run_dir: Path, data_seed: int | None
     run_cfg.wandb.name = f"equivalence-{run_dir.name}"
     if data_seed is not None:
         run_cfg.data_seed = data_seed
-    summary = train.train(run_cfg, run_dir)
+    summary = trained(run_cfg, run_dir)
+    if summary["message"]:  # a run that failed fails the check: say why
+        print(f"{attn}: {summary['message']}", file=sys.stderr)
     records = [r for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
     return {"loss": [r["loss"] for r in records], "grad_norm": [r["grad_norm"] for r in records],
             "val_loss": summary["final_val_loss"], "status": summary["status"]}
@@ -213,7 +215,7 @@ def plot(runs: dict, reference: str, result: dict, title: str, path: Path) -> No
     for ax in (top, bottom):
         ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
     plt.close(fig)
 
 
@@ -260,14 +262,14 @@ def check(cfg: DictConfig, out_dir: Path) -> dict:
     result = {"mode": mode, "reference": reference, "max_steps": cfg.max_steps, "environment": environment,
               **compare(runs, reference, mode, cfg.max_steps, twin), "curves": {n: r["loss"] for n, r in runs.items()},
               "val_loss": {n: r["val_loss"] for n, r in runs.items()}, "spread_curve": twin["loss"] if twin else None}
-    print(report(runs, reference, result, cfg.print_every))
-    (out_dir / "equivalence.json").write_text(json.dumps(result, indent=2))
+    write_text(out_dir / "equivalence.json", json.dumps(result, indent=2))
     png = out_dir / "equivalence.png"
     title = (f"{' / '.join(attns)}: {result['verdict']} ({mode}) | {cfg.model.name}, seq_len {cfg.seq_len}, "
              f"{cfg.max_steps} steps\n{environment['device']}, torch {environment['torch']}, "
              f"triton {environment['triton']}")
     plot(runs, reference, result, title, png)
     log_wandb(cfg, out_dir, runs, result, png)
+    print(report(runs, reference, result, cfg.print_every))  # the verdict last: a stop before it leaves none
     print(f"wrote {out_dir / 'equivalence.json'} and {png}")
     return result
 
@@ -294,4 +296,7 @@ if __name__ == "__main__":
             check_config(cfg)
         except ConfigError as e:
             fail(str(e))
-    main()
+    # a stop ends the check with no verdict: its runs were cut short
+    with stoppable("loss_equivalence.py", lambda: "no verdict: the check compares whole runs (the same command "
+                                                  "runs it again)"):
+        main()

@@ -26,6 +26,7 @@ from data import DatasetError  # noqa: E402
 from data.files import DiskFullError  # noqa: E402
 from data.prepare import prepare  # noqa: E402
 from scripts.args import ArgumentParser, fail  # noqa: E402
+from scripts.stopping import stoppable  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -52,4 +53,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with stoppable("prepare_data.py", lambda: "a dataset not finished has no meta.json: the same command prepares it"):
+        main()

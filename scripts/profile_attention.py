@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/ sits be
 
 from kernels import flash_attention  # noqa: E402
 from scripts.args import ArgumentParser, positive_int, positive_ints, require_cuda, require_divisors  # noqa: E402
+from scripts.stopping import stoppable  # noqa: E402
 from scripts.bench_attention import make_inputs  # noqa: E402
 
 
@@ -79,4 +80,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with stoppable("profile_attention.py", lambda: "the shapes above are what was profiled"):
+        main()

@@ -27,6 +27,7 @@ from data import get_encoding  # noqa: E402
 from trainer.checkpoint import CheckpointError, checkpoint_path, load_checkpoint, load_weights  # noqa: E402
 from model import GPT  # noqa: E402
 from scripts.args import fail, hydra_config  # noqa: E402
+from scripts.stopping import stoppable  # noqa: E402
 
 
 @dataclass
@@ -97,4 +98,5 @@ if __name__ == "__main__":
     ConfigStore.instance().store(name="sample_schema", node=SampleConfig)
     sys.argv[1:] = quoted_where_needed(sys.argv[1:], SampleConfig)  # as typed: prompt='To be, or "not"'
     hydra_config(sys.argv[1:], "sample")  # a bad override in one line, not Hydra's block
-    main()
+    with stoppable("sample.py", lambda: "sampling writes nothing; a sample printed above is whole"):
+        main()

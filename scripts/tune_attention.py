@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/ sits be
 from kernels import MAX_HEAD_DIM, attention_flops, flash_attn_backward, flash_attn_forward  # noqa: E402
 from kernels.flash_attn import LAUNCHERS  # noqa: E402
 from scripts.args import ArgumentParser, names, positive_ints, require_cuda  # noqa: E402
+from scripts.stopping import stoppable  # noqa: E402
 
 TOKENS, WIDTH = 16384, 1024  # B*T and H*D, as in scripts/bench_attention.py
 
@@ -106,4 +107,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with stoppable("tune_attention.py", lambda: "the passes above are what was timed; no table of the best configs"):
+        main()

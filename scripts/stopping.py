@@ -1,0 +1,104 @@
+"""How a script stops: a stop signal ends it at once, in one line, with the signal's exit code.
+
+SIGTERM, SIGHUP and SIGUSR1 (what schedulers send before they stop a job) and SIGINT (Ctrl-C)
+raise Stop wherever the script is inside `stoppable` (around its main, once its imports are done:
+a signal during those ends it as Python does); stoppable ends the script with one line on stderr,
+`<script>: stopped by SIGTERM; <what is kept>`, and exit code 128 + the signal's number (130 for
+Ctrl-C): no traceback, and no verdict, table or plot of work cut short. Stop is no Exception, so
+a script's `except Exception` around one cell or rung does not swallow it. A script writes its
+files whole or not at all (write_text, write_csv, save_figure: data/files.py's atomic_write), so
+a stop leaves the previous file, never half of one. Inside train.train() the scheduler's signals
+finish the step in flight and checkpoint it (trainer/signals.py): trained() runs it and then
+stops the script there the same way.
+"""
+
+import contextlib
+import csv
+import io
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Iterator
+
+from data.files import atomic_write
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
+
+
+class Stop(BaseException):
+    """A stop signal arrived: the script ends (stoppable says so)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _stopper(pid: int) -> Callable:
+    """The handler that raises Stop in process `pid`. A process forked from it (a pool's worker)
+    inherits the handler: there the signal ends it as it would without one, never raising into the
+    worker's queue handling (which would hang the pool's terminate())."""
+    def stop(signum: int, frame) -> None:
+        if os.getpid() != pid:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        raise Stop(signum)
+    return stop
+
+
+def _set(handlers: dict) -> None:
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def stoppable(script: str, kept: Callable[[], str]) -> Iterator[None]:
+    """Inside, a stop signal ends the script: one line naming the signal and kept() (what the
+    stop leaves: the files written so far, or that there is no result), exit 128 + signum."""
+    stop = _stopper(os.getpid())
+    previous = {sig: signal.signal(sig, stop) for sig in SIGNALS}
+    try:
+        yield
+    except Stop as e:
+        _set(dict.fromkeys(SIGNALS, signal.SIG_DFL))  # a second signal ends the process at once
+        print(f"{script}: stopped by {signal.Signals(e.signum).name}; {kept()}", file=sys.stderr)
+        sys.exit(128 + e.signum)
+    finally:
+        _set(previous)
+
+
+def trained(cfg: "DictConfig", run_dir: Path) -> dict:
+    """train.train(cfg, run_dir)'s summary; Stop where a signal stopped the run (in its setup, or
+    after its step in flight, checkpointed): the script stops with it."""
+    import train  # the trainer: loaded by the scripts that train, not by every one that stops
+    from trainer.signals import Stopped
+
+    try:
+        summary = train.train(cfg, run_dir)
+    except Stopped as e:  # an Exception: a caller's `except Exception` would take it for a failed run
+        raise Stop(e.signum) from None
+    if summary["status"] == "stopped":
+        raise Stop(signal.Signals[summary["signal"]])
+    return summary
+
+
+def write_text(path: Path, text: str) -> None:
+    atomic_write(path, text.encode())
+
+
+def write_csv(path: Path, fields: list[str], rows: list[dict], **options) -> None:
+    """rows as CSV under the header `fields` (options: csv.DictWriter's)."""
+    out = io.StringIO(newline="")
+    writer = csv.DictWriter(out, fieldnames=fields, **options)
+    writer.writeheader()
+    writer.writerows(rows)
+    write_text(path, out.getvalue())
+
+
+def save_figure(fig, path: Path, dpi: int = 120) -> None:
+    """A matplotlib figure as a PNG file."""
+    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=dpi))

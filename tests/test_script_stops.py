@@ -1,0 +1,118 @@
+"""Every script stops on a signal at once, in one line, with exit code 128 + the signal's number.
+
+Real processes, real signals (scripts/stopping.py is the mechanism):
+- loss_equivalence.py stopped by SIGTERM or Ctrl-C (SIGINT) during its first attention's run says
+  so in one line, starts no other run, gives no verdict and writes no result;
+- sample.py stopped while it generates: one line, exit 143, no traceback;
+- on a GPU, every benchmark script stopped after its first printed row: one line, exit 143, no
+  traceback, no file torn (each is written whole or not at all).
+The CPU tests start three processes (a few minutes on 2 busy cores):
+
+    .venv/bin/python -m pytest tests/test_script_stops.py -q
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import train as train_module
+from tests.helpers import REPO, TINY, compose, metrics
+
+pytestmark = pytest.mark.slow
+ENV = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+
+
+def start(args: list[str], cwd: Path) -> subprocess.Popen:
+    # SIGINT as a terminal's Ctrl-C delivers it (a background test process may have it ignored)
+    return subprocess.Popen([sys.executable, *args], cwd=cwd, stdout=open(cwd / "out.log", "w"),
+                            stderr=open(cwd / "err.log", "w"), env=ENV,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+
+
+def wait_for(proc: subprocess.Popen, cwd: Path, event, what: str) -> None:
+    """Until event() holds, the process still running (10 minutes at most)."""
+    deadline = time.monotonic() + 600
+    while not event():
+        assert proc.poll() is None, f"{what}: the process ended first: {(cwd / 'err.log').read_text()[-2000:]}"
+        assert time.monotonic() < deadline, f"{what}: not within 10 minutes"
+        time.sleep(0.05)
+
+
+def catches(pid: int, sig: int) -> bool:
+    """Whether process pid has a handler for sig (the kernel's SigCgt mask): the script's stop is armed."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    mask = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), 16)
+    return bool(mask >> (sig - 1) & 1)
+
+
+def stopped(proc: subprocess.Popen, cwd: Path, sig: int, script: str) -> str:
+    """Sends sig; the one line the script said about it, having checked the exit code and that no
+    traceback came."""
+    proc.send_signal(sig)
+    proc.wait(timeout=600)
+    err = (cwd / "err.log").read_text()
+    lines = [line for line in err.splitlines() if "stopped by" in line]
+    assert proc.returncode == 128 + sig, err[-2000:]
+    assert len(lines) == 1 and lines[0].startswith(f"{script}: stopped by {signal.Signals(sig).name}; "), err[-2000:]
+    assert "Traceback" not in err and "resume=" not in err, err[-2000:]
+    return lines[0]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
+def test_a_stopped_loss_equivalence_says_so_and_gives_no_verdict(sig, data_root, tmp_path):
+    out = tmp_path / "check"
+    proc = start([str(REPO / "scripts" / "loss_equivalence.py"), *TINY, f"data.root={data_root}",
+                  "max_steps=1000000", "attns=[sdpa,naive]", "wandb.mode=disabled", f"hydra.run.dir={out}"], tmp_path)
+    wait_for(proc, tmp_path, lambda: len(metrics(out / "sdpa")) >= 2, "sdpa's second step")
+    line = stopped(proc, tmp_path, sig, "loss_equivalence.py")
+    assert "no verdict" in line
+    assert "verdict" not in (tmp_path / "out.log").read_text()
+    assert not (out / "naive").exists() and not list(out.glob("equivalence.*"))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(data_root, tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("stops") / "run"
+    train_module.train(compose(TINY + [f"data.root={data_root}", "max_steps=2", "wandb.mode=disabled"]), run_dir)
+    return run_dir
+
+
+def test_a_stopped_sample_says_so_in_one_line(checkpoint, tmp_path):
+    # a million tokens, each recomputing the forward of the last max_seq_len: it runs until stopped
+    proc = start([str(REPO / "scripts" / "sample.py"), f"ckpt={checkpoint}", "max_new_tokens=1000000",
+                  "kv_cache=false", "device=cpu"], tmp_path)
+    wait_for(proc, tmp_path, lambda: catches(proc.pid, signal.SIGTERM), "the stop armed")
+    stopped(proc, tmp_path, signal.SIGTERM, "sample.py")
+    assert (tmp_path / "out.log").read_text() == "" and sorted(p.name for p in tmp_path.iterdir()) == ["err.log",
+                                                                                                      "out.log"]
+
+
+# each benchmark with small arguments, stopped once it printed this many lines (its first row)
+GPU_SCRIPTS = {
+    "bench_attention.py": (["--seq-lens", "1024,2048,4096", "--head-dims", "64", "--out", "{out}"], 3),
+    "bench_loss.py": (["--tokens", "8192,16384"], 5),
+    "bench_decode.py": (["--batches", "1,4", "--cache-lens", "1024,4096"], 2),
+    "tune_attention.py": (["--seq-lens", "1024", "--head-dims", "64"], 1),
+    "profile_attention.py": (["--seq-lens", "4096,8192", "--head-dims", "64", "--steps", "50"], 3),
+    "host_overhead.py": ([], 2),
+    "long_context.py": (["--attns", "sdpa", "--acs", "none", "--min", "1024", "--max", "65536", "--out", "{out}",
+                         "max_steps=3"], 1),
+    "context_parallel.py": (["--gpus", "1", "--seq-lens", "8192,16384,32768", "--steps", "20", "--out", "{out}"], 1),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("script", GPU_SCRIPTS)
+def test_gpu_every_benchmark_stops_in_one_line_with_its_files_whole(script, tmp_path):
+    args, lines = GPU_SCRIPTS[script]
+    out = tmp_path / "results"
+    proc = start([str(REPO / "scripts" / script), *(a.format(out=out) for a in args)], tmp_path)
+    wait_for(proc, tmp_path, lambda: len((tmp_path / "out.log").read_text().splitlines()) >= lines,
+             f"{script}'s first row")
+    stopped(proc, tmp_path, signal.SIGTERM, script)
+    assert not [p for p in tmp_path.rglob("*.tmp")], list(tmp_path.rglob("*"))
