@@ -8,6 +8,9 @@
   run dir with a space and non-ASCII characters, run through the shell's reading of it), the exit
   code is 128 + the signal, and the resumed run equals the uninterrupted one; under torchrun a
   signal to one rank stops both after the same step;
+- a sweep stopped by SIGTERM goes on by the command its stop line prints: each job in its own dir,
+  the stopped one bit-identical to an uninterrupted run, the finished one untouched; a sweep run
+  again with another seed, or into a live run's dir, rewrites no other run's files or record;
 - a run killed before its first checkpoint starts again in place, by the same command or resume=;
 - a checkpoint truncated, with a zeroed block, or with flipped bits, or of another format, keys,
   types or weights is refused in one line;
@@ -18,7 +21,8 @@
 - a full disk during a save (a small tmpfs in a private mount namespace): one line, no temp file,
   the last checkpoint intact;
 - bad config values, +/++/~ overrides the schema lacks, bad flags and sweep values that do not
-  compose: exit code 2, one line on stderr naming the key, nothing created;
+  compose: exit code 2, one line on stderr naming the key, nothing created; a comma in a path is
+  taken as typed, and one that cannot be says how to quote it;
 - an online dataset without the hub: one line, nothing left; a bad sweep job: skipped with its reason.
 
     .venv/bin/python -m pytest tests/test_failures.py -q      # about four minutes on 2 cores
@@ -376,7 +380,8 @@ def test_a_ckpt_pt_that_is_a_directory_gets_the_same_one_line_from_resume_and_a_
         lines = capsys.readouterr().err.strip().splitlines()
         assert exit_.value.code == 2 and lines == [f"error: {run_dir / 'ckpt.pt'} is a directory, not a checkpoint "
                                                    "file: remove it, or use another run dir"], (how, lines)
-    assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "ckpt.pt", "metrics.jsonl"] + ["summary.json"] * finished
+    kept = [".lock", "ckpt.pt", "metrics.jsonl"] + ["summary.json"] * finished
+    assert sorted(p.name for p in run_dir.iterdir()) == kept
 
 
 # ----------------------------------------------------------------------------- runs side by side
@@ -536,18 +541,19 @@ def test_a_comma_in_a_path_is_taken_as_typed(data_root, tmp_path):
 
 def test_a_comma_that_cannot_be_taken_as_typed_says_how_to_quote_it(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
+    sweep_dir = f"{tmp_path}/a,b"
     cases = {("seq_len=64,128",): "seq_len=64,128: a comma separates the values of a sweep: add -m to run one job "
                                   "per value, or quote the value to keep its comma: 'seq_len=\"64,128\"'",
-             ("-m", f"hydra.sweep.dir={tmp_path}/a,b"): f"hydra.sweep.dir={tmp_path}/a,b: Hydra's own keys take one "
-                                                        "value, and in a sweep (-m) a comma separates values: quote "
-                                                        f"the value to keep its comma: 'hydra.sweep.dir=\"{tmp_path}/a,b\"'"}
+             ("-m", f"hydra.sweep.dir={sweep_dir}"): f"hydra.sweep.dir={sweep_dir}: Hydra's own keys take one value, "
+                                                     "and in a sweep (-m) a comma separates values: quote the value "
+                                                     f"to keep its comma: 'hydra.sweep.dir=\"{sweep_dir}\"'"}
     for argv, said in cases.items():
         with pytest.raises(SystemExit) as exit_:
             preflight.preflight(quoted_where_needed([*argv, *TINY], TrainConfig))
         assert exit_.value.code == 2 and capsys.readouterr().err.strip().splitlines() == [f"error: {said}"]
     assert list(tmp_path.iterdir()) == []
     # the quoting it gives, as a shell passes it on, keeps the comma in the sweep dir
-    advised = shlex.split(f"'hydra.sweep.dir=\"{tmp_path}/a,b\"'")
+    advised = shlex.split(said.rsplit("keep its comma: ", 1)[1])
     assert preflight.preflight(["-m", *TINY, *advised]) == ["hydra.output_subdir=null"]
 
 

@@ -6,7 +6,8 @@ argument or key and the value; the working directory still empty and the input f
 The rows cover argparse's own errors, each script's value checks, damaged input files, train.py
 overrides the benchmarks pass on, and the refusal without CUDA (those rows run only where there
 is none: elsewhere the command would start the benchmark). Then host_overhead.py --help, and
-sample.py with each attention and with the one the checkpoint trained with (attention=null).
+sample.py with each attention and with the one the checkpoint trained with (attention=null), and
+with a prompt holding a comma, as typed.
 Each process imports torch: five minutes or so on 2 cores, so marked slow:
 
     .venv/bin/python -m pytest tests/test_scripts.py -q
