@@ -24,6 +24,8 @@ reference. The tolerance follows from the arithmetic, so it depends on the preci
 Writes into the Hydra run dir one subdir per training run, equivalence.json and equivalence.png
 (curves overlaid; |Δ| per step underneath, log scale, with the tolerance), logs the same to W&B
 (group "equivalence"), prints a per-step table, a summary and AGREE or DISAGREE; exits 1 on DISAGREE.
+A stop signal or Ctrl-C ends the check in one line, exit 128 + the signal, with no verdict
+(scripts/stopping.py): a run cut short proves nothing either way.
 """
 
 import copy
@@ -289,7 +291,7 @@ if __name__ == "__main__":
     # configs/equivalence.yaml compose train.py's whole config, typed, plus the keys above. Here, not
     # at import: importing this module changes no global state
     register_configs(EquivalenceConfig)
-    sys.argv[1:] = quoted_where_needed(sys.argv[1:], EquivalenceConfig)  # any path as typed: hydra.run.dir=/data/ü_日本
+    sys.argv[1:] = quoted_where_needed(sys.argv[1:], EquivalenceConfig)  # as typed: hydra.run.dir=/data/ü_日本
     cfg = hydra_config(sys.argv[1:], "equivalence")
     if cfg is not None:  # checked before Hydra makes the run dir, so that a bad config leaves nothing
         try:

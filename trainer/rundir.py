@@ -55,8 +55,9 @@ def write_record(run_dir: Path, task: DictConfig, hydra: DictConfig) -> None:
 def claim_run_dir(run_dir: Path, fresh: bool) -> None:
     """Creates run_dir if needed and locks it for this process (until it exits, kill -9 too).
     ConfigError if another live run holds it, or, for a fresh run, if an earlier run left a
-    checkpoint or finished there (CheckpointError if its ckpt.pt is not a file). An earlier run that stopped before its first checkpoint left
-    only records of steps no checkpoint holds: they are removed and the run starts again in place."""
+    checkpoint or finished there (CheckpointError if its ckpt.pt is not a file). An earlier run
+    that stopped before its first checkpoint left only records of steps no checkpoint holds: they
+    are removed and the run starts again in place."""
     run_dir = Path(run_dir).resolve()
     if run_dir not in _locks:
         try:
