@@ -25,7 +25,7 @@
   taken as typed, and one that cannot be says how to quote it;
 - an online dataset without the hub: one line, nothing left; a bad sweep job: skipped with its reason.
 
-    .venv/bin/python -m pytest tests/test_failures.py -q      # about four minutes on 2 cores
+    .venv/bin/python -m pytest tests/test_failures.py -q      # about seven minutes on 2 cores
 """
 
 import os
