@@ -232,8 +232,9 @@ def main():
 def ladders(args: argparse.Namespace, rows: list[dict]) -> None:
     """Runs every ladder, appending each rung's row to rows (with --from-csv: writes the CSV's)."""
     if args.from_csv:
+        read = read_rows(args.from_csv)
         args.out.mkdir(parents=True, exist_ok=True)
-        write(read_rows(args.from_csv), args.out, args.title)
+        write(read, args.out, args.title)
         return
     seq_lens = ladder(args.min, args.max)
     grid = [(attn, ac, chunk) for attn in args.attns for ac in args.acs for chunk in args.mlp_chunks]
