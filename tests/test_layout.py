@@ -27,6 +27,6 @@ def imported_packages(path) -> set[str]:
 @pytest.mark.parametrize("package", LAYERS)
 def test_a_package_imports_only_the_layers_below_it(package):
     above = set(LAYERS[:LAYERS.index(package)]) | {"train", "scripts", "tests"}
-    for path in sorted((REPO / package).glob("*.py")):
+    for path in sorted((REPO / package).rglob("*.py")):
         upward = imported_packages(path) & above
         assert not upward, f"{path.relative_to(REPO)} imports {sorted(upward)}, which sit above {package}/"
