@@ -21,9 +21,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from kernels.hopper import config
 from kernels.hopper.blocks import descriptor, dq_layout, last_kv_block, q_blocks, tile_masked, visible_t
-from kernels.hopper.pipeline import bulk_done, load_acquire, tma_add
+from kernels.hopper.pipeline import BwdBuffers, BwdIO, BwdProgram, bulk_done, load_acquire, tma_add
 from kernels.runtime.launch import Bound, bind
 from kernels.triton.blocks import LOG2E
+# --------------------------------------------------------------------------------------------
+# the partitions
+
 
 @gluon.jit
 def _issue_tile(q_desc, do_desc, aux_desc, bar, q_buf, do_buf, lse_buf, delta_buf, off_b, off_h, start_m):
@@ -46,41 +49,41 @@ def _bwd_step_rows(j, steps, m_lo, off_hkv, GROUP, BLOCK_M: gl.constexpr):
 
 
 @gluon.jit
-def _bwd_produce(descs, smem, bars, coords):
+def _bwd_produce(io, buffers, program):
     """The producer warp: this program's K and V block once, then every step's Q, dO, LSE and
     delta through the STAGES-deep ring."""
-    q_desc, k_desc, v_desc, do_desc, aux_desc, dqacc_desc = descs
-    k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem = smem
-    kv_bar, ready, empty, dq_full, dq_empty = bars
-    off_b, off_hkv, n, n_blocks, m_lo, steps, H, GROUP, T, S = coords
+    k_smem, v_smem, q_smem = buffers.k_smem, buffers.v_smem, buffers.q_smem
+    kv_bar, empty = buffers.kv_bar, buffers.empty
+    off_b, off_hkv, n, m_lo, steps, GROUP = (program.off_b, program.off_hkv, program.n, program.m_lo, program.steps,
+                                             program.GROUP)
     STAGES: gl.constexpr = q_smem.type.shape[0]
     BLOCK_M: gl.constexpr = q_smem.type.shape[1]
     BLOCK_N: gl.constexpr = k_smem.type.shape[0]
     HEAD_DIM: gl.constexpr = k_smem.type.shape[1]
-    mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [off_b, off_hkv, n * BLOCK_N, 0], kv_bar,
+    mbarrier.expect(kv_bar, 2 * io.k_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(io.k_desc, [off_b, off_hkv, n * BLOCK_N, 0], kv_bar,
                                     k_smem.reshape([1, 1, BLOCK_N, HEAD_DIM]))
-    tma.async_copy_global_to_shared(v_desc, [off_b, off_hkv, n * BLOCK_N, 0], kv_bar,
+    tma.async_copy_global_to_shared(io.v_desc, [off_b, off_hkv, n * BLOCK_N, 0], kv_bar,
                                     v_smem.reshape([1, 1, BLOCK_N, HEAD_DIM]))
     for j in range(steps * GROUP):
         stage = j % STAGES
         mbarrier.wait(empty.index(stage), ((j // STAGES) & 1) ^ 1)  # a fresh barrier passes phase 1
         off_h, start_m = _bwd_step_rows(j, steps, m_lo, off_hkv, GROUP, BLOCK_M)
-        _issue_tile(q_desc, do_desc, aux_desc, ready.index(stage), q_smem.index(stage), do_smem.index(stage),
-                    lse_smem.index(stage), delta_smem.index(stage), off_b, off_h, start_m)
+        _issue_tile(io.q_desc, io.do_desc, io.aux_desc, buffers.ready.index(stage), q_smem.index(stage),
+                    buffers.do_smem.index(stage), buffers.lse_smem.index(stage), buffers.delta_smem.index(stage),
+                    off_b, off_h, start_m)
 
 
 @gluon.jit
-def _bwd_write_dq(descs, smem, bars, coords, SEM, CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr):
+def _bwd_write_dq(io, buffers, program, SEM, CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr):
     """The dQ writer warp: adds each step's dQ share into the fp32 accumulator by one TMA
     reduce-add, in key-block order (the last key block first), or (not DETERMINISTIC) as soon as
     it is ready, in whatever order the programs get there."""
-    q_desc, k_desc, v_desc, do_desc, aux_desc, dqacc_desc = descs
-    k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem = smem
-    kv_bar, ready, empty, dq_full, dq_empty = bars
-    off_b, off_hkv, n, n_blocks, m_lo, steps, H, GROUP, T, S = coords
-    BLOCK_M: gl.constexpr = q_smem.type.shape[1]
-    BLOCK_N: gl.constexpr = k_smem.type.shape[0]
+    dq_smem, dq_full, dq_empty = buffers.dq_smem, buffers.dq_full, buffers.dq_empty
+    off_b, off_hkv, n, m_lo, steps = program.off_b, program.off_hkv, program.n, program.m_lo, program.steps
+    H, GROUP, T, S = program.H, program.GROUP, program.T, program.S
+    BLOCK_M: gl.constexpr = buffers.q_smem.type.shape[1]
+    BLOCK_N: gl.constexpr = buffers.k_smem.type.shape[0]
     # one lane per thread of the warp: each polls the counter and releases the share it added
     lane_zero = gl.zeros([32], gl.int32, gl.BlockedLayout([1], [32], [1], [0]))
     m_blocks = gl.cdiv(T, BLOCK_M)
@@ -89,14 +92,14 @@ def _bwd_write_dq(descs, smem, bars, coords, SEM, CAUSAL: gl.constexpr, DETERMIN
         counter = SEM + (off_b * H + off_h) * m_blocks + start_m // BLOCK_M + lane_zero
         if DETERMINISTIC:
             landed = load_acquire(counter)  # read now, its latency hidden behind the wait below
-        n_hi = last_kv_block(start_m, n_blocks, T, S, CAUSAL, BLOCK_M, BLOCK_N)  # it adds first
+        n_hi = last_kv_block(start_m, program.n_blocks, T, S, CAUSAL, BLOCK_M, BLOCK_N)  # it adds first
         turn = (n_hi - n) * 32  # every lane of every later program has released its share
         buf = j % 2
         mbarrier.wait(dq_full.index(buf), (j // 2) & 1)
         if DETERMINISTIC:
             while gl.min(landed, 0) < turn:
                 landed = load_acquire(counter)
-        tma_add(dqacc_desc, [off_b, off_h, start_m, 0], dq_smem.index(buf))
+        tma_add(io.dqacc_desc, [off_b, off_h, start_m, 0], dq_smem.index(buf))
         bulk_done(lane_zero)  # the add has landed in global memory, and its shared reads are done
         mbarrier.arrive(dq_empty.index(buf), count=1)
         if DETERMINISTIC:
@@ -104,14 +107,15 @@ def _bwd_write_dq(descs, smem, bars, coords, SEM, CAUSAL: gl.constexpr, DETERMIN
 
 
 @gluon.jit
-def _bwd_consume(descs, smem, bars, coords, outs, bnd, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr,
+def _bwd_consume(io, buffers, program, outs, bnd, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr,
                  NUM_WARPS: gl.constexpr):
     """The matmul warps (two warpgroups, one wgmma M of BLOCK_N keys): the five products of every
     step, dK and dV kept in registers and written at the end, each dQ share handed to the writer."""
-    q_desc, k_desc, v_desc, do_desc, aux_desc, dqacc_desc = descs
-    k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem = smem
-    kv_bar, ready, empty, dq_full, dq_empty = bars
-    off_b, off_hkv, n, n_blocks, m_lo, steps, H, GROUP, T, S = coords
+    k_smem, v_smem, q_smem, do_smem = buffers.k_smem, buffers.v_smem, buffers.q_smem, buffers.do_smem
+    lse_smem, delta_smem, ds_smem, dq_smem = buffers.lse_smem, buffers.delta_smem, buffers.ds_smem, buffers.dq_smem
+    ready, empty, dq_full, dq_empty = buffers.ready, buffers.empty, buffers.dq_full, buffers.dq_empty
+    off_b, off_hkv, n, m_lo, steps = program.off_b, program.off_hkv, program.n, program.m_lo, program.steps
+    GROUP, T, S = program.GROUP, program.T, program.S
     DK, DV, dk_strides, dv_strides, sm_scale, qk_scale = outs  # dK, dV and their (batch, head, key) strides
     ROW_HI, full_hi = bnd
     dtype: gl.constexpr = q_smem.dtype
@@ -144,16 +148,17 @@ def _bwd_consume(descs, smem, bars, coords, outs, bnd, CAUSAL: gl.constexpr, BOU
     row_hi = cols_t
     if BOUNDED:
         row_hi = gl.load(ROW_HI + cols_t, mask=cols_t < S, other=0)
-    mbarrier.wait(kv_bar, 0)
+    mbarrier.wait(buffers.kv_bar, 0)
     for j in range(steps * GROUP):
         off_h, start_m = _bwd_step_rows(j, steps, m_lo, off_hkv, GROUP, BLOCK_M)
         stage = j % STAGES
         mbarrier.wait(ready.index(stage), (j // STAGES) & 1)
         q_t = q_smem.index(stage)
         do_t = do_smem.index(stage)
-
+        # -- S^T = K Q^T and dP^T = V dO^T, both in flight --
         st = warpgroup_mma(k_smem, q_t.permute((1, 0)), zero_t, use_acc=False, is_async=True)
         dpt = warpgroup_mma(v_smem, do_t.permute((1, 0)), zero_t, use_acc=False, is_async=True)
+        # -- P^T from LSE --
         # rows past T arrive as zero Q and dO with LSE = delta = 0: P = 1 there but dP = dS = 0, dO = 0
         lse = lse_smem.index(stage).reshape([BLOCK_M]).load(row_layout)
         st = warpgroup_mma_wait(1, deps=[st])
@@ -161,11 +166,13 @@ def _bwd_consume(descs, smem, bars, coords, outs, bnd, CAUSAL: gl.constexpr, BOU
         # selected after exp2: a row with LSE = -inf (it sees no key) is dropped, never NaN
         if tile_masked(start_m, start_n, past_s, full_hi, T, S, CAUSAL, BOUNDED, BLOCK_M, BLOCK_N):
             pt = gl.where(visible_t(cols_t, start_m, offs_m_t, T, S, row_hi, CAUSAL, BOUNDED), pt, 0.0)
+        # -- dV += P^T dO; dS^T = P^T (dP^T - delta); dK += dS^T Q --
         dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do_t, dv, is_async=True)
         delta = delta_smem.index(stage).reshape([BLOCK_M]).load(row_layout)
         dpt = warpgroup_mma_wait(1, deps=[dpt])
         ds_lo = (pt * (dpt - delta[None, :])).to(dtype)
         dk = warpgroup_mma(gl.convert_layout(ds_lo, a_layout), q_t, dk, is_async=True)
+        # -- dQ's share dS K, handed to the writer --
         ds_buf = ds_smem.index(j % 2)  # two buffers: the barrier below also ends step j - 1's reads
         ds_buf.store(ds_lo)
         fence_async_shared()
@@ -181,6 +188,7 @@ def _bwd_consume(descs, smem, bars, coords, outs, bnd, CAUSAL: gl.constexpr, BOU
         gl.thread_barrier()
         mbarrier.arrive(dq_full.index(buf), count=1)
 
+    # -- epilogue: dK and dV --
     offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, kv_layout))
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
     key_ok = offs_n[:, None] < S
@@ -242,16 +250,20 @@ def _bwd_kernel(
         mbarrier.init(dq_full.index(b), count=1)
         mbarrier.init(dq_empty.index(b), count=1)
 
-    descs = (q_desc, k_desc, v_desc, do_desc, aux_desc, dqacc_desc)
-    smem = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem)
-    bars = (kv_bar, ready, empty, dq_full, dq_empty)
-    coords = (off_b, off_hkv, n, n_blocks, m_lo, steps, H, GROUP, T, S)
+    io = BwdIO(q_desc, k_desc, v_desc, do_desc, aux_desc, dqacc_desc)
+    buffers = BwdBuffers(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_bar, ready, empty,
+                         dq_full, dq_empty)
+    program = BwdProgram(off_b, off_hkv, n, n_blocks, m_lo, steps, H, GROUP, T, S)
     outs = (DK, DV, dk_strides, dv_strides, sm_scale, qk_scale)
-    gl.warp_specialize([(_bwd_consume, (descs, smem, bars, coords, outs, (row_hi, full_hi), CAUSAL, BOUNDED,
-                                       num_warps)),
-                        (_bwd_produce, (descs, smem, bars, coords)),
-                        (_bwd_write_dq, (descs, smem, bars, coords, SEM, CAUSAL, DETERMINISTIC))],
+    # -- the partitions: the matmul warpgroups in the kernel's own warps, the producer and the dQ writer beside --
+    gl.warp_specialize([(_bwd_consume, (io, buffers, program, outs, (row_hi, full_hi), CAUSAL, BOUNDED, num_warps)),
+                        (_bwd_produce, (io, buffers, program)),
+                        (_bwd_write_dq, (io, buffers, program, SEM, CAUSAL, DETERMINISTIC))],
                        [1, 1], [WORKER_REGS, WORKER_REGS])
+
+
+# --------------------------------------------------------------------------------------------
+# launching
 
 
 @triton.jit

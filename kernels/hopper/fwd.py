@@ -18,11 +18,14 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from kernels.hopper import config
 from kernels.hopper.blocks import descriptor, kv_blocks, kv_runs, visible
-from kernels.hopper.pipeline import skip_slot
+from kernels.hopper.pipeline import FwdBuffers, FwdIO, FwdProgram, skip_slot
 from kernels.runtime.launch import Bound, bind
 from kernels.triton.blocks import LOG2E
 
 WORKER_REGS = gl.constexpr(config.WORKER_REGS)  # the producer only issues TMA copies and waits on barriers
+
+# --------------------------------------------------------------------------------------------
+# the partitions
 
 @gluon.jit
 def _fwd_step(i, j, acc, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready, kv_empty, rows, cols, key_lo, T, S,
@@ -36,11 +39,13 @@ def _fwd_step(i, j, acc, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready, kv_emp
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2)
     stage = i % STAGES
     phase = (i // STAGES) & 1
+    # -- S = Q K^T --
     mbarrier.wait(k_ready.index(stage), phase)
     qk = warpgroup_mma(q_t, k_smem.index(stage).permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout),
                        use_acc=False)
     if MASKED:
         qk = gl.where(visible(rows, j * BLOCK_N + cols, T, S, key_lo, CAUSAL, BOUNDED), qk, float("-inf"))
+    # -- online softmax: new row max, rescale --
     m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
     m_sub = m_new
     if MASKED:  # a row that has seen no key yet keeps m = -inf: subtract 0 so exp2 gives 0, not NaN
@@ -49,6 +54,7 @@ def _fwd_step(i, j, acc, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready, kv_emp
     alpha = gl.exp2(m_i - m_sub)
     l_i = l_i * alpha + gl.sum(p, 1)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
+    # -- O += P V, then the slot is free --
     mbarrier.wait(v_ready.index(stage), phase)
     acc = warpgroup_mma(gl.convert_layout(p.to(q_t.dtype), p_layout), v_smem.index(stage), acc)
     mbarrier.arrive(kv_empty.index(stage), count=1)
@@ -56,12 +62,11 @@ def _fwd_step(i, j, acc, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready, kv_emp
 
 
 @gluon.jit
-def _fwd_consume(descs, smem, bars, coords, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr, C: gl.constexpr):
+def _fwd_consume(io, buffers, program, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr, C: gl.constexpr):
     """Consumer warpgroup C: query rows start_m + 64 C .. + 63 against the program's key blocks."""
-    q_desc, k_desc, v_desc, o_desc, LSE = descs
-    q_smem, k_smem, v_smem = smem
-    q_bar, k_ready, v_ready, kv_empty = bars
-    off_b, off_h, off_hkv, start_m, lo, n_blocks, KEY_LO, H, T, S, qk_scale = coords
+    q_smem, k_smem, v_smem = buffers.q_smem, buffers.k_smem, buffers.v_smem
+    k_ready, v_ready, kv_empty = buffers.k_ready, buffers.v_ready, buffers.kv_empty
+    lo, n_blocks, T, S, qk_scale = program.lo, program.n_blocks, program.T, program.S, program.qk_scale
     ROWS: gl.constexpr = q_smem.type.shape[1]
     HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
     STAGES: gl.constexpr = k_smem.type.shape[0]
@@ -71,17 +76,18 @@ def _fwd_consume(descs, smem, bars, coords, CAUSAL: gl.constexpr, BOUNDED: gl.co
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HEAD_DIM, 16])
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-    first = start_m + C * ROWS
+    first = program.start_m + C * ROWS
     rows = first + gl.arange(0, ROWS, layout=row_layout)
     cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
     l_i = gl.zeros([ROWS], gl.float32, row_layout)
     acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
     # the program's key blocks lo .. n_blocks - 1 pass through the ring in order
-    key_lo, own_lo, full_lo, n_full = kv_runs(KEY_LO, rows, first, lo, n_blocks, T, S, CAUSAL, BOUNDED, ROWS,
+    key_lo, own_lo, full_lo, n_full = kv_runs(program.KEY_LO, rows, first, lo, n_blocks, T, S, CAUSAL, BOUNDED, ROWS,
                                               BLOCK_N)
     q_t = q_smem.index(C)
-    mbarrier.wait(q_bar.index(C), 0)
+    mbarrier.wait(buffers.q_bar.index(C), 0)
+    # -- the key blocks: other consumers' (passed unread), masked, mask-free, masked --
     for j in range(lo, own_lo):
         skip_slot(j - lo, k_ready, v_ready, kv_empty, STAGES)
     for j in range(own_lo, gl.minimum(full_lo, n_full)):
@@ -94,34 +100,36 @@ def _fwd_consume(descs, smem, bars, coords, CAUSAL: gl.constexpr, BOUNDED: gl.co
         acc, l_i, m_i = _fwd_step(j - lo, j, acc, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready, kv_empty, rows,
                                   cols, key_lo, T, S, qk_scale, True, CAUSAL, BOUNDED)
 
+    # -- epilogue: LSE, and O through Q's buffer --
     l_safe = gl.where(l_i == 0.0, 1.0, l_i)  # rows that attend no key: O = 0, LSE = -inf
     lse = (m_i + gl.log2(l_safe)) / LOG2E
-    gl.store(LSE + (off_b * H + off_h).to(gl.int64) * T + rows, lse, mask=rows < T)
+    gl.store(io.LSE + (program.off_b * program.H + program.off_h).to(gl.int64) * T + rows, lse, mask=rows < T)
     o = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]
     q_t.store(o.to(q_t.dtype))  # Q's buffer is free: this warpgroup's matmuls are all done
     fence_async_shared()
     gl.thread_barrier()
-    tma.async_copy_shared_to_global(o_desc, [off_b, off_h, first, 0], q_t.reshape([1, 1, ROWS, HEAD_DIM]))
+    tma.async_copy_shared_to_global(io.o_desc, [program.off_b, program.off_h, first, 0],
+                                    q_t.reshape([1, 1, ROWS, HEAD_DIM]))
     tma.store_wait(0)
 
 
 @gluon.jit
-def _fwd_consume_1(descs, smem, bars, coords, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr):
-    _fwd_consume(descs, smem, bars, coords, CAUSAL, BOUNDED, 1)
+def _fwd_consume_1(io, buffers, program, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr):
+    _fwd_consume(io, buffers, program, CAUSAL, BOUNDED, 1)
 
 
 @gluon.jit
-def _fwd_consume_2(descs, smem, bars, coords, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr):
-    _fwd_consume(descs, smem, bars, coords, CAUSAL, BOUNDED, 2)
+def _fwd_consume_2(io, buffers, program, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr):
+    _fwd_consume(io, buffers, program, CAUSAL, BOUNDED, 2)
 
 
 @gluon.jit
-def _fwd_produce(descs, smem, bars, coords):
+def _fwd_produce(io, buffers, program):
     """The producer warp: each consumer's Q tile, then the K/V blocks lo .. n_blocks - 1 through the ring."""
-    q_desc, k_desc, v_desc, o_desc, LSE = descs
-    q_smem, k_smem, v_smem = smem
-    q_bar, k_ready, v_ready, kv_empty = bars
-    off_b, off_h, off_hkv, start_m, lo, n_blocks, KEY_LO, H, T, S, qk_scale = coords
+    q_desc, k_desc, v_desc = io.q_desc, io.k_desc, io.v_desc
+    q_smem, k_smem, v_smem, q_bar = buffers.q_smem, buffers.k_smem, buffers.v_smem, buffers.q_bar
+    k_ready, v_ready, kv_empty = buffers.k_ready, buffers.v_ready, buffers.kv_empty
+    off_b, off_hkv, lo, n_blocks = program.off_b, program.off_hkv, program.lo, program.n_blocks
     CONSUMERS: gl.constexpr = q_smem.type.shape[0]
     ROWS: gl.constexpr = q_smem.type.shape[1]
     HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
@@ -129,7 +137,7 @@ def _fwd_produce(descs, smem, bars, coords):
     BLOCK_N: gl.constexpr = k_smem.type.shape[1]
     for c in gl.static_range(CONSUMERS):
         mbarrier.expect(q_bar.index(c), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [off_b, off_h, start_m + c * ROWS, 0], q_bar.index(c),
+        tma.async_copy_global_to_shared(q_desc, [off_b, program.off_h, program.start_m + c * ROWS, 0], q_bar.index(c),
                                         q_smem.index(c).reshape([1, 1, ROWS, HEAD_DIM]))
     for j in range(lo, n_blocks):
         stage = (j - lo) % STAGES
@@ -179,21 +187,25 @@ def _fwd_kernel(
         mbarrier.init(v_ready.index(s), count=1)
         mbarrier.init(kv_empty.index(s), count=CONSUMERS)  # every consumer frees the slot
 
-    descs = (q_desc, k_desc, v_desc, o_desc, LSE)
-    smem = (q_smem, k_smem, v_smem)
-    bars = (q_bar, k_ready, v_ready, kv_empty)
-    coords = (off_b, off_h, off_h // GROUP, start_m, lo, n_blocks, key_lo, H, T, S, qk_scale)
+    io = FwdIO(q_desc, k_desc, v_desc, o_desc, LSE)
+    buffers = FwdBuffers(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty)
+    program = FwdProgram(off_b, off_h, off_h // GROUP, start_m, lo, n_blocks, key_lo, H, T, S, qk_scale)
+    # -- the partitions: consumer 0 in the kernel's own warps, the others and the producer beside it --
     if CONSUMERS == 2:
-        gl.warp_specialize([(_fwd_consume, (descs, smem, bars, coords, CAUSAL, BOUNDED, 0)),
-                            (_fwd_consume_1, (descs, smem, bars, coords, CAUSAL, BOUNDED)),
-                            (_fwd_produce, (descs, smem, bars, coords))],
+        gl.warp_specialize([(_fwd_consume, (io, buffers, program, CAUSAL, BOUNDED, 0)),
+                            (_fwd_consume_1, (io, buffers, program, CAUSAL, BOUNDED)),
+                            (_fwd_produce, (io, buffers, program))],
                            [4, 1], [CONSUMER_REGS, WORKER_REGS])
     else:
-        gl.warp_specialize([(_fwd_consume, (descs, smem, bars, coords, CAUSAL, BOUNDED, 0)),
-                            (_fwd_consume_1, (descs, smem, bars, coords, CAUSAL, BOUNDED)),
-                            (_fwd_consume_2, (descs, smem, bars, coords, CAUSAL, BOUNDED)),
-                            (_fwd_produce, (descs, smem, bars, coords))],
+        gl.warp_specialize([(_fwd_consume, (io, buffers, program, CAUSAL, BOUNDED, 0)),
+                            (_fwd_consume_1, (io, buffers, program, CAUSAL, BOUNDED)),
+                            (_fwd_consume_2, (io, buffers, program, CAUSAL, BOUNDED)),
+                            (_fwd_produce, (io, buffers, program))],
                            [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, WORKER_REGS])
+
+
+# --------------------------------------------------------------------------------------------
+# launching
 
 
 def _options(causal: bool, bounded: bool, tiles: config.FwdTiles) -> dict:
