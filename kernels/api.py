@@ -34,17 +34,17 @@ def _bf16_in_interpreter(q) -> bool:
     return q.dtype == torch.bfloat16 and interprets(q.device)
 
 
-def _forward(q, k, v, causal, scale, bnd):
+def _forward(q, k, v, causal, scale, bounds):
     """(o, lse) of checked inputs."""
     if _bf16_in_interpreter(q):
-        o, lse = _forward(q.float(), k.float(), v.float(), causal, scale, bnd)
+        o, lse = _forward(q.float(), k.float(), v.float(), causal, scale, bounds)
         return o.to(torch.bfloat16), lse
     B, H, T, D = q.shape
     o = empty_bhtd(B, H, T, D, q)
     lse = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
-    key_lo = None if bnd is None else bnd.key_lo
+    key_lo = None if bounds is None else bounds.key_lo
     # o, lse (and the bounds) are fresh from torch's allocator, 512-byte aligned: q, k, v decide
-    signature = (*layout(q, k, v), causal, scale, bnd is None, os.environ.get("FLASH_ATTENTION_TMA"),
+    signature = (*layout(q, k, v), causal, scale, bounds is None, os.environ.get("FLASH_ATTENTION_TMA"),
                  os.environ.get(backends.BACKEND_VARIABLE))
     if backends.kernels_for("forward", signature, (q, k, v)) == "gluon":
         with on_device(q):
@@ -54,42 +54,42 @@ def _forward(q, k, v, causal, scale, bnd):
     return o, lse
 
 
-def _backward(do, q, k, v, o, lse, causal, scale, bnd):
+def _backward(do, q, k, v, o, lse, causal, scale, bounds):
     """(dq, dk, dv) of checked inputs; deterministic (unless FLASH_ATTENTION_DETERMINISTIC=0 and the
     Gluon backward runs)."""
     if _bf16_in_interpreter(q):
-        grads = _backward(do.float(), q.float(), k.float(), v.float(), o.float(), lse, causal, scale, bnd)
+        grads = _backward(do.float(), q.float(), k.float(), v.float(), o.float(), lse, causal, scale, bounds)
         return tuple(g.to(torch.bfloat16) for g in grads)
     (B, H, T, D), (H_kv, S) = q.shape, k.shape[1:3]
     dq, dk, dv = empty_bhtd(B, H, T, D, q), empty_bhtd(B, H_kv, S, D, k), empty_bhtd(B, H_kv, S, D, v)
     # the outputs and delta are fresh from torch's allocator (512-byte aligned), shaped by q and k
-    signature = (*layout(q, k, v, do, o, lse), causal, scale, bnd is None, os.environ.get("FLASH_ATTENTION_TMA"),
+    signature = (*layout(q, k, v, do, o, lse), causal, scale, bounds is None, os.environ.get("FLASH_ATTENTION_TMA"),
                  os.environ.get(backends.BACKEND_VARIABLE), os.environ.get(backends.DETERMINISTIC_VARIABLE))
     if backends.kernels_for("backward", signature, (q, k, v, do)) == "gluon":
         with on_device(q):
             _hopper("backward").backward(do, q, k, v, o, lse, dq, dk, dv, causal, scale,
-                                         None if bnd is None else bnd.row_hi, backends.deterministic())
+                                         None if bounds is None else bounds.row_hi, backends.deterministic())
     else:
-        bwd.backward(do, q, k, v, o, lse, dq, dk, dv, causal, scale, bnd, signature)
+        bwd.backward(do, q, k, v, o, lse, dq, dk, dv, causal, scale, bounds, signature)
     return dq, dk, dv
 
 
 def flash_attn_forward(q, k, v, causal=True, softmax_scale=None, doc_ids=None, window=0):
     """(o (B, H, T, D) in q's dtype, lse (B, H, T) fp32 in natural log), without autograd."""
-    bnd = checked_bounds(q, k, v, causal, doc_ids, window)
-    return _forward(q, k, v, causal, softmax_scale_of(q, softmax_scale), bnd)
+    bounds = checked_bounds(q, k, v, causal, doc_ids, window)
+    return _forward(q, k, v, causal, softmax_scale_of(q, softmax_scale), bounds)
 
 
 def flash_attn_backward(do, q, k, v, o, lse, causal=True, softmax_scale=None, doc_ids=None, window=0):
     """(dq, dk, dv), shaped and typed like q, k, v, from the forward's o and lse; deterministic."""
-    bnd = checked_bounds(q, k, v, causal, doc_ids, window)
+    bounds = checked_bounds(q, k, v, causal, doc_ids, window)
     for name, t, like in (("do", do, q), ("o", o, q)):
         if not isinstance(t, torch.Tensor) or t.shape != like.shape or t.dtype != like.dtype:
             raise ValueError(f"flash_attn_backward: {name} must be shaped and typed like q {tuple(like.shape)} "
                              f"{like.dtype}, got {getattr(t, 'shape', type(t).__name__)}")
     if not isinstance(lse, torch.Tensor) or lse.shape != q.shape[:3] or lse.dtype != torch.float32:
         raise ValueError(f"flash_attn_backward: lse must be the forward's float32 {tuple(q.shape[:3])} tensor")
-    return _backward(do, q, k, v, o, lse, causal, softmax_scale_of(q, softmax_scale), bnd)
+    return _backward(do, q, k, v, o, lse, causal, softmax_scale_of(q, softmax_scale), bounds)
 
 
 # --------------------------------------------------------------------------------------------
@@ -153,16 +153,16 @@ class FlashAttentionFunction(torch.autograd.Function):
     """Eager autograd wrapper: the launchers without the custom-op dispatch (see above)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, bnd):
-        o, lse = _forward(q, k, v, causal, scale, bnd)
+    def forward(ctx, q, k, v, causal, scale, bounds):
+        o, lse = _forward(q, k, v, causal, scale, bounds)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.causal, ctx.scale, ctx.bnd = causal, scale, bnd
+        ctx.causal, ctx.scale, ctx.bounds = causal, scale, bounds
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
-        return *_backward(do, q, k, v, o, lse, ctx.causal, ctx.scale, ctx.bnd), None, None, None
+        return *_backward(do, q, k, v, o, lse, ctx.causal, ctx.scale, ctx.bounds), None, None, None
 
 
 def flash_attention(q, k, v, causal=True, softmax_scale=None, doc_ids=None, window=0):
@@ -177,10 +177,10 @@ def flash_attention(q, k, v, causal=True, softmax_scale=None, doc_ids=None, wind
     scaled_dot_product_attention.
     """
     q, k, v = autocast_inputs(q, k, v)
-    bnd = checked_bounds(q, k, v, causal, doc_ids, window)
+    bounds = checked_bounds(q, k, v, causal, doc_ids, window)
     scale = softmax_scale_of(q, softmax_scale)
     # the custom op where something watches the dispatcher: torch.compile, and modes such as
     # selective activation checkpointing, which must see the attention as one op to keep it
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
-        return torch.ops.kernels.flash_attn_fwd(q, k, v, bool(causal), scale, *(bnd or (None, None)))[0]
-    return FlashAttentionFunction.apply(q, k, v, bool(causal), scale, bnd)
+        return torch.ops.kernels.flash_attn_fwd(q, k, v, bool(causal), scale, *(bounds or (None, None)))[0]
+    return FlashAttentionFunction.apply(q, k, v, bool(causal), scale, bounds)

@@ -107,7 +107,7 @@ def _bwd_write_dq(io, buffers, program, SEM, CAUSAL: gl.constexpr, DETERMINISTIC
 
 
 @gluon.jit
-def _bwd_consume(io, buffers, program, outs, bnd, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr,
+def _bwd_consume(io, buffers, program, outs, row_bounds, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr,
                  NUM_WARPS: gl.constexpr):
     """The matmul warps (two warpgroups, one wgmma M of BLOCK_N keys): the five products of every
     step, dK and dV kept in registers and written at the end, each dQ share handed to the writer."""
@@ -117,7 +117,7 @@ def _bwd_consume(io, buffers, program, outs, bnd, CAUSAL: gl.constexpr, BOUNDED:
     off_b, off_hkv, n, m_lo, steps = program.off_b, program.off_hkv, program.n, program.m_lo, program.steps
     GROUP, T, S = program.GROUP, program.T, program.S
     DK, DV, dk_strides, dv_strides, sm_scale, qk_scale = outs  # dK, dV and their (batch, head, key) strides
-    ROW_HI, full_hi = bnd
+    ROW_HI, full_hi = row_bounds  # the batch row's row_hi; the first key's, from which rows need the mask
     dtype: gl.constexpr = q_smem.dtype
     STAGES: gl.constexpr = q_smem.type.shape[0]
     BLOCK_M: gl.constexpr = q_smem.type.shape[1]
