@@ -36,7 +36,7 @@ from configs.runtime import (autocast, autocast_dtype, grad_scaler, precision, p
 from configs.schema import TrainConfig, plain
 from configs.store import register_configs
 from configs.validate import ConfigError, batch_size_per_process, check_resume, validate
-from kernels.flash_attn import backends as attention_backends
+from kernels.backends import backends as attention_backends
 from data import DatasetError, TokenWindows, document_ids, get_encoding
 from data.files import DiskFullError, atomic_write
 from data.prepare import prepare_on_node

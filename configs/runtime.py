@@ -14,7 +14,7 @@ from contextlib import AbstractContextManager, nullcontext
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from kernels.tuning import BF16_MIN_CAPABILITY  # bf16 autocast only where our kernels' bf16 runs
+from kernels.runtime.chips import BF16_MIN_CAPABILITY  # bf16 autocast only where our kernels' bf16 runs
 
 
 def resolve_device(device: str) -> torch.device:

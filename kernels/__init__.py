@@ -1,7 +1,9 @@
 """Attention kernels; they know nothing about the model that calls them."""
 
-from kernels.flash_attn import MAX_HEAD_DIM, flash_attention, flash_attn_backward, flash_attn_forward, unsupported
+from kernels.api import flash_attention, flash_attn_backward, flash_attn_forward
+from kernels.backends import LAUNCHERS, unsupported
 from kernels.flops import attention_flops
+from kernels.triton.config import MAX_HEAD_DIM
 
-__all__ = ["MAX_HEAD_DIM", "attention_flops", "flash_attention", "flash_attn_backward", "flash_attn_forward",
-           "unsupported"]
+__all__ = ["LAUNCHERS", "MAX_HEAD_DIM", "attention_flops", "flash_attention", "flash_attn_backward",
+           "flash_attn_forward", "unsupported"]

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import Launcher, on_device
+from kernels.runtime.launch import Launcher, on_device
 
 IGNORE_INDEX = -100
 

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import Launcher, on_device
+from kernels.runtime.launch import Launcher, on_device
 
 _LOG2E = tl.constexpr(math.log2(math.e))
 

@@ -23,7 +23,8 @@ every other pair is in the future and skipped, not masked.
 import torch
 import torch.distributed as dist
 
-from kernels.flash_attn import autocast_inputs, flash_attention, flash_attn_backward, flash_attn_forward, softmax_scale_of
+from kernels.api import flash_attention, flash_attn_backward, flash_attn_forward
+from kernels.inputs import autocast_inputs, softmax_scale_of
 
 
 class _Transfer:

@@ -90,7 +90,7 @@ def triton_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None = None,
                      window: int = 0) -> torch.Tensor:
-    """Our FlashAttention-2 Triton kernels (kernels/flash_attn.py); with documents or a window, block-sparse."""
+    """Our FlashAttention-2 Triton kernels (kernels/triton/); with documents or a window, block-sparse."""
     return flash_attention(q, k, v, causal=True, doc_ids=doc_ids, window=window)
 
 

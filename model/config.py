@@ -1,10 +1,12 @@
-"""The model's typed config: plain dataclasses, so the model needs no Hydra (configs/schema.py
-registers them for the command line)."""
+"""The model's typed config: plain dataclasses, so the model needs no Hydra or OmegaConf
+(configs/schema.py registers them for the command line)."""
 
 from dataclasses import dataclass
 from enum import StrEnum
 
-from omegaconf import MISSING
+# OmegaConf's marker of a value the config must set (its omegaconf.MISSING), spelled out so that
+# `import model` imports no config library: a composed config without model.name fails
+MISSING = "???"
 
 
 class PosEmb(StrEnum):

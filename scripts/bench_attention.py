@@ -32,8 +32,7 @@ from triton.compiler.errors import CompilationError
 from triton.runtime.errors import OutOfResources
 from triton.testing import do_bench
 
-from kernels import attention_flops, flash_attention
-from kernels.flash_attn import LAUNCHERS
+from kernels import LAUNCHERS, attention_flops, flash_attention
 from configs.runtime import SDPA_BACKENDS
 from model.attention import ATTENTIONS, hidden_keys
 from scripts.args import (ArgumentParser, directory, names, non_negative_int, positive_int, positive_ints,

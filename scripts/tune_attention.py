@@ -18,8 +18,7 @@ import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/ sits beside kernels/
 
-from kernels import MAX_HEAD_DIM, attention_flops, flash_attn_backward, flash_attn_forward  # noqa: E402
-from kernels.flash_attn import LAUNCHERS  # noqa: E402
+from kernels import LAUNCHERS, MAX_HEAD_DIM, attention_flops, flash_attn_backward, flash_attn_forward  # noqa: E402
 from scripts.args import ArgumentParser, names, positive_ints, require_cuda  # noqa: E402
 from scripts.stopping import stoppable  # noqa: E402
 

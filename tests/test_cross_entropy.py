@@ -12,7 +12,7 @@ bf16 autocast likewise.
 import pytest
 import torch
 
-from kernels import tuning
+from kernels.runtime import chips
 from kernels.cross_entropy import _ROWS, IGNORE_INDEX, full_cross_entropy, linear_cross_entropy
 from tests.helpers import assert_within_own_error
 
@@ -64,7 +64,7 @@ def test_the_triton_row_kernel_matches_pytorch(dtype):
 
 def test_the_row_kernel_has_a_config_to_launch_with():
     # what the CUDA path asks its launcher before the first launch (the CPU path never does)
-    assert _ROWS.candidates({"GRAD": True}, 2, tuning.H100)
+    assert _ROWS.candidates({"GRAD": True}, 2, chips.H100)
 
 
 def test_all_targets_ignored_gives_zero_loss_and_gradients():

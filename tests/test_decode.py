@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kernels.decode import decode_attention
-from kernels.flash_ref import attention_reference
+from kernels.reference.flash_ref import attention_reference
 from model import GPT
 from tests.test_model import tiny_config
 

@@ -1,7 +1,7 @@
-"""The Triton FlashAttention-2 kernels (kernels/flash_attn.py) compute attention and its gradients.
+"""The Triton FlashAttention-2 kernels (kernels/triton/) compute attention and its gradients.
 
 Proves, for every element of O, LSE, dQ, dK and dV, against dense float64 attention with an
-explicit mask (kernels/flash_ref.py), that the kernels' error is at most twice the error of
+explicit mask (kernels/reference/flash_ref.py), that the kernels' error is at most twice the error of
 PyTorch's own dense attention in the input dtype, plus a floor for rounding to that dtype and
 for fp32 accumulation (see _assert_within_reference_error); NaN or inf never passes. Shapes
 cover T and S in {1, 17, 64, 100, 129} (T < S, T == S, and T > S, whose first rows see no
@@ -34,11 +34,9 @@ import pytest
 import torch
 import triton
 
-from kernels import flash_attention, flash_attn_backward, flash_attn_forward
-from kernels import tuning
-import kernels.flash_attn as fa
-from kernels.flash_attn import LAUNCHERS
-from kernels.flash_ref import attention_probs, attention_reference
+from kernels import LAUNCHERS, backends, flash_attention, flash_attn_backward, flash_attn_forward, inputs
+from kernels.reference.flash_ref import attention_probs, attention_reference
+from kernels.runtime import chips
 from tests.helpers import REPO
 
 
@@ -46,7 +44,7 @@ from tests.helpers import REPO
 def _portable_kernels(monkeypatch):
     """These are the portable Triton kernels' tests, on every GPU, whatever the environment asks;
     tests/test_hopper.py checks the Hopper backward (FLASH_ATTENTION_BACKEND=gluon)."""
-    monkeypatch.setenv(fa.BACKEND_VARIABLE, "triton")
+    monkeypatch.setenv(backends.BACKEND_VARIABLE, "triton")
 
 
 # --------------------------------------------------------------------------------------------
@@ -205,7 +203,7 @@ def test_tma_path_in_the_interpreter(case, monkeypatch):
     # On Hopper the kernels stream tiles through TMA descriptors; forcing that path here runs the
     # same code in the interpreter (descriptor offsets, zero fill past the ends, GQA heads)
 
-    monkeypatch.setattr(fa, "_tma", lambda *tensors: True)
+    monkeypatch.setattr(inputs, "uses_tma", lambda *tensors: True)
     dtype, B, H, H_kv, T, S, D, causal, layout = case
     _check_against_float64("tma-" + _case_id(*case), B, H, H_kv, T, S, D, causal, dtype, layout)
 
@@ -488,7 +486,7 @@ def test_cpu_tensors_run_interpreted_and_cuda_tensors_compiled_in_one_process(in
         "from triton.runtime.jit import JITFunction\n"
         "torch.compile(lambda x: x + 1, backend='aot_eager')(torch.ones(2))\n"
         "from kernels import flash_attention\n"
-        "from kernels.flash_ref import attention_reference\n"
+        "from kernels.reference.flash_ref import attention_reference\n"
         "q, k, v = torch.randn(3, 1, 2, 40, 16).unbind(0)\n"
         "ref, _ = attention_reference(q, k, v)\n"
         "errors = [(flash_attention(q, k, v).double() - ref).abs().max().item()]\n"
@@ -628,7 +626,7 @@ def test_gpu_pointer_path_matches_float64_reference(case, monkeypatch):
     dtype, B, H, H_kv, T, S, D, causal, layout = case
     q, k, v, _ = _make_inputs(_case_id(*case), B, H, H_kv, T, S, D, dtype, layout, device="cuda")
     if tma_env == "1" and D == 20:
-        assert not fa._tma(q, k, v)
+        assert not inputs.uses_tma(q, k, v)
     _check_against_float64("pointers-" + _case_id(*case), B, H, H_kv, T, S, D, causal, dtype, layout, "cuda")
 
 
@@ -638,10 +636,10 @@ def test_gpu_tma_where_it_can_read_the_inputs_and_the_same_bits_as_the_pointers(
 
     for layout in ("contiguous", "bthd", "packed"):
         q, k, v, do = _make_inputs(f"tma-{layout}", 2, 4, 2, 300, 300, 64, BF16, layout, device="cuda")
-        assert fa._tma(q, k, v, do), layout
+        assert inputs.uses_tma(q, k, v, do), layout
     # a gradient expanded along T (the backward of a sum over positions) has row stride 0: pointers
     do = torch.randn(2, 1, 4, 64, device="cuda", dtype=BF16).expand(2, 300, 4, 64).transpose(1, 2)
-    assert not fa._tma(q, k, v, do)
+    assert not inputs.uses_tma(q, k, v, do)
     o = flash_attention(q, k, v)
     # FLASH_ATTENTION_AUTOTUNE=0: both paths run the same block configs, so the same arithmetic
     for expanded, copied in zip(torch.autograd.grad(o, (q, k, v), do, retain_graph=True),
@@ -673,7 +671,7 @@ def test_gpu_every_tuning_config_is_correct(D):
     # autotuning may pick any config that fits: each one must be right
     for launcher in LAUNCHERS.values():
         for config in launcher.candidates({"BLOCK_D": max(16, triton.next_power_of_2(D))}, BF16.itemsize,
-                                          tuning.chip(torch.cuda.current_device())):
+                                          chips.chip(torch.cuda.current_device())):
             _check_config(launcher, config, D, BF16, "cuda")
 
 

@@ -1,4 +1,4 @@
-"""The plain-PyTorch references in kernels/flash_ref.py are right, so the kernel tests can trust them.
+"""The plain-PyTorch references in kernels/reference/flash_ref.py are right, so the kernel tests can trust them.
 
 Proves that (1) the dense float64 `attention_reference`, with its explicit bottom-right causal
 mask, agrees with torch's own scaled_dot_product_attention given the same mask, and with
@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.flash_ref import (
+from kernels.reference.flash_ref import (
     attention_reference,
     flash_attention_reference_backward,
     flash_attention_reference_forward,

@@ -1,6 +1,6 @@
-"""The teaching path holds: kernels/flash_steps.py passes, and docs/flash-attention.md points at real code.
+"""The teaching path holds: kernels/reference/flash_steps.py passes, and docs/flash-attention.md points at real code.
 
-Proves that (1) every step of `python -m kernels.flash_steps` (online softmax, FlashAttention-1
+Proves that (1) every step of `python -m kernels.reference.flash_steps` (online softmax, FlashAttention-1
 and -2 forwards, P from LSE, delta, the two-pass backward, causal block skipping, GQA, the
 repository's reference and Triton kernels) agrees with dense attention within its bound, for
 two seeds, and that a NaN error never counts as a pass; (2) the script run as a module exits 0;
@@ -21,7 +21,7 @@ import sys
 import pytest
 import torch
 
-from kernels import flash_steps
+from kernels.reference import flash_steps
 from tests.helpers import REPO
 
 DOC = REPO / "docs" / "flash-attention.md"
@@ -45,7 +45,7 @@ def test_nan_never_passes():
 
 @pytest.mark.slow
 def test_script_exits_zero():
-    done = subprocess.run([sys.executable, "-m", "kernels.flash_steps"], cwd=REPO, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "kernels.reference.flash_steps"], cwd=REPO, capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert "FAIL" not in done.stdout

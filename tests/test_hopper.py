@@ -1,5 +1,5 @@
-"""The Hopper kernels (kernels/flash_attn_hopper.py): compiled for sm_90 on every machine, checked
-against float64 where an sm_90 GPU is present (Gluon has no interpreter)."""
+"""The Hopper kernels (kernels/hopper/): compiled for sm_90 on every machine, checked against
+float64 where an sm_90 GPU is present (Gluon has no interpreter)."""
 
 import os
 import re
@@ -10,12 +10,12 @@ import pytest
 import torch
 import triton
 
-import kernels.flash_attn as fa
-from kernels import flash_attention
+from kernels import backends, flash_attention, flash_attn_forward
+from kernels.hopper import config as hopper
 from tests.helpers import REPO
 from tests.test_flash_attn import BF16, F16, _case_id, _check_against_float64, _doc_ids, _make_inputs
 
-GLUON = triton.__version__.startswith(fa.GLUON_TRITON)
+GLUON = triton.__version__.startswith(hopper.TRITON)
 # where the installed triton is another release, `make test` puts triton 3.6 here for the compile check
 GLUON_TRITON_DIR = REPO / ".venv" / "gluon-triton"
 SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
@@ -25,7 +25,7 @@ sm90 = pytest.mark.skipif(not SM90, reason="the Hopper kernel runs on sm_90 GPUs
 @pytest.fixture
 def gluon(monkeypatch):
     """FLASH_ATTENTION_BACKEND=gluon: the Hopper kernels run both ways, or the call raises."""
-    monkeypatch.setenv(fa.BACKEND_VARIABLE, "gluon")
+    monkeypatch.setenv(backends.BACKEND_VARIABLE, "gluon")
 
 
 # unset: the faster kernel per direction, head dim and length; gluon: both directions in Gluon
@@ -34,19 +34,19 @@ BACKENDS = [pytest.param("", id="auto"), pytest.param("gluon", id="gluon")]
 
 @pytest.fixture(params=BACKENDS)
 def backend(request, monkeypatch):
-    monkeypatch.setenv(fa.BACKEND_VARIABLE, request.param)
+    monkeypatch.setenv(backends.BACKEND_VARIABLE, request.param)
     return request.param
 
 
 @pytest.mark.skipif(not GLUON and not (GLUON_TRITON_DIR / "triton").is_dir(),
-                    reason=f"the kernel is written in triton {fa.GLUON_TRITON}x's Gluon: `make test` installs it")
+                    reason=f"the kernel is written in triton {hopper.TRITON}x's Gluon: `make test` installs it")
 def test_compiles_for_sm90_without_a_gpu(tmp_path):
     # a fresh process: the stand-in driver replaces Triton's for the process, and Gluon must not
     # see TRITON_INTERPRET (it has no interpreter)
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     if not GLUON:
         env["PYTHONPATH"] = os.pathsep.join([str(GLUON_TRITON_DIR), str(REPO)])
-    out = subprocess.run([sys.executable, "-m", "kernels.sm90", "--sass", "--out", str(tmp_path)], cwd=REPO, env=env,
+    out = subprocess.run([sys.executable, "-m", "kernels.runtime.sm90", "--sass", "--out", str(tmp_path)], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=1800)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
@@ -57,41 +57,41 @@ def test_compiles_for_sm90_without_a_gpu(tmp_path):
 
 def test_backend_variable_is_checked(monkeypatch):
     q = k = v = torch.randn(1, 1, 4, 16)
-    monkeypatch.setenv(fa.BACKEND_VARIABLE, "cudnn")
+    monkeypatch.setenv(backends.BACKEND_VARIABLE, "cudnn")
     with pytest.raises(ValueError, match="FLASH_ATTENTION_BACKEND=cudnn: use triton or gluon"):
         flash_attention(q.requires_grad_(), k, v).sum().backward()
     with pytest.raises(ValueError, match="FLASH_ATTENTION_BACKEND=cudnn: use triton or gluon"):
-        fa.backends(16, torch.float32, torch.device("cpu"), 1024)
-    monkeypatch.setenv(fa.BACKEND_VARIABLE, "gluon")
+        backends.backends(16, torch.float32, torch.device("cpu"), 1024)
+    monkeypatch.setenv(backends.BACKEND_VARIABLE, "gluon")
     with pytest.raises(ValueError, match="FLASH_ATTENTION_BACKEND=gluon: .*CUDA GPUs only"):
         flash_attention(q, k, v).sum().backward()
-    monkeypatch.delenv(fa.BACKEND_VARIABLE)
-    monkeypatch.setenv(fa.DETERMINISTIC_VARIABLE, "yes")
+    monkeypatch.delenv(backends.BACKEND_VARIABLE)
+    monkeypatch.setenv(backends.DETERMINISTIC_VARIABLE, "yes")
     with pytest.raises(ValueError, match="FLASH_ATTENTION_DETERMINISTIC=yes: use 1 .* or 0"):
-        fa.backends(16, torch.float32, torch.device("cpu"), 1024)
+        backends.backends(16, torch.float32, torch.device("cpu"), 1024)
 
 
 def test_backends_say_which_kernels_run(monkeypatch):
     cpu = torch.device("cpu")
-    monkeypatch.delenv(fa.BACKEND_VARIABLE, raising=False)
-    assert fa.backends(64, BF16, cpu, 4096) == {"forward": "triton", "backward": "triton"}
-    assert "CUDA GPUs only" in fa.gluon_missing(64, BF16, cpu)
+    monkeypatch.delenv(backends.BACKEND_VARIABLE, raising=False)
+    assert backends.backends(64, BF16, cpu, 4096) == {"forward": "triton", "backward": "triton"}
+    assert "CUDA GPUs only" in backends.unsupported(64, BF16, cpu, "gluon")
     if SM90 and GLUON:
         gpu = torch.device("cuda")
-        # unset: from GLUON_MIN_SEQ queries on, the Gluon forward where it covers the inputs, the
+        # unset: from MIN_SEQ queries on, the Gluon forward where it covers the inputs, the
         # Gluon backward at head dim 128 and the Triton backward at 64, the faster of each;
         # the Triton kernels below it, where host time decides
-        long, short = fa.GLUON_MIN_SEQ, fa.GLUON_MIN_SEQ - 1
-        assert fa.backends(128, BF16, gpu, long) == {"forward": "gluon", "backward": "gluon"}
-        assert fa.backends(64, BF16, gpu, long) == {"forward": "gluon", "backward": "triton"}
-        assert fa.backends(128, BF16, gpu, short) == {"forward": "triton", "backward": "triton"}
-        assert fa.backends(80, BF16, gpu, long) == {"forward": "triton", "backward": "triton"}
-        monkeypatch.setenv(fa.BACKEND_VARIABLE, "triton")
-        assert fa.backends(128, BF16, gpu, long) == {"forward": "triton", "backward": "triton"}
-        monkeypatch.setenv(fa.BACKEND_VARIABLE, "gluon")
-        assert fa.backends(128, BF16, gpu, short) == {"forward": "gluon", "backward": "gluon"}
+        long, short = hopper.MIN_SEQ, hopper.MIN_SEQ - 1
+        assert backends.backends(128, BF16, gpu, long) == {"forward": "gluon", "backward": "gluon"}
+        assert backends.backends(64, BF16, gpu, long) == {"forward": "gluon", "backward": "triton"}
+        assert backends.backends(128, BF16, gpu, short) == {"forward": "triton", "backward": "triton"}
+        assert backends.backends(80, BF16, gpu, long) == {"forward": "triton", "backward": "triton"}
+        monkeypatch.setenv(backends.BACKEND_VARIABLE, "triton")
+        assert backends.backends(128, BF16, gpu, long) == {"forward": "triton", "backward": "triton"}
+        monkeypatch.setenv(backends.BACKEND_VARIABLE, "gluon")
+        assert backends.backends(128, BF16, gpu, short) == {"forward": "gluon", "backward": "gluon"}
         with pytest.raises(ValueError, match="head_dim 64 and 128, not 80"):
-            fa.backends(80, BF16, gpu, long)
+            backends.backends(80, BF16, gpu, long)
 
 
 # (dtype, B, H, H_kv, T, S, D, causal, layout): both head dims and dtypes, causal and not, odd T,
@@ -227,16 +227,16 @@ def test_gluon_tiles_outside_the_window_are_skipped_not_masked(D, backend):
 @sm90
 @pytest.mark.parametrize("D", [64, 128])
 def test_gluon_forward_never_reads_keys_past_its_rows(D, monkeypatch):
-    monkeypatch.delenv(fa.BACKEND_VARIABLE, raising=False)
+    monkeypatch.delenv(backends.BACKEND_VARIABLE, raising=False)
     # causal: the program of the first 192 rows (at most: 3 warpgroups of 64) loads no key block
     # past key 255; NaN there must not reach its rows, whose output stays bit for bit the same
     q, k, v, _ = _make_inputs(f"gluon-skip-{D}", 1, 4, 2, 4096, 4096, D, BF16, "bthd", "cuda")
-    clean = fa.flash_attn_forward(q, k, v)
+    clean = flash_attn_forward(q, k, v)
     k2, v2 = k.detach().clone(), v.detach().clone()
     k2[:, :, 256:] = float("nan")
     v2[:, :, 256:] = float("nan")
-    poisoned = fa.flash_attn_forward(q, k2, v2)
-    assert fa.backends(D, BF16, q.device, 4096)["forward"] == "gluon"
+    poisoned = flash_attn_forward(q, k2, v2)
+    assert backends.backends(D, BF16, q.device, 4096)["forward"] == "gluon"
     for a, b in zip(clean, poisoned, strict=True):
         assert torch.equal(a[:, :, :192], b[:, :, :192])
 
@@ -260,7 +260,7 @@ def test_gluon_backward_is_bit_identical_over_100_runs(mask, gluon):
 @pytest.mark.parametrize("case", [GPU_CASES[1], GPU_CASES[3], GPU_CASES[5]], ids=lambda c: _case_id(*c))
 def test_gluon_unordered_dq_matches_float64_reference(case, gluon, monkeypatch):
     # FLASH_ATTENTION_DETERMINISTIC=0: dQ's shares added as they come, not in turn
-    monkeypatch.setenv(fa.DETERMINISTIC_VARIABLE, "0")
+    monkeypatch.setenv(backends.DETERMINISTIC_VARIABLE, "0")
     dtype, B, H, H_kv, T, S, D, causal, layout = case
     _check_against_float64("gluon-unordered-" + _case_id(*case), B, H, H_kv, T, S, D, causal, dtype, layout,
                            device="cuda")
@@ -269,7 +269,7 @@ def test_gluon_unordered_dq_matches_float64_reference(case, gluon, monkeypatch):
 @pytest.mark.gpu
 @sm90
 def test_gluon_unordered_dq_with_documents(gluon, monkeypatch):
-    monkeypatch.setenv(fa.DETERMINISTIC_VARIABLE, "0")
+    monkeypatch.setenv(backends.DETERMINISTIC_VARIABLE, "0")
     dtype, B, H, H_kv, D, layout, lengths = GPU_DOC_CASES[2]
     T = sum(lengths[0])
     _check_against_float64(f"gluon-unordered-docs-{lengths}", B, H, H_kv, T, T, D, True, dtype, layout, "cuda",
@@ -307,7 +307,7 @@ def test_gluon_under_inductor_fullgraph(backend):
 def test_gluon_later_launches_use_the_new_tensors(documents, gluon):
     # the first call per layout goes through Triton's front door; later calls launch the compiled
     # kernels with descriptors rebuilt from the new tensors' addresses (and the new documents')
-    hopper = fa._hopper()
+    from kernels.hopper import bwd, fwd
     a, b = (_make_inputs(f"gluon-rebind-{name}", 1, 4, 2, 1000, 1000, 128, BF16, "bthd", "cuda") for name in "ab")
     doc_ids = _doc_ids([[300, 1, 699]], "cuda") if documents else None
 
@@ -315,12 +315,12 @@ def test_gluon_later_launches_use_the_new_tensors(documents, gluon):
         o = flash_attention(q, k, v, doc_ids=doc_ids)
         return (o, *torch.autograd.grad(o, (q, k, v), do))
 
-    hopper._FWD_BOUND.clear()
-    hopper._BWD_BOUND.clear()
+    fwd._BOUND.clear()
+    bwd._BOUND.clear()
     first_b = run(*b)
     later_a, later_b = run(*a), run(*b)
-    hopper._FWD_BOUND.clear()
-    hopper._BWD_BOUND.clear()
+    fwd._BOUND.clear()
+    bwd._BOUND.clear()
     first_a = run(*a)
     for first, later in ((first_a, later_a), (first_b, later_b)):
         for x, y in zip(first, later, strict=True):

@@ -5,17 +5,18 @@ would read); one GPU test has the compiler refuse a config the estimate let thro
 import pytest
 import torch
 
-from kernels import tuning
-from kernels.flash_attn import LAUNCHERS
-from kernels.tuning import Chip, NoConfigFits
+from kernels import LAUNCHERS
+from kernels.runtime import chips
+from kernels.runtime.chips import Chip, NoConfigFits
+from kernels.triton import config
 
 # shared memory per block (opt-in) and capability as each card reports them
-CHIPS = [tuning.H100,
+CHIPS = [chips.H100,
          Chip("NVIDIA A100-SXM4-80GB", (8, 0), 163 * 1024),
          Chip("NVIDIA GeForce RTX 4090", (8, 9), 99 * 1024),
          Chip("a 100 KB card", (8, 0), 100 * 1024),
          Chip("Tesla T4", (7, 5), 64 * 1024)]
-# per kernel: (resident rows key, streamed rows key, resident tiles) as kernels/flash_attn.py keeps them
+# per kernel: (resident rows key, streamed rows key, resident tiles) as kernels/triton/config.py keeps them
 TILES = {"fwd": ("BLOCK_M", "BLOCK_N", 1), "dq": ("BLOCK_M", "BLOCK_N", 2), "dkdv": ("BLOCK_N", "BLOCK_M", 2)}
 
 
@@ -35,25 +36,25 @@ def test_only_configs_that_fit_the_card_are_candidates(chip, block_d, itemsize):
         except NoConfigFits as e:
             # one line naming the head dim, the card and its shared memory
             assert "\n" not in str(e) and f"head_dim {block_d}" in str(e) and chip.name in str(e), e
-            assert all(_tile_bytes(name, c, block_d, itemsize) > chip.smem_bytes - tuning.SMEM_RESERVED
+            assert all(_tile_bytes(name, c, block_d, itemsize) > chip.smem_bytes - config.SMEM_RESERVED
                        for c in launcher.configs)
             continue
         assert kept, (name, chip)
         assert all(c in launcher.configs for c in kept)  # in the tuned order of preference
         assert [c for c in launcher.configs if c in kept] == kept
         for c in kept:
-            assert _tile_bytes(name, c, block_d, itemsize) <= chip.smem_bytes - tuning.SMEM_RESERVED, (name, c)
+            assert _tile_bytes(name, c, block_d, itemsize) <= chip.smem_bytes - config.SMEM_RESERVED, (name, c)
         # a config that fits the card's shared memory yet was dropped is dropped on the H100 too:
         # registers, the same on every card
         for c in launcher.configs:
-            if c not in kept and _tile_bytes(name, c, block_d, itemsize) <= chip.smem_bytes - tuning.SMEM_RESERVED:
-                assert c not in launcher.candidates({"BLOCK_D": block_d}, itemsize, tuning.H100)
+            if c not in kept and _tile_bytes(name, c, block_d, itemsize) <= chip.smem_bytes - config.SMEM_RESERVED:
+                assert c not in launcher.candidates({"BLOCK_D": block_d}, itemsize, chips.H100)
 
 
 def test_the_fixed_config_is_chosen_per_card():
     # FLASH_ATTENTION_AUTOTUNE=0 runs the first candidate: the H100's first forward config at D = 128
     # (~128 KB of tiles) is more than an RTX 4090 has, so the 4090 starts further down the list
-    h100 = LAUNCHERS["fwd"].candidates({"BLOCK_D": 128}, 2, tuning.H100)[0]
+    h100 = LAUNCHERS["fwd"].candidates({"BLOCK_D": 128}, 2, chips.H100)[0]
     rtx = LAUNCHERS["fwd"].candidates({"BLOCK_D": 128}, 2, CHIPS[2])[0]
     assert _tile_bytes("fwd", h100, 128, 2) > 99 * 1024 >= _tile_bytes("fwd", rtx, 128, 2)
     assert h100 != rtx
@@ -77,7 +78,7 @@ def test_capabilities_by_compute_capability(capability, bf16, tma):
 
 @pytest.mark.gpu
 def test_gpu_reads_the_card_it_runs_on():
-    chip = tuning.chip(torch.cuda.current_device())
+    chip = chips.chip(torch.cuda.current_device())
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
     assert chip.capability == (props.major, props.minor)
     assert props.shared_memory_per_block <= chip.smem_bytes <= props.shared_memory_per_multiprocessor
@@ -89,20 +90,21 @@ def test_gpu_a_config_the_compiler_refuses_is_skipped_without_autotuning(monkeyp
     # compiler refuses it on the real card (OutOfResources, before anything launches) and the next runs
     import triton
 
-    import kernels.flash_attn as fa
-    from kernels.launch import Launcher
+    from kernels import flash_attn_forward
+    from kernels.runtime.launch import Launcher
+    from kernels.triton import fwd
 
     monkeypatch.setenv("FLASH_ATTENTION_AUTOTUNE", "0")
-    monkeypatch.setattr(tuning, "chip", lambda index: Chip("a 1 MB card", (9, 0), 1024 * 1024))
+    monkeypatch.setattr(chips, "chip", lambda index: Chip("a 1 MB card", (9, 0), 1024 * 1024))
     huge, small = (triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=8, num_stages=6),
                    triton.Config({"BLOCK_M": 64, "BLOCK_N": 32}, num_warps=4, num_stages=2))
-    launcher = Launcher(fa._fwd_kernel, [huge, small], tuning.CPU_FWD, tuning.FWD_PRUNE)
-    monkeypatch.setattr(fa, "_FWD", launcher)
+    launcher = Launcher(fwd._fwd_kernel, [huge, small], config.CPU_FWD, config.FWD_PRUNE)
+    monkeypatch.setattr(fwd, "FWD", launcher)
     q, k, v = (torch.randn(1, 2, 300, 256, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    o, _ = fa.flash_attn_forward(q, k, v)
+    o, _ = flash_attn_forward(q, k, v)
     assert list(launcher.chosen.values()) == [small]
     with launcher.pinned(small):
-        assert torch.equal(fa.flash_attn_forward(q, k, v)[0], o)
+        assert torch.equal(flash_attn_forward(q, k, v)[0], o)
 
 
 def test_what_a_card_cannot_run_is_known_before_training(monkeypatch):
@@ -110,10 +112,10 @@ def test_what_a_card_cannot_run_is_known_before_training(monkeypatch):
     from kernels import unsupported
 
     cuda = torch.device("cuda", 0)
-    monkeypatch.setattr(tuning, "chip", lambda index: CHIPS[-1])  # a T4
+    monkeypatch.setattr(chips, "chip", lambda index: CHIPS[-1])  # a T4
     assert "bfloat16 needs compute capability 8.0 or newer; Tesla T4 is 7.5" in unsupported(64, torch.bfloat16, cuda)
     assert "no tile size fits head_dim 256 (32-bit) in the 64 KB" in unsupported(256, torch.float32, cuda)
     assert unsupported(64, torch.float16, cuda) is None
-    monkeypatch.setattr(tuning, "chip", lambda index: tuning.H100)
+    monkeypatch.setattr(chips, "chip", lambda index: chips.H100)
     assert unsupported(256, torch.float32, cuda) is None and unsupported(256, torch.bfloat16, cuda) is None
     assert unsupported(256, torch.float32, torch.device("cpu")) is None

@@ -4,11 +4,13 @@ Triton decides between compiling and interpreting once, when `@triton.jit` runs,
 TRITON_INTERPRET. We want the choice to follow the tensors instead: CUDA tensors run the
 compiled kernel, CPU tensors an interpreted twin of it, in the same process (a test suite on
 a GPU machine does both). `interpreted(kernel)` builds that twin: the kernel's Python function
-and every @triton.jit helper it calls, rebound to a copy of their module's globals in which the
-helpers are interpreted too. Triton's own @triton.jit library functions (tl.max, tl.sum, ...)
-are swapped for interpreted twins only while a CPU launch runs (`interpreting()`), which also
-puts back everything the interpreter patched in triton.language, so compiled kernels never see it. When TRITON_INTERPRET=1 was set before import, every kernel already is
-an InterpretedFunction and is used as it is.
+and every @triton.jit helper it calls, each rebound to a copy of its own module's globals in which
+the helpers it names are interpreted too (a helper is found where it is imported by name, not as
+a module attribute). Triton's own @triton.jit library functions (tl.max, tl.sum, ...) are swapped
+for interpreted twins only while a CPU launch runs (`interpreting()`), which also puts back
+everything the interpreter patched in triton.language, so compiled kernels never see it. When
+TRITON_INTERPRET=1 was set before import, every kernel already is an InterpretedFunction and is
+used as it is.
 """
 
 import contextlib
@@ -39,14 +41,28 @@ def interpreted(kernel):
     """The interpreted twin of a @triton.jit kernel (itself, if it already is one)."""
     if isinstance(kernel, InterpretedFunction):
         return kernel
-    if id(kernel) not in _twins:
-        module = sys.modules[kernel.fn.__module__]
-        namespace = dict(vars(module))
-        for name, value in vars(module).items():
-            if isinstance(value, JITFunction):
-                namespace[name] = InterpretedFunction(_rebind(value.fn, namespace))
-                _twins.setdefault(id(value), namespace[name])
-    return _twins[id(kernel)]
+    return _twin(kernel)
+
+
+_namespaces: dict[str, dict] = {}  # module name -> a copy of its globals, our @triton.jit functions interpreted
+
+
+def _twin(fn: JITFunction) -> InterpretedFunction:
+    """fn's interpreted twin, built once, running in its own module's interpreted globals."""
+    if id(fn) not in _twins:
+        _twins[id(fn)] = InterpretedFunction(_rebind(fn.fn, _namespace(fn.fn.__module__)))
+    return _twins[id(fn)]
+
+
+def _namespace(module: str) -> dict:
+    """A copy of the module's globals in which every @triton.jit function it names, its own and
+    those it imports by name (not triton.language's: see interpreting()), is an interpreted twin."""
+    if module not in _namespaces:
+        namespace = _namespaces[module] = dict(vars(sys.modules[module]))
+        for name, value in list(namespace.items()):
+            if isinstance(value, JITFunction) and not value.fn.__module__.startswith("triton."):
+                namespace[name] = _twin(value)
+    return _namespaces[module]
 
 
 def _language_twins() -> list[tuple[types.ModuleType, str, InterpretedFunction]]:

@@ -1,4 +1,4 @@
-"""FlashAttention-2 in plain PyTorch: the executable specification of kernels/flash_attn.py.
+"""FlashAttention-2 in plain PyTorch: the executable specification of kernels/triton/.
 
 Same algorithm, conventions and block logic as the Triton kernels, written for reading and
 stepping through, not for speed:
@@ -10,7 +10,7 @@ stepping through, not for speed:
   pass (query block resident, key blocks streaming);
 - causal is bottom-right aligned: query i attends key j iff j <= i + S - T; blocks that no row
   attends are skipped and the mask is applied only to blocks that straddle the diagonal or the
-  end of the keys, as `_kv_block_range` / `_q_block_range` do in the kernels.
+  end of the keys, as `kv_block_range` / `q_block_range` do in kernels/triton/blocks.py.
 Differences from the kernels: natural exp instead of exp2, Python loops over blocks, all heads
 and batches at once. Matmul inputs are rounded to the input dtype and accumulated in fp32 (or
 float64 for float64 inputs), like tensor cores do.

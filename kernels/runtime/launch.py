@@ -1,16 +1,18 @@
-"""Launches a @triton.jit kernel on the device its tensors live on, with a config chosen per shape.
+"""One launch layer for both dialects: a @triton.jit kernel under a config chosen per shape, and a
+compiled kernel of either (Triton or Gluon) again, without Triton's front door, as a `Bound`.
 
 CUDA tensors run the compiled kernel under the config that autotuning picked for the shape's
 tuning key (benchmarked once per key among the candidates that fit the GPU; with
 FLASH_ATTENTION_AUTOTUNE=0 the first of them that compiles and launches). CPU tensors, and any
 tensors when TRITON_INTERPRET=1 was set before import, run the kernel's interpreted twin
-(kernels/interpreter.py) under one small fixed config, so that nothing is benchmarked there.
+(kernels/runtime/interpreter.py) under one small fixed config, so that nothing is benchmarked there.
 
 A launch through Triton's front door binds and specializes every argument again (~100 us of
-Python per launch on the H100 machine's host, more than a short sequence's kernel takes).
-`Launcher.bind` returns a `Bound` launch instead: the compiled kernel, its grid and every
-argument that is not a tensor, fixed for one input signature; calling it passes the tensors'
-addresses straight to Triton's C launcher. kernels/flash_attn.py keeps one per signature.
+Python per launch on the H100 machine's host, more than a short sequence's kernel takes). A
+`Bound` is a compiled kernel with its grid and every argument that is not a tensor fixed for one
+input signature; calling it passes the tensors' addresses straight to Triton's C launcher, and
+rebuilds the host TMA descriptors that Gluon kernels take from the shapes and strides the
+signature fixes. `Launcher.bind` binds a Triton kernel's launch, `bind` any compiled kernel's.
 """
 
 import contextlib
@@ -25,13 +27,21 @@ from triton import knobs
 from triton.compiler.errors import CompilationError
 from triton.runtime import _allocation, driver
 from triton.runtime.errors import OutOfResources
-from triton.runtime.interpreter import InterpretedFunction
 from triton.testing import do_bench
 
-from kernels import tuning
-from kernels.interpreter import interpreted, interpreting
+from kernels.runtime import chips
+from kernels.runtime.interpreter import interpreted, interpreting
 
 Grid = Callable[[dict], tuple[int, ...]]  # config kwargs -> launch grid
+
+
+def interprets(device: torch.device) -> bool:
+    """Whether @triton.jit kernels launched on `device` run in Triton's interpreter: on the CPU, and
+    anywhere when TRITON_INTERPRET=1 made every kernel an InterpretedFunction."""
+    return device.type == "cpu" or _INTERPRET_ALL
+
+
+_INTERPRET_ALL = bool(knobs.runtime.interpret)  # read as @triton.jit reads it, when the kernels are made
 
 
 def autotuning() -> bool:
@@ -42,11 +52,11 @@ class Launcher:
     """One kernel, its candidate configs in order of preference, and the choices made so far.
 
     prune(configs, constexprs, itemsize, chip) keeps the configs that fit the chip for those
-    constexprs and that input width (None: all); it raises tuning.NoConfigFits if none does.
+    constexprs and that input width (None: all); it raises chips.NoConfigFits if none does.
     """
 
     def __init__(self, kernel, configs: list[triton.Config], cpu_config: triton.Config,
-                 prune: Callable[[list[triton.Config], dict, int, tuning.Chip], list[triton.Config]] | None = None):
+                 prune: Callable[[list[triton.Config], dict, int, chips.Chip], list[triton.Config]] | None = None):
         self.kernel, self.configs, self.cpu_config, self.prune = kernel, configs, cpu_config, prune
         self.chosen: dict[tuple, triton.Config] = {}  # tuning key -> config
         self.compiled: dict[tuple, object] = {}  # (config, constexprs, device, specialization) -> CompiledKernel
@@ -57,7 +67,7 @@ class Launcher:
     def name(self) -> str:
         return self.kernel.__name__
 
-    def candidates(self, constexprs: dict, itemsize: int, chip: tuning.Chip) -> list[triton.Config]:
+    def candidates(self, constexprs: dict, itemsize: int, chip: chips.Chip) -> list[triton.Config]:
         """The configs autotuning chooses among for these constexprs, input width and GPU."""
         return self.prune(self.configs, constexprs, itemsize, chip) if self.prune else self.configs
 
@@ -72,7 +82,7 @@ class Launcher:
 
     def __call__(self, grid: Grid, args: tuple, key: tuple, **constexprs) -> None:
         """Launches kernel(*args, **constexprs) on args[0]'s device; key names the shape class."""
-        if args[0].device.type == "cpu" or isinstance(self.kernel, InterpretedFunction):  # TRITON_INTERPRET=1
+        if interprets(args[0].device):
             config = self._pinned or self.cpu_config
             with interpreting():
                 interpreted(self.kernel)[grid(config.kwargs)](*args, **constexprs, **config.kwargs)
@@ -96,15 +106,12 @@ class Launcher:
         arguments to `signature`, which must fix all of them, and the leading tensors' dtypes and
         16-byte alignment (nothing is bound on the CPU or while a config is pinned)."""
         self(grid, args, key, **constexprs)
-        if args[0].device.type == "cpu" or isinstance(self.kernel, InterpretedFunction) or self._pinned:
+        if interprets(args[0].device) or self._pinned:
             return
         config = self.chosen[key]
         compiled = self.compiled[self._compiled_key(config, args, constexprs)]
-        n = next(i for i, a in enumerate(args) if not isinstance(a, torch.Tensor))
-        named = {**constexprs, **config.kwargs}
-        tail = (*args[n:], *(named[name] for name in self.kernel.arg_names[len(args):]))
-        dims = (*grid(config.kwargs), 1, 1)[:3]
-        self.bound[signature] = Bound(compiled, dims, tail, args[0].device.index, bool(constexprs.get("TMA")))
+        self.bound[signature] = bind(self.kernel, compiled, grid(config.kwargs), args, {**constexprs, **config.kwargs},
+                                     tma=bool(constexprs.get("TMA")))
 
     def _launch(self, config: triton.Config, grid: Grid, args: tuple, constexprs: dict) -> None:
         # Triton's own launch path binds and specializes every argument on every call (tens of
@@ -127,20 +134,20 @@ class Launcher:
 
     def _first_that_launches(self, grid: Grid, args: tuple, constexprs: dict) -> triton.Config:
         """Launches the first candidate that compiles and fits the GPU (the estimate in
-        kernels/tuning.py counts tiles, the compiler all of it); returns it."""
-        configs = self.candidates(constexprs, args[0].element_size(), tuning.chip(args[0].device.index))
+        kernels/triton/config.py counts tiles, the compiler all of it); returns it."""
+        configs = self.candidates(constexprs, args[0].element_size(), chips.chip(args[0].device.index))
         for config in configs:
             try:
                 self._launch(config, grid, args, constexprs)
                 return config
             except (OutOfResources, CompilationError):  # raised before the launch: nothing ran
                 continue
-        chip = tuning.chip(args[0].device.index)
-        raise tuning.NoConfigFits(f"{self.name}: none of {len(configs)} tile configs at head dim tile "
+        chip = chips.chip(args[0].device.index)
+        raise chips.NoConfigFits(f"{self.name}: none of {len(configs)} tile configs at head dim tile "
                                   f"{constexprs.get('BLOCK_D')} fits the shared memory of {chip.name}")
 
     def _tune(self, grid: Grid, args: tuple, constexprs: dict) -> triton.Config:
-        configs = self.candidates(constexprs, args[0].element_size(), tuning.chip(args[0].device.index))
+        configs = self.candidates(constexprs, args[0].element_size(), chips.chip(args[0].device.index))
         if len(configs) == 1:
             return configs[0]
         # a tuned kernel writes each output element once, from inputs it does not write: benchmarking
@@ -155,24 +162,63 @@ class Launcher:
         return min(timings, key=timings.get) if timings else configs[-1]
 
 
+class HostDescriptor(NamedTuple):
+    """What triton 3.6's C launcher reads of a host TensorDescriptor (base address, shape, strides,
+    padding) and nothing more: the tensor itself is not kept, and none of TensorDescriptor's checks
+    run again (the first launch of the signature ran them)."""
+    base: "_Address"
+    shape: list
+    strides: list
+    padding: str
+
+
+class _Address(NamedTuple):
+    """A device address where a descriptor wants its base tensor: all a later launch reads of it."""
+    ptr: int
+
+    def data_ptr(self) -> int:
+        return self.ptr
+
+
 class Bound(NamedTuple):
     """One compiled kernel launched with a fixed grid and fixed non-tensor arguments."""
     compiled: object  # triton's CompiledKernel
     grid: tuple[int, int, int]
     tail: tuple  # every argument after the leading tensors, constexprs included, in order
     device: int
-    tma: bool
+    tma: bool  # the kernel makes TMA descriptors itself: it needs a scratch allocator
+    descriptors: tuple = ()  # (shape, strides, padding) of the leading host TMA descriptors, one each
 
     def __call__(self, *tensors: torch.Tensor) -> None:
-        """Launches on the current stream of the tensors' device. Their addresses go in as integers
-        (no per-pointer driver query); the caller's signature fixes their 16-byte alignment."""
+        """Launches on the current stream of the tensors' device: the first len(descriptors) go in
+        as host TMA descriptors over their addresses, the rest as addresses. The caller's
+        signature fixes their 16-byte alignment, and the descriptors' shapes and strides."""
         if self.tma:
             _ensure_allocator()
+        n = len(self.descriptors)
         if _hooked():  # a profiler listens to launches: Triton's front door, with its metadata
             with on_device_index(self.device):
-                self.compiled[self.grid](*tensors, *self.tail)
+                self.compiled[self.grid](*self._descriptors(tensors), *tensors[n:], *self.tail)
             return
-        launch_compiled(self.compiled, self.grid, self.device, (*[t.data_ptr() for t in tensors], *self.tail))
+        if n:
+            args = (*self._descriptors(tensors), *[t.data_ptr() for t in tensors[n:]], *self.tail)
+        else:  # the Triton kernels: every launch of a training step takes this path, kept short
+            args = (*[t.data_ptr() for t in tensors], *self.tail)
+        launch_compiled(self.compiled, self.grid, self.device, args)
+
+    def _descriptors(self, tensors) -> list:
+        return [HostDescriptor(_Address(t.data_ptr()), *d) for t, d in zip(tensors, self.descriptors)]
+
+
+def bind(kernel, compiled, grid: tuple[int, ...], args: tuple, named: dict, tma: bool = False) -> Bound:
+    """The Bound of `compiled`, just launched as kernel(*args, **named) on `grid` through Triton's
+    front door: args' leading host TMA descriptors and tensors are passed anew on every call, the
+    arguments after them and the named constexprs are fixed."""
+    n_descs = next(i for i, a in enumerate(args) if not hasattr(a, "block_shape"))
+    n = next(i for i, a in enumerate(args) if i >= n_descs and not isinstance(a, torch.Tensor))
+    tail = (*args[n:], *(named[name] for name in kernel.arg_names[len(args):]))
+    kept = tuple((d.shape, d.strides, d.padding) for d in args[:n_descs])
+    return Bound(compiled, (*grid, 1, 1)[:3], tail, args[n_descs].device.index, tma, kept)
 
 
 def launch_compiled(compiled, grid: tuple[int, int, int], device: int, args: tuple) -> None:
@@ -195,7 +241,9 @@ def _hooked() -> bool:
 
 def _specialization(arg) -> tuple:
     """What Triton compiles a kernel argument's value into (at least): a pointer's dtype and 16-byte
-    alignment; an integer's width, divisibility by 16 and being 1."""
+    alignment; an integer's width, divisibility by 16 and being 1; a tuple's, its elements'."""
+    if isinstance(arg, tuple):
+        return tuple(map(_specialization, arg))
     if isinstance(arg, torch.Tensor):
         return arg.dtype, arg.data_ptr() % 16 == 0
     if isinstance(arg, int) and not isinstance(arg, bool):
@@ -203,7 +251,7 @@ def _specialization(arg) -> tuple:
     return (type(arg),)
 
 
-def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
+def _descriptor_memory(size: int, alignment: int, stream) -> torch.Tensor:
     """Global memory a launch asks for: here, the TMA descriptors its programs build (on the current
     device and stream; the caching allocator's 512-byte alignment covers Triton's 128)."""
     return torch.empty(size, dtype=torch.int8, device="cuda")
@@ -213,7 +261,7 @@ def _ensure_allocator() -> None:
     """Descriptors made in a kernel need a scratch allocator. Triton keeps it in a context variable,
     so autograd's backward thread starts without one: checked per launch, and one a user set is kept."""
     if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
-        triton.set_allocator(_scratch)
+        triton.set_allocator(_descriptor_memory)
 
 
 def on_device(t: torch.Tensor):

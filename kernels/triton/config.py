@@ -1,4 +1,4 @@
-"""Block-size candidates for the attention kernels, and the pruning that keeps those the GPU fits.
+"""The portable kernels' table: head dims, dtypes and tile candidates, pruned to what a GPU fits.
 
 Each list is in order of preference, from scripts/tune_attention.py on an H100 (causal bf16, D 64
 and 128; docs/perf-notes.md has the tables): autotuning benchmarks the candidates that fit the
@@ -8,56 +8,14 @@ On the CPU one small fixed config runs: blocks small enough that test shapes spa
 them, and BLOCK_M != BLOCK_N both ways round to exercise the block arithmetic.
 """
 
-import functools
-from typing import NamedTuple
-
+import torch
 import triton
 
+from kernels.runtime import chips
+from kernels.runtime.chips import Chip, NoConfigFits
 
-# bf16 needs compute capability 8.0 (Ampere): tl.dot on bf16 does not compile below it, and torch
-# only emulates bf16 there (torch.cuda.is_bf16_supported() counts that). configs/runtime.py's
-# dtype=auto reads it too.
-BF16_MIN_CAPABILITY = (8, 0)
-
-
-class Chip(NamedTuple):
-    """What a config must fit, as the GPU reports it."""
-    name: str
-    capability: tuple[int, int]  # (major, minor): 8.0 Ampere, 8.9 Ada, 9.0 Hopper
-    smem_bytes: int  # shared memory one block may opt into (227 KB on an H100, 99 KB on an RTX 4090)
-    nvidia: bool = True
-
-    @property
-    def bf16(self) -> bool:
-        return self.capability >= BF16_MIN_CAPABILITY
-
-    @property
-    def tf32(self) -> bool:
-        return self.capability >= (8, 0)
-
-    @property
-    def tma(self) -> bool:
-        """TMA descriptors (and wgmma) exist from Hopper (sm_90) on."""
-        return self.nvidia and self.capability >= (9, 0)
-
-
-@functools.cache
-def chip(device_index: int) -> Chip:
-    """The Chip of CUDA device `device_index` (read once per process)."""
-    import torch
-    from triton.runtime import driver
-
-    props = torch.cuda.get_device_properties(device_index)
-    smem = driver.active.utils.get_device_properties(device_index)["max_shared_mem"]  # the opt-in maximum
-    return Chip(props.name, (props.major, props.minor), smem, nvidia=torch.version.hip is None)
-
-
-H100 = Chip("NVIDIA H100 80GB HBM3", (9, 0), 227 * 1024)  # what the lists below were tuned on
-
-
-class NoConfigFits(ValueError):
-    """No candidate fits this GPU at this head dim and input width."""
-
+MAX_HEAD_DIM = 256  # tiles pad D to a power of two >= 16 and mask the rest
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # fp32 as true IEEE matmuls
 
 # Registers: every NVIDIA GPU from Volta on gives a thread at most 255 32-bit registers, and on
 # Triton 3.6's sm_90 compiles every config above 192 live fp32 values per thread spilled.
@@ -118,7 +76,26 @@ DKDV = _configs("BLOCK_N", "BLOCK_M",
 FWD_PRUNE = pruner("BLOCK_M", "BLOCK_N", 1, 1, 1)
 DQ_PRUNE = pruner("BLOCK_M", "BLOCK_N", 2, 1, 2)
 DKDV_PRUNE = pruner("BLOCK_N", "BLOCK_M", 2, 2, 2)
+PREPROCESS = triton.Config({"BLOCK_M": 64})  # delta = rowsum(dO * O): one config everywhere
 
 CPU_FWD = triton.Config({"BLOCK_M": 16, "BLOCK_N": 32})
 CPU_DQ = triton.Config({"BLOCK_M": 32, "BLOCK_N": 16})
 CPU_DKDV = triton.Config({"BLOCK_M": 16, "BLOCK_N": 32})
+
+
+def block_d(head_dim: int) -> int:
+    """The head-dim tile: D padded to a power of two >= 16."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def tuning_key_and_constexprs(q: torch.Tensor, k: torch.Tensor, causal: bool, bounded: bool, tma: bool):
+    """(tuning key, constexprs) of a launch: a new sequence length retunes only past a power of two."""
+    D, T, S = q.shape[3], q.shape[2], k.shape[2]
+    key = (q.device.index, q.dtype, block_d(D), causal, bounded, tma, triton.next_power_of_2(T),
+           triton.next_power_of_2(S))
+    # the precision of fp32 inputs' dots ("ieee": true fp32); irrelevant for fp16/bf16, whose dots
+    # are named tf32 only where the GPU has it (Ampere on)
+    tf32 = q.dtype != torch.float32 and (not q.is_cuda or chips.chip(q.device.index).tf32)
+    constexprs = {"HEAD_DIM": D, "BLOCK_D": block_d(D), "CAUSAL": causal, "BOUNDED": bounded,
+                  "INPUT_PRECISION": "tf32" if tf32 else "ieee", "TMA": tma}
+    return key, constexprs

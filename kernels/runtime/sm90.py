@@ -6,8 +6,8 @@ returns the cubin, its register and shared-memory counts, and SASS through the w
 CI compiles the Hopper kernels this way (tests/test_hopper.py), and it is how to read a kernel's
 SASS without spending GPU time:
 
-    python -m kernels.sm90            # registers, spills, shared memory of each Hopper kernel
-    python -m kernels.sm90 --sass     # and their SASS, beside the cubins under bench/sass/
+    python -m kernels.runtime.sm90            # registers, spills, shared memory of each Hopper kernel
+    python -m kernels.runtime.sm90 --sass     # and their SASS, beside the cubins under bench/sass/
 """
 
 import argparse
@@ -41,7 +41,7 @@ class StandIn(DriverBase):
         return torch.device("cpu")
 
     def get_benchmarker(self):
-        raise RuntimeError("kernels.sm90 compiles only: there is no GPU to time")
+        raise RuntimeError("kernels.runtime.sm90 compiles only: there is no GPU to time")
 
     def get_current_device(self) -> int:
         return 0
@@ -67,16 +67,16 @@ MASKS = ("full", "causal", "documents")  # documents: causal within packed docum
 def compile_hopper(direction: str, head_dim: int, dtype: torch.dtype, mask: str):
     """The compiled forward or backward kernel for one configuration (compiled in a fresh Triton
     cache key only when its source or options changed)."""
-    from kernels import flash_attn_hopper as hopper
+    from kernels.hopper import bwd, fwd
 
-    B, H, H_kv, T, S = 1, 2, 1, 4096, 4096  # T picks the forward's blocks: those of long sequences
+    B, H, H_kv, T, S = 1, 2, 1, 4096, 4096  # T picks the forward's tiles: those of long sequences
     q, do = (torch.empty(B, T, H, head_dim, dtype=dtype).transpose(1, 2) for _ in range(2))
     k, v = (torch.empty(B, S, H_kv, head_dim, dtype=dtype).transpose(1, 2) for _ in range(2))
     causal, documents = mask != "full", mask == "documents"
     with stand_in():
         if direction == "fwd":
-            return hopper.compile_only_forward(q, k, v, causal, documents)
-        return hopper.compile_only(do, q, k, v, causal, documents)
+            return fwd.compile_only(q, k, v, causal, documents)
+        return bwd.compile_only(do, q, k, v, causal, documents)
 
 
 def _tool(name: str) -> str:

@@ -5,11 +5,11 @@ textbook dense way, on small random float64 tensors, and returns the largest abs
 (relative, for the float32 kernels) and a note. A correct step agrees to float64 round-off
 (~1e-15); a wrong one (a missing rescale, a skipped block that some row sees) is off by O(1) or
 gives NaN, and NaN never passes. The last steps run this repository's own code:
-kernels/flash_ref.py in float64, and the Triton kernels of kernels/flash_attn.py in float32
+kernels/reference/flash_ref.py in float64, and the Triton kernels of kernels/triton/ in float32
 through Triton's CPU interpreter. Each step's core is a few lines: change one (the doc ends with
 exercises) and rerun. Seconds on a CPU:
 
-    python -m kernels.flash_steps [--seed N]
+    python -m kernels.reference.flash_steps [--seed N]
 """
 
 import argparse
@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 
 from kernels import flash_attention, flash_attn_forward
-from kernels.flash_ref import flash_attention_reference_backward, flash_attention_reference_forward
+from kernels.reference.flash_ref import flash_attention_reference_backward, flash_attention_reference_forward
 
 F64 = torch.float64
 NEG_INF = float("-inf")
@@ -343,8 +343,8 @@ STEPS = [
     Step("backward", "dK/dV pass + dQ pass = autograd dQ, dK, dV", step_backward, F64_BOUND),
     Step("causal", "T != S, skipped and masked tiles = dense causal", step_causal, F64_BOUND),
     Step("gqa", "query heads share kv heads, dK, dV summed = dense", step_gqa, F64_BOUND),
-    Step("flash_ref", "kernels.flash_ref forward + backward = dense", step_flash_ref, F64_BOUND),
-    Step("triton", "kernels.flash_attn (fp32) vs float64 dense", step_triton, F32_RELATIVE_BOUND),
+    Step("flash_ref", "kernels.reference.flash_ref forward + backward = dense", step_flash_ref, F64_BOUND),
+    Step("triton", "kernels.triton (fp32) vs float64 dense", step_triton, F32_RELATIVE_BOUND),
     Step("triton_documents", "the same, packed documents", step_triton_documents, F32_RELATIVE_BOUND),
 ]
 

@@ -1,0 +1,186 @@
+"""flash_attention and its two halves: checked inputs, one launch per direction, autograd.
+
+q (B, H, T, D), k and v (B, H_kv, S, D), H % H_kv == 0 (GQA: query head h reads kv head
+h // (H / H_kv)), causal bottom-right aligned, optional packed documents and a sliding window
+(kernels/masking.py). O, dQ, dK, dV are (B, T, H, D) in memory, returned as (B, H, T, D) views.
+Each direction runs the kernels kernels/backends.py chooses: kernels/triton/ (any GPU, and the
+CPU through Triton's interpreter, whose bf16 tl.dot is wrong: there bf16 is computed in fp32 and
+rounded) or kernels/hopper/ (sm_90).
+"""
+
+import os
+
+import torch
+
+from kernels import backends
+from kernels.inputs import autocast_inputs, check_inputs, checked_bounds, empty_bhtd, layout, softmax_scale_of
+from kernels.masking import Bounds
+from kernels.runtime.launch import interprets, on_device
+from kernels.triton import bwd, fwd
+
+
+def _hopper(direction: str):
+    """kernels/hopper/fwd.py or bwd.py, imported on first use: Gluon's API is triton 3.6's, which
+    other triton versions need not have."""
+    if direction == "forward":
+        from kernels.hopper import fwd as hopper_fwd
+        return hopper_fwd
+    from kernels.hopper import bwd as hopper_bwd
+    return hopper_bwd
+
+
+def _bf16_in_interpreter(q) -> bool:
+    """bf16 inputs that Triton's interpreter would run: its bf16 tl.dot is wrong."""
+    return q.dtype == torch.bfloat16 and interprets(q.device)
+
+
+def _forward(q, k, v, causal, scale, bounds):
+    """(o, lse) of checked inputs."""
+    if _bf16_in_interpreter(q):
+        o, lse = _forward(q.float(), k.float(), v.float(), causal, scale, bounds)
+        return o.to(torch.bfloat16), lse
+    B, H, T, D = q.shape
+    o = empty_bhtd(B, H, T, D, q)
+    lse = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
+    key_lo = None if bounds is None else bounds.key_lo
+    # o, lse (and the bounds) are fresh from torch's allocator, 512-byte aligned: q, k, v decide
+    signature = (*layout(q, k, v), causal, scale, bounds is None, os.environ.get("FLASH_ATTENTION_TMA"),
+                 os.environ.get(backends.BACKEND_VARIABLE))
+    if backends.kernels_for("forward", signature, (q, k, v)) == "gluon":
+        with on_device(q):
+            _hopper("forward").forward(q, k, v, o, lse, causal, scale, key_lo)
+    else:
+        fwd.forward(q, k, v, o, lse, causal, scale, key_lo, signature)
+    return o, lse
+
+
+def _backward(do, q, k, v, o, lse, causal, scale, bounds):
+    """(dq, dk, dv) of checked inputs; deterministic (unless FLASH_ATTENTION_DETERMINISTIC=0 and the
+    Gluon backward runs)."""
+    if _bf16_in_interpreter(q):
+        grads = _backward(do.float(), q.float(), k.float(), v.float(), o.float(), lse, causal, scale, bounds)
+        return tuple(g.to(torch.bfloat16) for g in grads)
+    (B, H, T, D), (H_kv, S) = q.shape, k.shape[1:3]
+    dq, dk, dv = empty_bhtd(B, H, T, D, q), empty_bhtd(B, H_kv, S, D, k), empty_bhtd(B, H_kv, S, D, v)
+    # the outputs and delta are fresh from torch's allocator (512-byte aligned), shaped by q and k
+    signature = (*layout(q, k, v, do, o, lse), causal, scale, bounds is None, os.environ.get("FLASH_ATTENTION_TMA"),
+                 os.environ.get(backends.BACKEND_VARIABLE), os.environ.get(backends.DETERMINISTIC_VARIABLE))
+    if backends.kernels_for("backward", signature, (q, k, v, do)) == "gluon":
+        with on_device(q):
+            _hopper("backward").backward(do, q, k, v, o, lse, dq, dk, dv, causal, scale,
+                                         None if bounds is None else bounds.row_hi, backends.deterministic())
+    else:
+        bwd.backward(do, q, k, v, o, lse, dq, dk, dv, causal, scale, bounds, signature)
+    return dq, dk, dv
+
+
+def flash_attn_forward(q, k, v, causal=True, softmax_scale=None, doc_ids=None, window=0):
+    """(o (B, H, T, D) in q's dtype, lse (B, H, T) fp32 in natural log), without autograd."""
+    bounds = checked_bounds(q, k, v, causal, doc_ids, window)
+    return _forward(q, k, v, causal, softmax_scale_of(q, softmax_scale), bounds)
+
+
+def flash_attn_backward(do, q, k, v, o, lse, causal=True, softmax_scale=None, doc_ids=None, window=0):
+    """(dq, dk, dv), shaped and typed like q, k, v, from the forward's o and lse; deterministic."""
+    bounds = checked_bounds(q, k, v, causal, doc_ids, window)
+    for name, t, like in (("do", do, q), ("o", o, q)):
+        if not isinstance(t, torch.Tensor) or t.shape != like.shape or t.dtype != like.dtype:
+            raise ValueError(f"flash_attn_backward: {name} must be shaped and typed like q {tuple(like.shape)} "
+                             f"{like.dtype}, got {getattr(t, 'shape', type(t).__name__)}")
+    if not isinstance(lse, torch.Tensor) or lse.shape != q.shape[:3] or lse.dtype != torch.float32:
+        raise ValueError(f"flash_attn_backward: lse must be the forward's float32 {tuple(q.shape[:3])} tensor")
+    return _backward(do, q, k, v, o, lse, causal, softmax_scale_of(q, softmax_scale), bounds)
+
+
+# --------------------------------------------------------------------------------------------
+# torch.library ops, autograd, public entry point
+
+# Under torch.compile the launchers run inside custom ops, opaque nodes with shape-only fake
+# implementations, so a compiled model keeps one graph; their backward is registered with
+# register_autograd (Dynamo cannot trace a hand-written autograd.Function whose q, k and v are
+# one tensor). They are registered with define/impl, whose dispatch calls the Python function
+# directly (torch.library.custom_op wraps it in more Python per call). Eager calls take a plain
+# autograd.Function: any dispatch costs host time that short sequences cannot hide
+# (docs/perf-notes.md, v3). Both take the Bounds of documents and windows, made once per call by
+# flash_attention.
+
+torch.library.define("kernels::flash_attn_fwd", "(Tensor q, Tensor k, Tensor v, bool causal, float scale, "
+                     "Tensor? key_lo, Tensor? row_hi) -> (Tensor, Tensor)")
+torch.library.define("kernels::flash_attn_bwd", "(Tensor do, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, "
+                     "bool causal, float scale, Tensor? key_lo, Tensor? row_hi) -> (Tensor, Tensor, Tensor)")
+
+
+@torch.library.impl("kernels::flash_attn_fwd", ("cpu", "cuda"))
+def _flash_attn_fwd_op(q, k, v, causal, scale, key_lo, row_hi):
+    return _forward(q, k, v, causal, scale, None if key_lo is None else Bounds(key_lo, row_hi))
+
+
+@torch.library.register_fake("kernels::flash_attn_fwd")
+def _(q, k, v, causal, scale, key_lo, row_hi):
+    check_inputs(q, k, v)
+    B, H, T, D = q.shape
+    return empty_bhtd(B, H, T, D, q), q.new_empty((B, H, T), dtype=torch.float32)
+
+
+@torch.library.impl("kernels::flash_attn_bwd", ("cpu", "cuda"))
+def _flash_attn_bwd_op(do, q, k, v, o, lse, causal, scale, key_lo, row_hi):
+    return _backward(do, q, k, v, o, lse, causal, scale, None if key_lo is None else Bounds(key_lo, row_hi))
+
+
+@torch.library.register_fake("kernels::flash_attn_bwd")
+def _(do, q, k, v, o, lse, causal, scale, key_lo, row_hi):
+    (B, H, T, D), (H_kv, S) = q.shape, k.shape[1:3]
+    return empty_bhtd(B, H, T, D, q), empty_bhtd(B, H_kv, S, D, k), empty_bhtd(B, H_kv, S, D, v)
+
+
+def _op_setup_context(ctx, inputs, output):
+    q, k, v, causal, scale, key_lo, row_hi = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse, key_lo, row_hi)
+    ctx.causal, ctx.scale = causal, scale
+
+
+def _op_backward(ctx, do, dlse):  # dlse: LSE is an output for the backward only, never differentiated
+    q, k, v, o, lse, key_lo, row_hi = ctx.saved_tensors
+    dq, dk, dv = torch.ops.kernels.flash_attn_bwd(do, q, k, v, o, lse, ctx.causal, ctx.scale, key_lo, row_hi)
+    return dq, dk, dv, None, None, None, None
+
+
+torch.library.register_autograd("kernels::flash_attn_fwd", _op_backward, setup_context=_op_setup_context)
+
+
+class FlashAttentionFunction(torch.autograd.Function):
+    """Eager autograd wrapper: the launchers without the custom-op dispatch (see above)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale, bounds):
+        o, lse = _forward(q, k, v, causal, scale, bounds)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.causal, ctx.scale, ctx.bounds = causal, scale, bounds
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        return *_backward(do, q, k, v, o, lse, ctx.causal, ctx.scale, ctx.bounds), None, None, None
+
+
+def flash_attention(q, k, v, causal=True, softmax_scale=None, doc_ids=None, window=0):
+    """softmax(softmax_scale * q k^T, mask) v for q (B, H, T, D) and k, v (B, H_kv, S, D).
+
+    Returns (B, H, T, D) in q's dtype; softmax_scale defaults to 1 / sqrt(D). doc_ids (B, T) of
+    packed documents (a document is a run of equal ids; causal, T == S): query i then attends key j
+    only within its own document, and the tiles of other documents are skipped. window W > 0
+    (causal): query i sees only the W keys up to its own (a sliding window; with documents, within
+    its document too), and the tiles outside the window are skipped.
+    Under torch.autocast, q, k and v are first cast to the autocast dtype, as autocast does for
+    scaled_dot_product_attention.
+    """
+    q, k, v = autocast_inputs(q, k, v)
+    bounds = checked_bounds(q, k, v, causal, doc_ids, window)
+    scale = softmax_scale_of(q, softmax_scale)
+    # the custom op where something watches the dispatcher: torch.compile, and modes such as
+    # selective activation checkpointing, which must see the attention as one op to keep it
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
+        return torch.ops.kernels.flash_attn_fwd(q, k, v, bool(causal), scale, *(bounds or (None, None)))[0]
+    return FlashAttentionFunction.apply(q, k, v, bool(causal), scale, bounds)

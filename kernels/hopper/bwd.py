@@ -1,0 +1,366 @@
+"""The FlashAttention backward for Hopper (sm_90) in Gluon: dQ, dK, dV in one warp-specialized
+kernel of 5 matmuls per tile pair (the portable kernels/triton/bwd.py runs 7, in two kernels).
+
+One program owns a K/V block (BLOCK_N keys of one kv head) and streams every Q/dO block that
+sees it, of every query head of its group: a producer warp issues the TMA copies into a
+STAGES-deep ring, two matmul warpgroups compute S^T = K Q^T, P^T from the forward's LSE,
+dP^T = V dO^T, dV += P^T dO, dK += dS^T Q and a dQ share dS K, and a dQ-writer warp adds each
+share to an fp32 accumulator with one TMA reduce-add: in a fixed order, so that dQ has the same
+bits every run (deterministic), or as the shares come. dK and dV stay in registers to the end.
+A Triton pass first lays out LSE * log2(e) and delta = rowsum(dO * O) for TMA; a last one scales
+dQ. docs/flash-attention.md derives the products and the order; tiles: kernels/hopper/config.py.
+"""
+
+import torch
+import triton
+import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+
+from kernels.hopper import config
+from kernels.hopper.blocks import descriptor, dq_layout, last_kv_block, q_blocks, tile_masked, visible_t
+from kernels.hopper.pipeline import BwdBuffers, BwdIO, BwdProgram, bulk_done, load_acquire, tma_add
+from kernels.runtime.launch import Bound, bind
+from kernels.triton.blocks import LOG2E
+# --------------------------------------------------------------------------------------------
+# the partitions
+
+
+@gluon.jit
+def _issue_tile(q_desc, do_desc, aux_desc, bar, q_buf, do_buf, lse_buf, delta_buf, off_b, off_h, start_m):
+    """One step's Q, dO, LSE and delta rows, by TMA, completing on `bar`."""
+    BLOCK_M: gl.constexpr = q_buf.type.shape[0]
+    HEAD_DIM: gl.constexpr = q_buf.type.shape[1]
+    mbarrier.expect(bar, 2 * q_desc.block_type.nbytes + 2 * aux_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [off_b, off_h, start_m, 0], bar, q_buf.reshape([1, 1, BLOCK_M, HEAD_DIM]))
+    tma.async_copy_global_to_shared(do_desc, [off_b, off_h, start_m, 0], bar, do_buf.reshape([1, 1, BLOCK_M,
+                                                                                               HEAD_DIM]))
+    tma.async_copy_global_to_shared(aux_desc, [off_b, off_h, 0, start_m], bar, lse_buf)
+    tma.async_copy_global_to_shared(aux_desc, [off_b, off_h, 1, start_m], bar, delta_buf)
+
+
+@gluon.jit
+def _bwd_step_rows(j, steps, m_lo, off_hkv, GROUP, BLOCK_M: gl.constexpr):
+    """Step j's query head and first row: the group's heads in turn, each over Q blocks m_lo.."""
+    g = j // steps
+    return off_hkv * GROUP + g, (m_lo + j - g * steps) * BLOCK_M
+
+
+@gluon.jit
+def _bwd_produce(io, buffers, program):
+    """The producer warp: this program's K and V block once, then every step's Q, dO, LSE and
+    delta through the STAGES-deep ring."""
+    k_smem, v_smem, q_smem = buffers.k_smem, buffers.v_smem, buffers.q_smem
+    kv_bar, empty = buffers.kv_bar, buffers.empty
+    off_b, off_hkv, n, m_lo, steps, GROUP = (program.off_b, program.off_hkv, program.n, program.m_lo, program.steps,
+                                             program.GROUP)
+    STAGES: gl.constexpr = q_smem.type.shape[0]
+    BLOCK_M: gl.constexpr = q_smem.type.shape[1]
+    BLOCK_N: gl.constexpr = k_smem.type.shape[0]
+    HEAD_DIM: gl.constexpr = k_smem.type.shape[1]
+    mbarrier.expect(kv_bar, 2 * io.k_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(io.k_desc, [off_b, off_hkv, n * BLOCK_N, 0], kv_bar,
+                                    k_smem.reshape([1, 1, BLOCK_N, HEAD_DIM]))
+    tma.async_copy_global_to_shared(io.v_desc, [off_b, off_hkv, n * BLOCK_N, 0], kv_bar,
+                                    v_smem.reshape([1, 1, BLOCK_N, HEAD_DIM]))
+    for j in range(steps * GROUP):
+        stage = j % STAGES
+        mbarrier.wait(empty.index(stage), ((j // STAGES) & 1) ^ 1)  # a fresh barrier passes phase 1
+        off_h, start_m = _bwd_step_rows(j, steps, m_lo, off_hkv, GROUP, BLOCK_M)
+        _issue_tile(io.q_desc, io.do_desc, io.aux_desc, buffers.ready.index(stage), q_smem.index(stage),
+                    buffers.do_smem.index(stage), buffers.lse_smem.index(stage), buffers.delta_smem.index(stage),
+                    off_b, off_h, start_m)
+
+
+@gluon.jit
+def _bwd_write_dq(io, buffers, program, SEM, CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr):
+    """The dQ writer warp: adds each step's dQ share into the fp32 accumulator by one TMA
+    reduce-add, in key-block order (the last key block first), or (not DETERMINISTIC) as soon as
+    it is ready, in whatever order the programs get there."""
+    dq_smem, dq_full, dq_empty = buffers.dq_smem, buffers.dq_full, buffers.dq_empty
+    off_b, off_hkv, n, m_lo, steps = program.off_b, program.off_hkv, program.n, program.m_lo, program.steps
+    H, GROUP, T, S = program.H, program.GROUP, program.T, program.S
+    BLOCK_M: gl.constexpr = buffers.q_smem.type.shape[1]
+    BLOCK_N: gl.constexpr = buffers.k_smem.type.shape[0]
+    # one lane per thread of the warp: each polls the counter and releases the share it added
+    lane_zero = gl.zeros([32], gl.int32, gl.BlockedLayout([1], [32], [1], [0]))
+    m_blocks = gl.cdiv(T, BLOCK_M)
+    for j in range(steps * GROUP):
+        off_h, start_m = _bwd_step_rows(j, steps, m_lo, off_hkv, GROUP, BLOCK_M)
+        counter = SEM + (off_b * H + off_h) * m_blocks + start_m // BLOCK_M + lane_zero
+        if DETERMINISTIC:
+            landed = load_acquire(counter)  # read now, its latency hidden behind the wait below
+        n_hi = last_kv_block(start_m, program.n_blocks, T, S, CAUSAL, BLOCK_M, BLOCK_N)  # it adds first
+        turn = (n_hi - n) * 32  # every lane of every later program has released its share
+        buf = j % 2
+        mbarrier.wait(dq_full.index(buf), (j // 2) & 1)
+        if DETERMINISTIC:
+            while gl.min(landed, 0) < turn:
+                landed = load_acquire(counter)
+        tma_add(io.dqacc_desc, [off_b, off_h, start_m, 0], dq_smem.index(buf))
+        bulk_done(lane_zero)  # the add has landed in global memory, and its shared reads are done
+        mbarrier.arrive(dq_empty.index(buf), count=1)
+        if DETERMINISTIC:
+            gl.atomic_add(counter, lane_zero + 1, sem="release")
+
+
+@gluon.jit
+def _bwd_consume(io, buffers, program, outs, row_bounds, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr,
+                 NUM_WARPS: gl.constexpr):
+    """The matmul warps (two warpgroups, one wgmma M of BLOCK_N keys): the five products of every
+    step, dK and dV kept in registers and written at the end, each dQ share handed to the writer."""
+    k_smem, v_smem, q_smem, do_smem = buffers.k_smem, buffers.v_smem, buffers.q_smem, buffers.do_smem
+    lse_smem, delta_smem, ds_smem, dq_smem = buffers.lse_smem, buffers.delta_smem, buffers.ds_smem, buffers.dq_smem
+    ready, empty, dq_full, dq_empty = buffers.ready, buffers.empty, buffers.dq_full, buffers.dq_empty
+    off_b, off_hkv, n, m_lo, steps = program.off_b, program.off_hkv, program.n, program.m_lo, program.steps
+    GROUP, T, S = program.GROUP, program.T, program.S
+    DK, DV, dk_strides, dv_strides, sm_scale, qk_scale = outs  # dK, dV and their (batch, head, key) strides
+    ROW_HI, full_hi = row_bounds  # the batch row's row_hi; the first key's, from which rows need the mask
+    dtype: gl.constexpr = q_smem.dtype
+    STAGES: gl.constexpr = q_smem.type.shape[0]
+    BLOCK_M: gl.constexpr = q_smem.type.shape[1]
+    BLOCK_N: gl.constexpr = k_smem.type.shape[0]
+    HEAD_DIM: gl.constexpr = k_smem.type.shape[1]
+    start_n = n * BLOCK_N
+
+    # wgmma accumulators: (BLOCK_N, BLOCK_M) for S^T and dP^T, (BLOCK_N, D) for dK and dV,
+    # (BLOCK_M, D) for a dQ share; P^T and dS^T feed dV and dK as register A operands
+    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                        instr_shape=[16, BLOCK_M, 16])
+    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                        instr_shape=[16, HEAD_DIM, 16])
+    acc_layout: gl.constexpr = dq_layout(BLOCK_M, HEAD_DIM, NUM_WARPS)
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(0, st_layout)  # a vector over S^T's columns: queries
+
+    offs_m_t = gl.arange(0, BLOCK_M, layout=row_layout)
+    cols_t = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))  # S^T's rows: keys
+    zero_t = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)
+    zero_q = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, acc_layout)
+    dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
+    dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
+    # under a causal mask a tile needs masking where a key may follow a query, bounded where its
+    # rows reach full_hi (the first key's row_hi: a document's end, or the window's); the last key block
+    # may reach past S, whose zero keys would otherwise get weight exp2(-LSE)
+    past_s = start_n + BLOCK_N > S
+    row_hi = cols_t
+    if BOUNDED:
+        row_hi = gl.load(ROW_HI + cols_t, mask=cols_t < S, other=0)
+    mbarrier.wait(buffers.kv_bar, 0)
+    for j in range(steps * GROUP):
+        off_h, start_m = _bwd_step_rows(j, steps, m_lo, off_hkv, GROUP, BLOCK_M)
+        stage = j % STAGES
+        mbarrier.wait(ready.index(stage), (j // STAGES) & 1)
+        q_t = q_smem.index(stage)
+        do_t = do_smem.index(stage)
+        # -- S^T = K Q^T and dP^T = V dO^T, both in flight --
+        st = warpgroup_mma(k_smem, q_t.permute((1, 0)), zero_t, use_acc=False, is_async=True)
+        dpt = warpgroup_mma(v_smem, do_t.permute((1, 0)), zero_t, use_acc=False, is_async=True)
+        # -- P^T from LSE --
+        # rows past T arrive as zero Q and dO with LSE = delta = 0: P = 1 there but dP = dS = 0, dO = 0
+        lse = lse_smem.index(stage).reshape([BLOCK_M]).load(row_layout)
+        st = warpgroup_mma_wait(1, deps=[st])
+        pt = gl.exp2(st * qk_scale - lse[None, :])
+        # selected after exp2: a row with LSE = -inf (it sees no key) is dropped, never NaN
+        if tile_masked(start_m, start_n, past_s, full_hi, T, S, CAUSAL, BOUNDED, BLOCK_M, BLOCK_N):
+            pt = gl.where(visible_t(cols_t, start_m, offs_m_t, T, S, row_hi, CAUSAL, BOUNDED), pt, 0.0)
+        # -- dV += P^T dO; dS^T = P^T (dP^T - delta); dK += dS^T Q --
+        dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do_t, dv, is_async=True)
+        delta = delta_smem.index(stage).reshape([BLOCK_M]).load(row_layout)
+        dpt = warpgroup_mma_wait(1, deps=[dpt])
+        ds_lo = (pt * (dpt - delta[None, :])).to(dtype)
+        dk = warpgroup_mma(gl.convert_layout(ds_lo, a_layout), q_t, dk, is_async=True)
+        # -- dQ's share dS K, handed to the writer --
+        ds_buf = ds_smem.index(j % 2)  # two buffers: the barrier below also ends step j - 1's reads
+        ds_buf.store(ds_lo)
+        fence_async_shared()
+        gl.thread_barrier()
+        dq = warpgroup_mma(ds_buf.permute((1, 0)), k_smem, zero_q, use_acc=False, is_async=True)
+        dv, dk, dq = warpgroup_mma_wait(0, deps=[dv, dk, dq])
+        mbarrier.arrive(empty.index(stage), count=1)  # Q and dO are read: the producer may refill
+
+        buf = j % 2
+        mbarrier.wait(dq_empty.index(buf), ((j // 2) & 1) ^ 1)  # the writer has added its last share
+        dq_smem.index(buf).reshape([BLOCK_M, HEAD_DIM]).store(dq)
+        fence_async_shared()  # the writer's TMA reads what these threads wrote
+        gl.thread_barrier()
+        mbarrier.arrive(dq_full.index(buf), count=1)
+
+    # -- epilogue: dK and dV --
+    offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, kv_layout))
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
+    key_ok = offs_n[:, None] < S
+    kv_rows = offs_n[:, None].to(gl.int64)
+    stride_dkb, stride_dkh, stride_dkn = dk_strides
+    dk_ptrs = DK + off_b.to(gl.int64) * stride_dkb + off_hkv.to(gl.int64) * stride_dkh + kv_rows * stride_dkn
+    gl.store(dk_ptrs + offs_d[None, :], (dk * sm_scale).to(dtype), mask=key_ok)
+    stride_dvb, stride_dvh, stride_dvn = dv_strides
+    dv_ptrs = DV + off_b.to(gl.int64) * stride_dvb + off_hkv.to(gl.int64) * stride_dvh + kv_rows * stride_dvn
+    gl.store(dv_ptrs + offs_d[None, :], dv.to(dtype), mask=key_ok)
+
+
+@gluon.jit
+def _bwd_kernel(
+    q_desc, k_desc, v_desc, do_desc,  # TMA descriptors of (B, H, T, D), (B, H_kv, S, D) x2, (B, H, T, D)
+    aux_desc,  # of (B, H, 2, T_pad) fp32: LSE * log2(e) and delta = rowsum(dO * O), zero past T
+    dqacc_desc,  # of (B, H, T, D) fp32, zeroed: the dQ shares added so far
+    SEM,  # (B, H, cdiv(T, BLOCK_M)) int32, zeroed: how many writer lanes have released a share per Q block
+    ROW_HI,  # (B, S) int32: one past the last query that sees each key (BOUNDED: documents, a window)
+    DK, DV,  # outputs, (B, H_kv, S, D) with these strides (head dim contiguous)
+    dk_strides, dv_strides,  # each (batch, head, key)
+    H, GROUP, T, S,
+    sm_scale, qk_scale,  # softmax_scale, and softmax_scale * log2(e)
+    CAUSAL: gl.constexpr, BOUNDED: gl.constexpr, DETERMINISTIC: gl.constexpr, BLOCK_M: gl.constexpr,
+    STAGES: gl.constexpr, WORKER_REGS: gl.constexpr, num_warps: gl.constexpr,
+):
+    dtype: gl.constexpr = q_desc.dtype
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+    n_blocks = gl.num_programs(0)
+    n = n_blocks - 1 - gl.program_id(0)  # last key blocks first: the order of dQ's adds
+    off_hkv = gl.program_id(1)
+    off_b = gl.program_id(2)
+    # the Q blocks that see this key block, per query head: m_lo .. m_hi - 1
+    m_lo, m_hi, row_hi, full_hi = q_blocks(ROW_HI, off_b, n, T, S, CAUSAL, BOUNDED, BLOCK_M, BLOCK_N)
+    steps = m_hi - m_lo
+
+    m_tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
+    n_tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+    ds_tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
+    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], n_tile)
+    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], n_tile)
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], m_tile)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], m_tile)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, 1, 1, BLOCK_M], aux_desc.layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, 1, 1, BLOCK_M], aux_desc.layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_tile)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [2, 1, 1, BLOCK_M, HEAD_DIM], dqacc_desc.layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+    for b in gl.static_range(2):
+        mbarrier.init(dq_full.index(b), count=1)
+        mbarrier.init(dq_empty.index(b), count=1)
+
+    io = BwdIO(q_desc, k_desc, v_desc, do_desc, aux_desc, dqacc_desc)
+    buffers = BwdBuffers(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_bar, ready, empty,
+                         dq_full, dq_empty)
+    program = BwdProgram(off_b, off_hkv, n, n_blocks, m_lo, steps, H, GROUP, T, S)
+    outs = (DK, DV, dk_strides, dv_strides, sm_scale, qk_scale)
+    # -- the partitions: the matmul warpgroups in the kernel's own warps, the producer and the dQ writer beside --
+    gl.warp_specialize([(_bwd_consume, (io, buffers, program, outs, (row_hi, full_hi), CAUSAL, BOUNDED, num_warps)),
+                        (_bwd_produce, (io, buffers, program)),
+                        (_bwd_write_dq, (io, buffers, program, SEM, CAUSAL, DETERMINISTIC))],
+                       [1, 1], [WORKER_REGS, WORKER_REGS])
+
+
+# --------------------------------------------------------------------------------------------
+# launching
+
+
+@triton.jit
+def _lse_delta_kernel(
+    O, DO, LSE, AUX,  # o, do (B, H, T, D), head dim contiguous; LSE (B, H, T); AUX (B, H, 2, T_PAD) fp32
+    o_strides, do_strides,  # each (batch, head, sequence)
+    H, T, T_PAD, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """AUX[b, h] = (LSE * log2(e), rowsum(dO * O)) over T_PAD rows, zero past T."""
+    stride_ob, stride_oh, stride_ot = o_strides
+    stride_dob, stride_doh, stride_dot = do_strides
+    off_h = tl.program_id(1)
+    off_b = tl.program_id(2)
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    d = tl.arange(0, HEAD_DIM)
+    ok = rows < T
+    o = tl.load(O + off_b.to(tl.int64) * stride_ob + off_h * stride_oh + rows[:, None].to(tl.int64) * stride_ot
+                + d[None, :], mask=ok[:, None], other=0.0)
+    do = tl.load(DO + off_b.to(tl.int64) * stride_dob + off_h * stride_doh + rows[:, None].to(tl.int64) * stride_dot
+                 + d[None, :], mask=ok[:, None], other=0.0)
+    row0 = (off_b * H + off_h).to(tl.int64)
+    lse = tl.load(LSE + row0 * T + rows, mask=ok, other=0.0) * LOG2E
+    aux = AUX + row0 * 2 * T_PAD + rows
+    tl.store(aux, tl.where(ok, lse, 0.0), mask=rows < T_PAD)
+    tl.store(aux + T_PAD, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=rows < T_PAD)
+
+
+def _buffers(q, block_m: int, device) -> tuple:
+    """The backward's buffers: aux (B, H, 2, T_pad) fp32, and dQ's fp32 accumulator with the
+    order counters, zeroed by one fill. The accumulator is (B, H, T, D) in (B, T, H, D) memory
+    order, as kernels/api.py lays out dq: the final scaling pass then reads and writes both in the
+    same order, vectorized (strided, it took twice as long)."""
+    B, H, T, D = q.shape
+    aux = torch.empty((B, H, 2, triton.cdiv(T, 4) * 4), dtype=torch.float32, device=device)  # 16-byte rows (TMA)
+    n_acc, m_blocks = B * H * T * D, triton.cdiv(T, block_m)
+    zeroed = torch.zeros(n_acc + B * H * m_blocks, dtype=torch.float32, device=device)
+    dq_acc = zeroed[:n_acc].view(B, T, H, D).transpose(1, 2)
+    return aux, dq_acc, zeroed[n_acc:].view(torch.int32).view(B, H, m_blocks)
+
+
+def _launch(do, q, k, v, o, lse, dk, dv, row_hi: torch.Tensor | None, causal: bool, scale: float,
+            deterministic: bool = True, warmup: bool = False):
+    """Launches the backward (its LSE and delta pass first) through Triton's front door; returns
+    the fp32 dQ accumulator, unscaled, and the two launches bound for later calls of this layout
+    (or, with warmup, only compiles the backward kernel and returns it). row_hi: as backward's."""
+    (B, H, T, D), (H_kv, S) = q.shape, k.shape[1:3]
+    tiles = config.BWD_TILES[D]
+    aux, dq_acc, sem = _buffers(q, tiles.block_m, "cpu" if warmup else q.device)
+    t_pad = aux.shape[3]
+    aux_grid = (triton.cdiv(t_pad, 64), H, B)
+    aux_args = (o, do, lse, aux, o.stride()[:3], do.stride()[:3], H, T, t_pad, D, 64)  # ..., HEAD_DIM, BLOCK
+    if not warmup:
+        aux_bound = bind(_lse_delta_kernel, _lse_delta_kernel[aux_grid](*aux_args), aux_grid, aux_args, {})
+    bounded = row_hi is not None
+    row_hi = lse if row_hi is None else row_hi  # lse stands in for absent bounds: unread
+    args = (descriptor(q, [1, 1, tiles.block_m, D]), descriptor(k, [1, 1, tiles.block_n, D]),
+            descriptor(v, [1, 1, tiles.block_n, D]), descriptor(do, [1, 1, tiles.block_m, D]),
+            descriptor(aux, [1, 1, 1, tiles.block_m]), descriptor(dq_acc, [1, 1, tiles.block_m, D]), sem, row_hi,
+            dk, dv, dk.stride()[:3], dv.stride()[:3], H, H // H_kv, T, S, scale, scale * LOG2E.value)
+    options = dict(CAUSAL=causal, BOUNDED=bounded, DETERMINISTIC=deterministic, BLOCK_M=tiles.block_m,
+                   STAGES=tiles.stages, WORKER_REGS=config.WORKER_REGS, num_warps=config.BWD_WARPS,
+                   maxnreg=config.bwd_maxnreg())
+    grid = (triton.cdiv(S, tiles.block_n), H_kv, B)
+    if warmup:
+        return _bwd_kernel.warmup(*args, grid=grid, **options)
+    return dq_acc, (aux_bound, bind(_bwd_kernel, _bwd_kernel[grid](*args, **options), grid, args, options))
+
+
+# the compiled LSE-delta and backward kernels per input layout, bound as the forward's are
+_BOUND: dict[tuple, tuple[Bound, Bound]] = {}
+
+
+def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, row_hi: torch.Tensor | None = None,
+             deterministic: bool = True) -> None:
+    """Writes dq, dk, dv (shaped like q, k, v; head dim contiguous) from the forward's o and lse
+    ((B, H, T) fp32, contiguous). row_hi: None, or (B, S) int32 contiguous (causal only), one past
+    the last query that sees each key, to attend within documents or a window (kernels/masking.py's
+    Bounds.row_hi). deterministic: dQ's shares added in a fixed order (the same bits every run), or
+    in the order they come (not)."""
+    # the LSE-delta kernel is compiled for o, do and lse as aligned (or not) as the first call's
+    layout = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), do.stride(), o.stride(), dk.stride(), dv.stride(),
+              q.dtype, q.device.index, causal, row_hi is None, deterministic, scale,
+              *(t.data_ptr() % 16 == 0 for t in (o, do, lse, lse if row_hi is None else row_hi)))
+    if bound := _BOUND.get(layout):
+        aux_bound, bwd_bound = bound
+        aux, dq_acc, sem = _buffers(q, config.BWD_TILES[q.shape[3]].block_m, q.device)
+        aux_bound(o, do, lse, aux)
+        bwd_bound(q, k, v, do, aux, dq_acc, sem, lse if row_hi is None else row_hi, dk, dv)
+    else:
+        dq_acc, _BOUND[layout] = _launch(do, q, k, v, o, lse, dk, dv, row_hi, causal, scale, deterministic)
+    torch.mul(dq_acc, scale, out=dq)  # rows that see no key (causal, T > S) got no share: zero
+
+
+def compile_only(do, q, k, v, causal: bool, bounded: bool = False):
+    """The compiled kernel for these inputs' layout, without launching it (kernels/runtime/sm90.py)."""
+    B, H, T, _ = q.shape
+    lse = torch.empty((B, H, T), dtype=torch.float32)
+    row_hi = torch.empty((B, k.shape[2]), dtype=torch.int32) if bounded else None
+    return _launch(do, q, k, v, torch.empty_like(q), lse, torch.empty_like(k), torch.empty_like(v),
+                   row_hi, causal, q.shape[3] ** -0.5, warmup=True)

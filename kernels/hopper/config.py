@@ -1,0 +1,65 @@
+"""The Hopper kernels' table (sm_90, Gluon): where they run, their tiles and register budgets.
+
+Every number was measured best on the H100 (docs/perf-notes.md v10-v13). Adding a head dim is a
+row in FWD_TILES and BWD_TILES; kernels/backends.py reads the rest to say where they run.
+Plain Python, importable with any triton: Gluon's API is imported only by the kernels' files.
+"""
+
+from typing import NamedTuple
+
+import torch
+
+TRITON = "3.6."  # the triton release whose Gluon the kernels are written in
+CAPABILITY = (9, 0)  # sm_90: H100, H200 (wgmma, TMA, warp specialization)
+DTYPES = (torch.float16, torch.bfloat16)
+# unset FLASH_ATTENTION_BACKEND: from MIN_SEQ queries on, the forward runs here wherever it can,
+# and the backward at the head dims where it is the faster (the Triton backward at 64); below
+# MIN_SEQ, where host time per call decides, the portable kernels
+MIN_SEQ = 2048
+BACKWARD_HEAD_DIMS = (128,)
+
+
+class FwdTiles(NamedTuple):
+    consumers: int  # consumer warpgroups of FWD_ROWS query rows each
+    block_n: int  # keys per ring slot
+    stages: int  # depth of the K/V ring
+
+
+class BwdTiles(NamedTuple):
+    block_m: int  # query rows per step
+    block_n: int  # keys per program
+    stages: int  # depth of the Q/dO ring
+
+
+FWD_ROWS = 64  # query rows per consumer warpgroup: one wgmma M
+# head dim -> forward tiles below and from FWD_LONG queries: at D = 64 a third consumer pays once
+# rows are many enough that its 64 extra masked rows per program do not (v11)
+FWD_LONG = 2048
+FWD_TILES = {64: (FwdTiles(2, 128, 3), FwdTiles(3, 128, 3)),
+             128: (FwdTiles(2, 128, 2), FwdTiles(2, 128, 2))}
+BWD_TILES = {64: BwdTiles(64, 128, 3), 128: BwdTiles(64, 128, 2)}
+HEAD_DIMS = tuple(FWD_TILES)
+BWD_WARPS = 8  # the backward's matmul warps: two warpgroups, one wgmma M of BLOCK_N keys
+
+# Registers are shared out per warpgroup, 64K in all. The 1-warp workers (the forward's producer;
+# the backward's producer and dQ writer, together in one warpgroup) only issue TMA copies, wait
+# on barriers and add: WORKER_REGS each.
+REGISTERS = 65536
+WORKER_REGS = 24
+
+
+def fwd_tiles(head_dim: int, seq_len: int) -> FwdTiles:
+    return FWD_TILES[head_dim][seq_len >= FWD_LONG]
+
+
+def fwd_registers(consumers: int) -> tuple[int, int]:
+    """(maxnreg, consumer registers) of the forward: the producer's warp takes a warpgroup slot at
+    WORKER_REGS; the consumers split the rest, the default partition (consumer 0) getting what
+    maxnreg leaves it."""
+    maxnreg = REGISTERS // ((consumers + 1) * 128) // 8 * 8
+    return maxnreg, (REGISTERS // 128 - WORKER_REGS) // consumers // 8 * 8
+
+
+def bwd_maxnreg() -> int:
+    """The backward's matmul warps get what is left of 64K over 3 warpgroups (240 each)."""
+    return REGISTERS // ((BWD_WARPS + 4) * 32) // 8 * 8

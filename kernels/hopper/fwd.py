@@ -1,0 +1,261 @@
+"""The FlashAttention forward for Hopper (sm_90) in Gluon, warp-specialized: O and LSE of q
+(B, H, T, D) against k, v (B, H_kv, S, D), as kernels/triton/fwd.py computes them.
+
+A program owns CONSUMERS * FWD_ROWS query rows of one head. One warp (the producer) streams the
+K/V blocks by TMA into a STAGES-deep ring; each consumer warpgroup owns FWD_ROWS of the rows, runs
+the online softmax over every block (S = Q K_j^T by wgmma, P straight from registers as the A
+operand of P V_j) and frees the slot when its matmuls are done. While one consumer waits on its
+matmuls the other's exp2s run: the overlap FlashAttention-3 gets from its second warpgroup,
+without a hand-written schedule. Q arrives by TMA once; O leaves by TMA through Q's buffer.
+Tiles, stages and registers: kernels/hopper/config.py. docs/flash-attention.md derives it.
+"""
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
+
+from kernels.hopper import config
+from kernels.hopper.blocks import descriptor, kv_blocks, kv_runs, visible
+from kernels.hopper.pipeline import FwdBuffers, FwdIO, FwdProgram, skip_slot
+from kernels.runtime.launch import Bound, bind
+from kernels.triton.blocks import LOG2E
+
+WORKER_REGS = gl.constexpr(config.WORKER_REGS)  # the producer only issues TMA copies and waits on barriers
+
+# --------------------------------------------------------------------------------------------
+# the partitions
+
+@gluon.jit
+def _fwd_step(i, j, acc, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready, kv_empty, rows, cols, key_lo, T, S,
+              qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr):
+    """Key block j (ring slot i) of the online softmax; frees the slot when its matmuls are done."""
+    ROWS: gl.constexpr = q_t.type.shape[0]
+    BLOCK_N: gl.constexpr = k_smem.type.shape[1]
+    STAGES: gl.constexpr = k_smem.type.shape[0]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2)
+    stage = i % STAGES
+    phase = (i // STAGES) & 1
+    # -- S = Q K^T --
+    mbarrier.wait(k_ready.index(stage), phase)
+    qk = warpgroup_mma(q_t, k_smem.index(stage).permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout),
+                       use_acc=False)
+    if MASKED:
+        qk = gl.where(visible(rows, j * BLOCK_N + cols, T, S, key_lo, CAUSAL, BOUNDED), qk, float("-inf"))
+    # -- online softmax: new row max, rescale --
+    m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
+    m_sub = m_new
+    if MASKED:  # a row that has seen no key yet keeps m = -inf: subtract 0 so exp2 gives 0, not NaN
+        m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
+    p = gl.exp2(qk * qk_scale - m_sub[:, None])
+    alpha = gl.exp2(m_i - m_sub)
+    l_i = l_i * alpha + gl.sum(p, 1)
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
+    # -- O += P V, then the slot is free --
+    mbarrier.wait(v_ready.index(stage), phase)
+    acc = warpgroup_mma(gl.convert_layout(p.to(q_t.dtype), p_layout), v_smem.index(stage), acc)
+    mbarrier.arrive(kv_empty.index(stage), count=1)
+    return acc, l_i, m_new
+
+
+@gluon.jit
+def _fwd_consume(io, buffers, program, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr, C: gl.constexpr):
+    """Consumer warpgroup C: query rows start_m + 64 C .. + 63 against the program's key blocks."""
+    q_smem, k_smem, v_smem = buffers.q_smem, buffers.k_smem, buffers.v_smem
+    k_ready, v_ready, kv_empty = buffers.k_ready, buffers.v_ready, buffers.kv_empty
+    lo, n_blocks, T, S, qk_scale = program.lo, program.n_blocks, program.T, program.S, program.qk_scale
+    ROWS: gl.constexpr = q_smem.type.shape[1]
+    HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
+    STAGES: gl.constexpr = k_smem.type.shape[0]
+    BLOCK_N: gl.constexpr = k_smem.type.shape[1]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    first = program.start_m + C * ROWS
+    rows = first + gl.arange(0, ROWS, layout=row_layout)
+    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
+    l_i = gl.zeros([ROWS], gl.float32, row_layout)
+    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
+    # the program's key blocks lo .. n_blocks - 1 pass through the ring in order
+    key_lo, own_lo, full_lo, n_full = kv_runs(program.KEY_LO, rows, first, lo, n_blocks, T, S, CAUSAL, BOUNDED, ROWS,
+                                              BLOCK_N)
+    q_t = q_smem.index(C)
+    mbarrier.wait(buffers.q_bar.index(C), 0)
+    # -- the key blocks: other consumers' (passed unread), masked, mask-free, masked --
+    for j in range(lo, own_lo):
+        skip_slot(j - lo, k_ready, v_ready, kv_empty, STAGES)
+    for j in range(own_lo, gl.minimum(full_lo, n_full)):
+        acc, l_i, m_i = _fwd_step(j - lo, j, acc, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready, kv_empty, rows,
+                                  cols, key_lo, T, S, qk_scale, True, CAUSAL, BOUNDED)
+    for j in range(full_lo, n_full):
+        acc, l_i, m_i = _fwd_step(j - lo, j, acc, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready, kv_empty, rows,
+                                  cols, key_lo, T, S, qk_scale, False, CAUSAL, BOUNDED)
+    for j in range(gl.maximum(own_lo, n_full), n_blocks):
+        acc, l_i, m_i = _fwd_step(j - lo, j, acc, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready, kv_empty, rows,
+                                  cols, key_lo, T, S, qk_scale, True, CAUSAL, BOUNDED)
+
+    # -- epilogue: LSE, and O through Q's buffer --
+    l_safe = gl.where(l_i == 0.0, 1.0, l_i)  # rows that attend no key: O = 0, LSE = -inf
+    lse = (m_i + gl.log2(l_safe)) / LOG2E
+    gl.store(io.LSE + (program.off_b * program.H + program.off_h).to(gl.int64) * T + rows, lse, mask=rows < T)
+    o = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]
+    q_t.store(o.to(q_t.dtype))  # Q's buffer is free: this warpgroup's matmuls are all done
+    fence_async_shared()
+    gl.thread_barrier()
+    tma.async_copy_shared_to_global(io.o_desc, [program.off_b, program.off_h, first, 0],
+                                    q_t.reshape([1, 1, ROWS, HEAD_DIM]))
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _fwd_consume_1(io, buffers, program, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr):
+    _fwd_consume(io, buffers, program, CAUSAL, BOUNDED, 1)
+
+
+@gluon.jit
+def _fwd_consume_2(io, buffers, program, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr):
+    _fwd_consume(io, buffers, program, CAUSAL, BOUNDED, 2)
+
+
+@gluon.jit
+def _fwd_produce(io, buffers, program):
+    """The producer warp: each consumer's Q tile, then the K/V blocks lo .. n_blocks - 1 through the ring."""
+    q_desc, k_desc, v_desc = io.q_desc, io.k_desc, io.v_desc
+    q_smem, k_smem, v_smem, q_bar = buffers.q_smem, buffers.k_smem, buffers.v_smem, buffers.q_bar
+    k_ready, v_ready, kv_empty = buffers.k_ready, buffers.v_ready, buffers.kv_empty
+    off_b, off_hkv, lo, n_blocks = program.off_b, program.off_hkv, program.lo, program.n_blocks
+    CONSUMERS: gl.constexpr = q_smem.type.shape[0]
+    ROWS: gl.constexpr = q_smem.type.shape[1]
+    HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
+    STAGES: gl.constexpr = k_smem.type.shape[0]
+    BLOCK_N: gl.constexpr = k_smem.type.shape[1]
+    for c in gl.static_range(CONSUMERS):
+        mbarrier.expect(q_bar.index(c), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [off_b, program.off_h, program.start_m + c * ROWS, 0], q_bar.index(c),
+                                        q_smem.index(c).reshape([1, 1, ROWS, HEAD_DIM]))
+    for j in range(lo, n_blocks):
+        stage = (j - lo) % STAGES
+        mbarrier.wait(kv_empty.index(stage), (((j - lo) // STAGES) & 1) ^ 1)  # a fresh barrier passes phase 1
+        mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [off_b, off_hkv, j * BLOCK_N, 0], k_ready.index(stage),
+                                        k_smem.index(stage).reshape([1, 1, BLOCK_N, HEAD_DIM]))
+        mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [off_b, off_hkv, j * BLOCK_N, 0], v_ready.index(stage),
+                                        v_smem.index(stage).reshape([1, 1, BLOCK_N, HEAD_DIM]))
+
+
+@gluon.jit
+def _fwd_kernel(
+    q_desc, k_desc, v_desc,  # TMA descriptors of (B, H, T, D), (B, H_kv, S, D) x2
+    o_desc,  # of (B, H, T, D): the output
+    LSE,  # (B, H, T) fp32, natural log
+    KEY_LO,  # (B, T) int32: each query's first key (BOUNDED only: documents, a window)
+    H, GROUP, T, S,
+    qk_scale,  # softmax_scale * log2(e)
+    CAUSAL: gl.constexpr, BOUNDED: gl.constexpr, CONSUMERS: gl.constexpr, STAGES: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr,
+):
+    dtype: gl.constexpr = q_desc.dtype
+    ROWS: gl.constexpr = q_desc.block_type.shape[2]
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+    # the longest causal rows start first, so that short ones fill the tail of the launch
+    start_m = (gl.num_programs(0) - 1 - gl.program_id(0)) * (CONSUMERS * ROWS)
+    off_h = gl.program_id(1)
+    off_b = gl.program_id(2)
+    lo, n_blocks, key_lo = kv_blocks(KEY_LO, off_b, start_m, T, S, CAUSAL, BOUNDED, CONSUMERS * ROWS, BLOCK_N)
+
+    q_tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM], dtype)
+    kv_tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, ROWS, HEAD_DIM], q_tile)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_tile)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_tile)
+    q_bar = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for c in gl.static_range(CONSUMERS):
+        mbarrier.init(q_bar.index(c), count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(s), count=1)
+        mbarrier.init(v_ready.index(s), count=1)
+        mbarrier.init(kv_empty.index(s), count=CONSUMERS)  # every consumer frees the slot
+
+    io = FwdIO(q_desc, k_desc, v_desc, o_desc, LSE)
+    buffers = FwdBuffers(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty)
+    program = FwdProgram(off_b, off_h, off_h // GROUP, start_m, lo, n_blocks, key_lo, H, T, S, qk_scale)
+    # -- the partitions: consumer 0 in the kernel's own warps, the others and the producer beside it --
+    if CONSUMERS == 2:
+        gl.warp_specialize([(_fwd_consume, (io, buffers, program, CAUSAL, BOUNDED, 0)),
+                            (_fwd_consume_1, (io, buffers, program, CAUSAL, BOUNDED)),
+                            (_fwd_produce, (io, buffers, program))],
+                           [4, 1], [CONSUMER_REGS, WORKER_REGS])
+    else:
+        gl.warp_specialize([(_fwd_consume, (io, buffers, program, CAUSAL, BOUNDED, 0)),
+                            (_fwd_consume_1, (io, buffers, program, CAUSAL, BOUNDED)),
+                            (_fwd_consume_2, (io, buffers, program, CAUSAL, BOUNDED)),
+                            (_fwd_produce, (io, buffers, program))],
+                           [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, WORKER_REGS])
+
+
+# --------------------------------------------------------------------------------------------
+# launching
+
+
+def _options(causal: bool, bounded: bool, tiles: config.FwdTiles) -> dict:
+    """The kernel's constexprs and compile options for these tiles."""
+    maxnreg, consumer_regs = config.fwd_registers(tiles.consumers)
+    return dict(CAUSAL=causal, BOUNDED=bounded, CONSUMERS=tiles.consumers, STAGES=tiles.stages,
+                CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg)
+
+
+def _grid(q, tiles: config.FwdTiles) -> tuple[int, int, int]:
+    B, H, T, _ = q.shape
+    return triton.cdiv(T, tiles.consumers * config.FWD_ROWS), H, B
+
+
+def _args(q, k, v, o, lse, key_lo, scale: float, block_n: int) -> tuple:
+    (_, H, T, D), (H_kv, S) = q.shape, k.shape[1:3]
+    rows = config.FWD_ROWS
+    return (descriptor(q, [1, 1, rows, D]), descriptor(k, [1, 1, block_n, D]), descriptor(v, [1, 1, block_n, D]),
+            descriptor(o, [1, 1, rows, D]), lse, key_lo, H, H // H_kv, T, S, scale * LOG2E.value)
+
+
+# the compiled forward per input layout: later calls launch it directly with descriptors rebuilt
+# from the new addresses, where Triton's front door would bind every argument again and
+# TensorDescriptor would re-check what the layout already fixes (52 us per call against 41 on the
+# H100 machine's host, perf-notes v12)
+_BOUND: dict[tuple, Bound] = {}
+
+
+def forward(q, k, v, o, lse, causal: bool, scale: float, key_lo: torch.Tensor | None = None) -> None:
+    """Writes o (shaped like q, head dim contiguous) and lse ((B, H, T) fp32, contiguous, natural
+    log). key_lo ((B, T) int32, contiguous; causal only): each query's first key, to attend within
+    documents or a window (kernels/masking.py's Bounds.key_lo)."""
+    bounded = key_lo is not None
+    key_lo = lse if key_lo is None else key_lo  # lse stands in for absent bounds: unread
+    layout = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), o.stride(), q.dtype, q.device.index, causal,
+              bounded, scale, lse.data_ptr() % 16 == 0, key_lo.data_ptr() % 16 == 0)
+    if bound := _BOUND.get(layout):
+        bound(q, k, v, o, lse, key_lo)
+        return
+    tiles = config.fwd_tiles(q.shape[3], q.shape[2])
+    args = _args(q, k, v, o, lse, key_lo, scale, tiles.block_n)
+    grid = _grid(q, tiles)
+    options = _options(causal, bounded, tiles)
+    _BOUND[layout] = bind(_fwd_kernel, _fwd_kernel[grid](*args, **options), grid, args, options)
+
+
+def compile_only(q, k, v, causal: bool, bounded: bool = False):
+    """The compiled forward kernel for these inputs' layout, without launching it (kernels/runtime/sm90.py)."""
+    (B, H, T, D) = q.shape
+    tiles = config.fwd_tiles(D, T)
+    args = _args(q, k, v, torch.empty_like(q), torch.empty((B, H, T), dtype=torch.float32),
+                 torch.empty((B, T), dtype=torch.int32), D ** -0.5, tiles.block_n)
+    return _fwd_kernel.warmup(*args, grid=_grid(q, tiles), **_options(causal, bounded, tiles))

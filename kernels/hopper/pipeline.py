@@ -1,0 +1,187 @@
+"""The Hopper kernels' pipeline: how the warp-specialized partitions share their state (small
+named aggregates, as Triton's Gluon examples keep them), and the handshakes between the producer
+warp, the matmul warpgroups and the backward's dQ writer that the Gluon language does not name."""
+
+from triton._C.libtriton import ir
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+from triton.experimental.gluon.language.nvidia.hopper.tma import tensor_descriptor
+from triton.language.core import _aggregate as aggregate  # Gluon's own (triton 3.6 exports no public name)
+
+Scalar = gl.tensor | gl.constexpr  # an integer argument is a constexpr where it is 1 (Triton specializes it)
+
+
+@gluon.constexpr_function
+def scalar(value):
+    """A Scalar field's value: a specialized integer reaches an aggregate's constructor as an int."""
+    return gl.constexpr(value) if isinstance(value, int) else value
+
+
+# --------------------------------------------------------------------------------------------
+# what the forward's partitions share
+
+
+@aggregate
+class FwdIO:
+    """The program's global memory: TMA descriptors of q, k, v and o (B, H, T, D); LSE (B, H, T)."""
+    q_desc: tensor_descriptor
+    k_desc: tensor_descriptor
+    v_desc: tensor_descriptor
+    o_desc: tensor_descriptor
+    LSE: gl.tensor
+
+    @gluon.constexpr_function
+    def __init__(self, q_desc, k_desc, v_desc, o_desc, LSE):
+        self.q_desc, self.k_desc, self.v_desc, self.o_desc, self.LSE = q_desc, k_desc, v_desc, o_desc, LSE
+
+
+@aggregate
+class FwdBuffers:
+    """Shared memory and its barriers: a Q tile per consumer (q_bar: loaded) and the STAGES-deep K/V
+    ring (k_ready, v_ready: loaded; kv_empty: freed by every consumer)."""
+    q_smem: gl.shared_memory_descriptor
+    k_smem: gl.shared_memory_descriptor
+    v_smem: gl.shared_memory_descriptor
+    q_bar: gl.shared_memory_descriptor
+    k_ready: gl.shared_memory_descriptor
+    v_ready: gl.shared_memory_descriptor
+    kv_empty: gl.shared_memory_descriptor
+
+    @gluon.constexpr_function
+    def __init__(self, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty):
+        self.q_smem, self.k_smem, self.v_smem = q_smem, k_smem, v_smem
+        self.q_bar, self.k_ready, self.v_ready, self.kv_empty = q_bar, k_ready, v_ready, kv_empty
+
+
+@aggregate
+class FwdProgram:
+    """Which work the program owns: batch, head, kv head, first query row, key blocks lo ..
+    n_blocks - 1; the batch row's key_lo; the sizes and the scale."""
+    off_b: Scalar
+    off_h: Scalar
+    off_hkv: Scalar
+    start_m: Scalar
+    lo: Scalar
+    n_blocks: Scalar
+    KEY_LO: gl.tensor
+    H: Scalar
+    T: Scalar
+    S: Scalar
+    qk_scale: gl.tensor
+
+    @gluon.constexpr_function
+    def __init__(self, off_b, off_h, off_hkv, start_m, lo, n_blocks, KEY_LO, H, T, S, qk_scale):
+        self.off_b, self.off_h, self.off_hkv, self.start_m = map(scalar, (off_b, off_h, off_hkv, start_m))
+        self.lo, self.n_blocks, self.KEY_LO = scalar(lo), scalar(n_blocks), KEY_LO
+        self.H, self.T, self.S, self.qk_scale = scalar(H), scalar(T), scalar(S), qk_scale
+
+
+# --------------------------------------------------------------------------------------------
+# what the backward's partitions share
+
+
+@aggregate
+class BwdIO:
+    """The program's global memory, by TMA: q, k, v, do (B, H, T, D); aux (B, H, 2, T_pad) fp32,
+    LSE * log2(e) and delta; dq_acc (B, H, T, D) fp32, the dQ shares added so far."""
+    q_desc: tensor_descriptor
+    k_desc: tensor_descriptor
+    v_desc: tensor_descriptor
+    do_desc: tensor_descriptor
+    aux_desc: tensor_descriptor
+    dqacc_desc: tensor_descriptor
+
+    @gluon.constexpr_function
+    def __init__(self, q_desc, k_desc, v_desc, do_desc, aux_desc, dqacc_desc):
+        self.q_desc, self.k_desc, self.v_desc, self.do_desc = q_desc, k_desc, v_desc, do_desc
+        self.aux_desc, self.dqacc_desc = aux_desc, dqacc_desc
+
+
+@aggregate
+class BwdBuffers:
+    """Shared memory and its barriers: the program's K and V (kv_bar: loaded); the STAGES-deep ring
+    of Q, dO, LSE and delta (ready, empty); dS^T, twice; the dQ shares on their way to the writer
+    (dq_full, dq_empty), twice."""
+    k_smem: gl.shared_memory_descriptor
+    v_smem: gl.shared_memory_descriptor
+    q_smem: gl.shared_memory_descriptor
+    do_smem: gl.shared_memory_descriptor
+    lse_smem: gl.shared_memory_descriptor
+    delta_smem: gl.shared_memory_descriptor
+    ds_smem: gl.shared_memory_descriptor
+    dq_smem: gl.shared_memory_descriptor
+    kv_bar: gl.shared_memory_descriptor
+    ready: gl.shared_memory_descriptor
+    empty: gl.shared_memory_descriptor
+    dq_full: gl.shared_memory_descriptor
+    dq_empty: gl.shared_memory_descriptor
+
+    @gluon.constexpr_function
+    def __init__(self, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_bar, ready, empty,
+                 dq_full, dq_empty):
+        self.k_smem, self.v_smem, self.q_smem, self.do_smem = k_smem, v_smem, q_smem, do_smem
+        self.lse_smem, self.delta_smem, self.ds_smem, self.dq_smem = lse_smem, delta_smem, ds_smem, dq_smem
+        self.kv_bar, self.ready, self.empty, self.dq_full, self.dq_empty = kv_bar, ready, empty, dq_full, dq_empty
+
+
+@aggregate
+class BwdProgram:
+    """Which work the program owns: batch, kv head, key block n of n_blocks, and `steps` Q blocks
+    from m_lo for each of the GROUP query heads of the kv head; the sizes."""
+    off_b: Scalar
+    off_hkv: Scalar
+    n: Scalar
+    n_blocks: Scalar
+    m_lo: Scalar
+    steps: Scalar
+    H: Scalar
+    GROUP: Scalar
+    T: Scalar
+    S: Scalar
+
+    @gluon.constexpr_function
+    def __init__(self, off_b, off_hkv, n, n_blocks, m_lo, steps, H, GROUP, T, S):
+        self.off_b, self.off_hkv, self.n, self.n_blocks = scalar(off_b), scalar(off_hkv), scalar(n), scalar(n_blocks)
+        self.m_lo, self.steps, self.H, self.GROUP = scalar(m_lo), scalar(steps), scalar(H), scalar(GROUP)
+        self.T, self.S = scalar(T), scalar(S)
+
+
+# --------------------------------------------------------------------------------------------
+# handshakes
+
+
+@gluon.jit
+def skip_slot(i, k_ready, v_ready, kv_empty, STAGES: gl.constexpr):
+    """Ring slot i holds a key block this warpgroup's rows do not see (below their first keys, where
+    another warpgroup's rows see it): free it once loaded, unread. Waiting for the load keeps this
+    warpgroup from freeing a slot twice before the other has freed it once."""
+    stage = i % STAGES
+    phase = (i // STAGES) & 1
+    mbarrier.wait(k_ready.index(stage), phase)
+    mbarrier.wait(v_ready.index(stage), phase)
+    mbarrier.arrive(kv_empty.index(stage), count=1)
+
+
+@gluon.jit
+def load_acquire(ptrs):
+    """ld.acquire.gpu of int32 pointers: what later loads and adds see follows what it read."""
+    return gl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [ptrs], dtype=gl.int32,
+                                     is_pure=False, pack=1)
+
+
+@gluon.jit
+def bulk_done(like):
+    """Waits for this thread's TMA stores and reductions to complete (their writes done, not only
+    their shared-memory reads, as tma.store_wait waits for), and orders them before what follows."""
+    return gl.inline_asm_elementwise("cp.async.bulk.wait_group 0; fence.proxy.async.global; mov.u32 $0, 0;",
+                                     "=r,r", [like], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@builtin
+def tma_add(tensor_desc, coord, src, _semantic=None):
+    """TMA reduce-add of shared memory `src` into the descriptor's box at `coord` (triton 3.6's
+    Gluon builds the op but exposes no wrapper)."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)

@@ -1,0 +1,66 @@
+"""The mask, stated once: which keys a query sees, and the Bounds the kernels read it from.
+
+Query i (of T) sees key j (of S) iff
+    j < S                                   a real key
+    j <= i + S - T                          causal, bottom-right aligned (SDPA's is_causal at T == S)
+    key_lo(i) <= j, equivalently i < row_hi(j)   bounded: packed documents and a sliding window
+Documents (T == S) bound query i's keys from below by its document's first token; a causal window
+of W keys by i + S - T - W + 1. Both bounds grow with i, so their maximum, key_lo, does too, and
+so does its inverse row_hi (one past the last query that sees key j): one comparison per score
+masks both, a query block needs keys only from its first row's key_lo on, a key block only
+queries up to its last key's row_hi, and tiles outside that band are skipped, not masked.
+Rows that see no key get O = 0, LSE = -inf and zero gradients. Each dialect computes the tile
+ranges and the element mask from these in one module: kernels/triton/blocks.py,
+kernels/hopper/blocks.py; kernels/reference/flash_ref.py checks them independently.
+"""
+
+from typing import NamedTuple
+
+import torch
+
+
+class Bounds(NamedTuple):
+    """The band of keys each query sees inside the causal mask, as the kernels read it: key_lo (B, T)
+    int32, every query's first key; row_hi (B, S) int32, one past every key's last query."""
+    key_lo: torch.Tensor
+    row_hi: torch.Tensor
+
+
+def bounds(doc_ids: torch.Tensor | None, window: int, B: int, T: int, S: int, device: torch.device) -> Bounds | None:
+    """The Bounds of packed documents doc_ids (B, T) (a document is a run of equal ids, so any ids,
+    repeated further on or colliding in int32, mask as they skip) and of a causal window of W keys
+    (query i, at key position i + S - T, sees keys i + S - T - W + 1 .. i + S - T; 0: no window),
+    or None where neither bounds anything."""
+    if window >= S:  # the window holds every key a query may see
+        window = 0
+    if doc_ids is None and window == 0:
+        return None
+    rows = torch.arange(T, dtype=torch.int32, device=device).expand(B, T)
+    keys = torch.arange(S, dtype=torch.int32, device=device).expand(B, S)
+    key_lo, row_hi = torch.zeros_like(rows), torch.full_like(keys, T)
+    if doc_ids is not None:  # T == S
+        first = torch.ones_like(doc_ids, dtype=torch.bool)
+        first[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+        last = torch.ones_like(first)
+        last[:, :-1] = first[:, 1:]
+        key_lo = torch.cummax(torch.where(first, rows, 0), dim=1).values
+        row_hi = torch.cummin(torch.where(last, rows + 1, T).flip(1), dim=1).values.flip(1)
+    if window:
+        key_lo = torch.maximum(key_lo, rows + (S - T - window + 1))
+        row_hi = torch.minimum(row_hi, keys + (window + T - S))
+    return Bounds(key_lo.clamp(0, S).contiguous(), row_hi.clamp(0, T).contiguous())
+
+
+_WINDOWS: dict[tuple, Bounds | None] = {}  # (B, T, S, window, device) -> its Bounds, without documents
+
+
+def window_bounds(window: int, B: int, T: int, S: int, device: torch.device) -> Bounds | None:
+    """bounds(None, window, ...), made once per shape in eager calls (a few launches saved per call)."""
+    if torch.compiler.is_compiling():
+        return bounds(None, window, B, T, S, device)
+    key = (B, T, S, window, device)
+    if key not in _WINDOWS:
+        if len(_WINDOWS) >= 64:  # shapes change rarely; bound the memory where they do
+            _WINDOWS.clear()
+        _WINDOWS[key] = bounds(None, window, B, T, S, device)
+    return _WINDOWS[key]

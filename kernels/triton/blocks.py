@@ -1,0 +1,214 @@
+"""The portable kernels' blocks: which tiles a program visits and which of their scores it masks
+(kernels/masking.py's rule, computed once here for the forward and both backward kernels), and
+how a tile of a (B, H, T, D) tensor is addressed: through pointers, or a TMA descriptor.
+
+A program's tiles fall into runs: masked tiles where its rows' first keys lie (bounded only),
+mask-free tiles every row sees whole, masked tiles on the diagonal and past the keys' end. Each
+kernel walks the runs with one inner loop, MASKED a constexpr, so mask-free tiles pay no mask.
+Strides come as one tuple per tensor: (batch, head, sequence, head dim).
+"""
+
+import math
+
+import triton
+import triton.language as tl
+
+LOG2E = tl.constexpr(math.log2(math.e))  # the kernels' softmax runs in base 2: exp(x) = exp2(x * LOG2E)
+
+# --------------------------------------------------------------------------------------------
+# addressing
+
+
+@triton.jit
+def tile_ptrs(base, strides, off_b, off_h, rows, offs_d):
+    """(len(rows), len(offs_d)) pointers into a (B, H, T, D) tensor. Offsets are int64: one head of
+    a fused (T, 3 * H * D) projection passes 2**31 elements at ~0.9M tokens (D = 64, H = 12)."""
+    stride_b, stride_h, stride_t, stride_d = strides
+    base += off_b.to(tl.int64) * stride_b + off_h.to(tl.int64) * stride_h
+    return base + rows.to(tl.int64)[:, None] * stride_t + offs_d[None, :] * stride_d
+
+
+@triton.jit
+def stream(base, strides, off_b, off_h, n_rows, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+           BLOCK_D: tl.constexpr, TMA: tl.constexpr):
+    """(source, row stride) of one head's streamed (BLOCK_ROWS, BLOCK_D) tiles of a (B, H, T, D)
+    tensor, for load_tile: a TMA descriptor of its (n_rows, HEAD_DIM) matrix (head dim contiguous;
+    reads past either end return zeros), or the pointers of the tile at row 0."""
+    stride_b, stride_h, stride_t, stride_d = strides
+    if TMA:
+        base += off_b.to(tl.int64) * stride_b + off_h.to(tl.int64) * stride_h
+        return tl.make_tensor_descriptor(base, shape=[n_rows, HEAD_DIM], strides=[stride_t, 1],
+                                         block_shape=[BLOCK_ROWS, BLOCK_D]), stride_t
+    else:
+        return tile_ptrs(base, strides, off_b, off_h, tl.arange(0, BLOCK_ROWS), tl.arange(0, BLOCK_D)), stride_t
+
+
+@triton.jit
+def load_tile(source, row, ptr_mask, TMA: tl.constexpr):
+    """The streamed tile at `row`: through its descriptor (TMA), or row * stride (int64, as in
+    tile_ptrs) past the pointers of row 0 under ptr_mask."""
+    src, stride_t = source
+    if TMA:
+        return src.load([row, 0])
+    else:
+        return tl.load(src + tl.cast(row, tl.int64) * stride_t, mask=ptr_mask, other=0.0)
+
+
+@triton.jit
+def head_dim_mask(HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """(BLOCK_D,) mask of the real head dims: a constant when D is a power of two >= 16, which
+    the compiler drops from the loads."""
+    if HEAD_DIM == BLOCK_D:
+        return tl.full([BLOCK_D], 1, tl.int1)
+    else:
+        return tl.arange(0, BLOCK_D) < HEAD_DIM
+
+
+# --------------------------------------------------------------------------------------------
+# a program's blocks
+
+
+@triton.jit
+def query_program(T, GROUP, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr):
+    """What a program of the forward or dQ kernel owns: (start_m, off_h, off_b, off_hkv) its query
+    block, head, batch and kv head, the longest causal rows first so that short ones fill the
+    tail of the launch; (rows, offs_n, offs_d, d_mask, row_mask) its tiles' offsets and masks."""
+    start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
+    off_h = tl.program_id(1)
+    off_b = tl.program_id(2)
+    off_hkv = off_h // GROUP
+    rows = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = head_dim_mask(HEAD_DIM, BLOCK_D)
+    row_mask = (rows[:, None] < T) & d_mask[None, :]
+    return start_m, off_h, off_b, off_hkv, rows, offs_n, offs_d, d_mask, row_mask
+
+
+@triton.jit
+def key_block(start_n, offs_n, d_mask, S, MASKED: tl.constexpr):
+    """(cols, kv_mask): the keys of the streamed block at start_n and the load mask of its K and V
+    tiles: the real head dims, and (MASKED) the real keys."""
+    cols = start_n + offs_n
+    kv_mask = d_mask[None, :]
+    if MASKED:
+        kv_mask = kv_mask & (cols[:, None] < S)
+    return cols, kv_mask
+
+
+# --------------------------------------------------------------------------------------------
+# the element mask
+
+
+@triton.jit
+def visible(rows, cols, T, S, key_lo, CAUSAL: tl.constexpr, BOUNDED: tl.constexpr):
+    """(len(rows), len(cols)) mask of the scores a query row may attend: real keys; under the
+    bottom-right causal mask only keys j <= i + S - T; bounded (documents, a window), only keys
+    from the row's first one on (key_lo: each row's)."""
+    visible = cols[None, :] < S
+    if CAUSAL:
+        visible = visible & (cols[None, :] <= rows[:, None] + (S - T))
+    if BOUNDED:
+        visible = visible & (cols[None, :] >= key_lo[:, None])
+    return visible
+
+
+@triton.jit
+def visible_t(cols, rows, T, S, row_hi, BOUNDED: tl.constexpr):
+    """visible's transpose, (len(cols), len(rows)), for the dK/dV kernel's masked tiles, which
+    exist only under the causal mask: key j <= i + S - T; bounded, query i before the key's
+    row_hi. Keys past S are left in: their dK and dV rows are never stored."""
+    visible_t = cols[:, None] <= rows[None, :] + (S - T)
+    if BOUNDED:
+        visible_t = visible_t & (rows[None, :] < row_hi[:, None])
+    return visible_t
+
+
+# --------------------------------------------------------------------------------------------
+# tile ranges
+
+
+@triton.jit
+def kv_block_range(start_m, T, S, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Query rows [start_m, start_m + BLOCK_M) attend keys [0, end); keys below full_end (a
+    multiple of BLOCK_N) are seen by every one of those rows, so need no mask."""
+    if CAUSAL:
+        full_end = tl.maximum(tl.minimum(start_m + S - T + 1, S), 0) // BLOCK_N * BLOCK_N
+        end = tl.maximum(tl.minimum(start_m + BLOCK_M + S - T, S), 0)
+    else:
+        full_end = S // BLOCK_N * BLOCK_N
+        end = S
+    return full_end, end
+
+
+@triton.jit
+def q_block_range(start_n, T, S, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Query rows [start, T) attend keys [start_n, start_n + BLOCK_N); rows from full_start (a
+    multiple of BLOCK_M, or T) on see every one of those keys, so need no mask."""
+    if CAUSAL:
+        start = tl.maximum(start_n - (S - T), 0) // BLOCK_M * BLOCK_M
+        first_full_row = tl.maximum(start_n + BLOCK_N - 1 - (S - T), 0)
+        full_start = tl.minimum((first_full_row + BLOCK_M - 1) // BLOCK_M * BLOCK_M, T)
+    else:
+        start = 0
+        full_start = 0
+    return start, full_start
+
+
+@triton.jit
+def bounded_kv_range(KEY_LO, start_m, T, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Bounded, query rows [start_m, start_m + BLOCK_M) attend keys from lo (the tile of the first
+    row's first key) on; keys from full_lo on are seen by every row (up to the diagonal): key_lo
+    grows with the row, so the last row's decides."""
+    lo = tl.load(KEY_LO + start_m) // BLOCK_N * BLOCK_N
+    full_lo = tl.cdiv(tl.load(KEY_LO + tl.minimum(start_m + BLOCK_M, T) - 1), BLOCK_N) * BLOCK_N
+    return lo, full_lo
+
+
+@triton.jit
+def bounded_q_range(ROW_HI, start_n, S, full_start, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Bounded, keys [start_n, start_n + BLOCK_N) are attended by query rows before q_hi (the last
+    key's row_hi); rows from full_start to full_hi see all of them: row_hi grows with the key, so
+    the first key's decides."""
+    q_hi = tl.load(ROW_HI + tl.minimum(start_n + BLOCK_N, S) - 1)
+    full_hi = tl.maximum(tl.load(ROW_HI + start_n) // BLOCK_M * BLOCK_M, full_start)
+    return full_hi, q_hi
+
+
+@triton.jit
+def kv_ranges(KEY_LO, rows, start_m, T, S, CAUSAL: tl.constexpr, BOUNDED: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr):
+    """What the forward and dQ kernels need of query rows [start_m, start_m + BLOCK_M) (KEY_LO:
+    their batch row's key_lo): (key_lo, each row's first key, for visible; lo, full_lo, full_end,
+    end), the key blocks they visit in three runs: masked [lo, min(full_lo, full_end)) where the
+    rows' first keys lie (empty unbounded), mask-free [full_lo, full_end), masked
+    [max(lo, full_end), end) on the diagonal and past the keys' end."""
+    key_lo = rows
+    if BOUNDED:
+        key_lo = tl.load(KEY_LO + rows, mask=rows < T, other=0)
+    full_end, end = kv_block_range(start_m, T, S, CAUSAL, BLOCK_M, BLOCK_N)
+    if BOUNDED:
+        lo, full_lo = bounded_kv_range(KEY_LO, start_m, T, BLOCK_M, BLOCK_N)
+    else:
+        lo = 0
+        full_lo = 0
+    return key_lo, lo, full_lo, full_end, end
+
+
+@triton.jit
+def q_ranges(ROW_HI, cols, start_n, T, S, CAUSAL: tl.constexpr, BOUNDED: tl.constexpr, BLOCK_M: tl.constexpr,
+             BLOCK_N: tl.constexpr):
+    """What the dK/dV kernel needs of keys cols = [start_n, start_n + BLOCK_N) (ROW_HI: their batch
+    row's row_hi): (row_hi, each key's, for visible_t; start, full_start, full_hi, q_hi), the
+    query blocks that see them in three runs: masked [start, min(full_start, q_hi)) on the
+    diagonal, mask-free [full_start, full_hi), masked [full_hi, q_hi) where the keys' last
+    queries lie (empty unbounded)."""
+    start, full_start = q_block_range(start_n, T, S, CAUSAL, BLOCK_M, BLOCK_N)
+    row_hi = cols
+    full_hi = T
+    q_hi = T
+    if BOUNDED:  # rows from the last key's row_hi on see none of the keys
+        row_hi = tl.load(ROW_HI + cols, mask=cols < S, other=0)
+        full_hi, q_hi = bounded_q_range(ROW_HI, start_n, S, full_start, BLOCK_M, BLOCK_N)
+    return row_hi, start, full_start, full_hi, q_hi

@@ -1,0 +1,217 @@
+"""The FlashAttention-2 backward in Triton: dQ, dK, dV from dO and the forward's O and LSE.
+
+delta = rowsum(dO * O) first; then a dK/dV kernel keeps a K/V tile resident and streams the Q/dO
+tiles of every query head of its group, and a dQ kernel keeps a Q/dO tile resident and streams
+K/V tiles. Both recompute P = exp2(S * scale * log2(e) - LSE) from the forward's LSE. Every
+output element is written by one program, without atomics: the backward is bit-identical run to
+run, at the price of computing QK^T and dO V^T in both kernels (7 matmuls per tile pair, not 5).
+dQ, dK, dV are (B, H, T, D) and (B, H_kv, S, D) in the callers' tensors.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import inputs
+from kernels.runtime.launch import Launcher, on_device
+from kernels.triton import config
+from kernels.triton.blocks import (LOG2E, head_dim_mask, key_block, kv_ranges, load_tile, q_ranges, query_program,
+                                   stream, tile_ptrs, visible, visible_t)
+
+
+@triton.jit
+def _bwd_preprocess_kernel(
+    O, DO, DELTA,  # o, do (B, H, T, D); DELTA (B, H, T) fp32
+    o_strides, do_strides,  # each (batch, head, sequence, head dim)
+    H, T,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """delta = rowsum(dO * O), (B, H, T) fp32."""
+    off_h = tl.program_id(1)
+    off_b = tl.program_id(2)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (rows[:, None] < T) & head_dim_mask(HEAD_DIM, BLOCK_D)[None, :]
+    o = tl.load(tile_ptrs(O, o_strides, off_b, off_h, rows, offs_d), mask=mask, other=0.0)
+    do = tl.load(tile_ptrs(DO, do_strides, off_b, off_h, rows, offs_d), mask=mask, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(DELTA + (off_b * H + off_h).to(tl.int64) * T + rows, delta, mask=rows < T)
+
+
+@triton.jit
+def _bwd_dkdv_inner(
+    dk, dv, k, v,  # (BLOCK_N, BLOCK_D) fp32 accumulators; resident K and V tiles
+    q_tiles, do_tiles,  # one query head's Q and dO tiles, as blocks.stream gives them
+    lse_ptr, delta_ptr,  # LSE and delta of that head's row 0
+    cols, row_hi, offs_m, d_mask,  # the block's keys and their row_hi; query offsets; real head dims
+    m_start, m_end, T, S, qk_scale,
+    MASKED: tl.constexpr, BOUNDED: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+    TMA: tl.constexpr,
+):
+    # masked runs exist only under a causal mask (bounds need one too), so MASKED applies it
+    for start_m in range(m_start, m_end, BLOCK_M):
+        # -- load Q, dO, LSE, delta --
+        rows = start_m + offs_m
+        # rows past T load as zeros with LSE = delta = 0: their P is 1, but dO = 0, so they add 0
+        q_mask = (rows[:, None] < T) & d_mask[None, :]
+        q = load_tile(q_tiles, start_m, q_mask, TMA)
+        do = load_tile(do_tiles, start_m, q_mask, TMA)
+        lse = tl.load(lse_ptr + rows, mask=rows < T, other=0.0) * LOG2E
+        delta = tl.load(delta_ptr + rows, mask=rows < T, other=0.0)
+        # -- recompute P^T --
+        qk_t = tl.dot(k, tl.trans(q), input_precision=INPUT_PRECISION)  # (BLOCK_N, BLOCK_M)
+        p_t = tl.math.exp2(tl.fma(qk_t, qk_scale, -lse[None, :]))
+        if MASKED:  # selected after exp2: a row with LSE = -inf gives inf here and is dropped, never NaN
+            p_t = tl.where(visible_t(cols, rows, T, S, row_hi, BOUNDED), p_t, 0.0)
+        # -- dV += P^T dO; dK += dS^T Q --
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=INPUT_PRECISION)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)  # (BLOCK_N, BLOCK_M)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=INPUT_PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def _bwd_dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, DK, DV,  # as in the forward; DELTA like LSE; dk, dv like k, v
+    ROW_HI,  # (B, S) int32, one past each key's last query (Bounds; BOUNDED only)
+    q_strides, k_strides, v_strides, do_strides, dk_strides, dv_strides,  # each (batch, head, sequence, head dim)
+    H, GROUP, T, S,
+    sm_scale, qk_scale,  # softmax_scale, and softmax_scale * log2(e)
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, BOUNDED: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    start_n = tl.program_id(0) * BLOCK_N
+    off_hkv = tl.program_id(1)
+    off_b = tl.program_id(2)
+
+    cols = start_n + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = head_dim_mask(HEAD_DIM, BLOCK_D)
+    kv_mask = (cols[:, None] < S) & d_mask[None, :]
+    # keys past S load as zeros; their dK/dV rows are computed but never stored
+    k = tl.load(tile_ptrs(K, k_strides, off_b, off_hkv, cols, offs_d), mask=kv_mask, other=0.0)
+    v = tl.load(tile_ptrs(V, v_strides, off_b, off_hkv, cols, offs_d), mask=kv_mask, other=0.0)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+
+    row_hi, m_start, full_start, full_hi, q_hi = q_ranges(ROW_HI + off_b.to(tl.int64) * S, cols, start_n, T, S,
+                                                          CAUSAL, BOUNDED, BLOCK_M, BLOCK_N)
+    for g in range(GROUP):  # GQA: the kv head's query heads, summed in a fixed order
+        off_h = off_hkv * GROUP + g
+        q_tiles = stream(Q, q_strides, off_b, off_h, T, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
+        do_tiles = stream(DO, do_strides, off_b, off_h, T, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
+        row0 = (off_b * H + off_h).to(tl.int64) * T
+        # -- the query blocks: masked at the diagonal, mask-free, masked where the keys' last queries lie --
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_tiles, do_tiles, LSE + row0, DELTA + row0, cols, row_hi, offs_m,
+                                 d_mask, m_start, tl.minimum(full_start, q_hi), T, S, qk_scale,
+                                 True, BOUNDED, INPUT_PRECISION, BLOCK_M, TMA)
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_tiles, do_tiles, LSE + row0, DELTA + row0, cols, row_hi, offs_m,
+                                 d_mask, full_start, full_hi, T, S, qk_scale,
+                                 False, BOUNDED, INPUT_PRECISION, BLOCK_M, TMA)
+        if BOUNDED:
+            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_tiles, do_tiles, LSE + row0, DELTA + row0, cols, row_hi,
+                                     offs_m, d_mask, full_hi, q_hi, T, S, qk_scale,
+                                     True, BOUNDED, INPUT_PRECISION, BLOCK_M, TMA)
+
+    # -- epilogue --
+    dk *= sm_scale  # dS is the gradient of the scaled scores: dK = scale * dS^T Q
+    tl.store(tile_ptrs(DK, dk_strides, off_b, off_hkv, cols, offs_d), dk.to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(tile_ptrs(DV, dv_strides, off_b, off_hkv, cols, offs_d), dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def _bwd_dq_inner(
+    dq, q, do, lse, delta,  # (BLOCK_M, BLOCK_D) fp32 accumulator; resident Q, dO; LSE (log2 units), delta
+    k_tiles, v_tiles,  # as in the forward's inner loop
+    rows, key_lo, offs_n, d_mask,
+    n_start, n_end, T, S, qk_scale,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, BOUNDED: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, TMA: tl.constexpr,
+):
+    for start_n in range(n_start, n_end, BLOCK_N):
+        # -- recompute P --
+        cols, kv_mask = key_block(start_n, offs_n, d_mask, S, MASKED)
+        k = load_tile(k_tiles, start_n, kv_mask, TMA)
+        v = load_tile(v_tiles, start_n, kv_mask, TMA)
+        qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)  # (BLOCK_M, BLOCK_N)
+        p = tl.math.exp2(tl.fma(qk, qk_scale, -lse[:, None]))
+        if MASKED:  # selected after exp2, as in the dK/dV kernel
+            p = tl.where(visible(rows, cols, T, S, key_lo, CAUSAL, BOUNDED), p, 0.0)
+        # -- dQ += dS K --
+        dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)  # (BLOCK_M, BLOCK_N)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=INPUT_PRECISION)
+    return dq
+
+
+@triton.jit
+def _bwd_dq_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ,  # as in the dK/dV kernel; dq like q
+    KEY_LO,  # (B, T) int32, each query's first key (Bounds; BOUNDED only)
+    q_strides, k_strides, v_strides, do_strides, dq_strides,  # each (batch, head, sequence, head dim)
+    H, GROUP, T, S,
+    sm_scale, qk_scale,  # softmax_scale, and softmax_scale * log2(e)
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, BOUNDED: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    start_m, off_h, off_b, off_hkv, rows, offs_n, offs_d, d_mask, row_mask = query_program(T, GROUP, HEAD_DIM, BLOCK_D,
+                                                                                           BLOCK_M, BLOCK_N)
+    q = tl.load(tile_ptrs(Q, q_strides, off_b, off_h, rows, offs_d), mask=row_mask, other=0.0)
+    do = tl.load(tile_ptrs(DO, do_strides, off_b, off_h, rows, offs_d), mask=row_mask, other=0.0)
+    row0 = (off_b * H + off_h).to(tl.int64) * T
+    lse = tl.load(LSE + row0 + rows, mask=rows < T, other=0.0) * LOG2E
+    delta = tl.load(DELTA + row0 + rows, mask=rows < T, other=0.0)
+    k_tiles = stream(K, k_strides, off_b, off_hkv, S, HEAD_DIM, BLOCK_N, BLOCK_D, TMA)
+    v_tiles = stream(V, v_strides, off_b, off_hkv, S, HEAD_DIM, BLOCK_N, BLOCK_D, TMA)
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    key_lo, lo, full_lo, full_end, end = kv_ranges(KEY_LO + off_b.to(tl.int64) * T, rows, start_m, T, S, CAUSAL,
+                                                   BOUNDED, BLOCK_M, BLOCK_N)
+    # -- the forward's three runs of key blocks --
+    if BOUNDED:
+        dq = _bwd_dq_inner(dq, q, do, lse, delta, k_tiles, v_tiles, rows, key_lo, offs_n, d_mask,
+                           lo, tl.minimum(full_lo, full_end), T, S, qk_scale,
+                           True, CAUSAL, BOUNDED, INPUT_PRECISION, BLOCK_N, TMA)
+    dq = _bwd_dq_inner(dq, q, do, lse, delta, k_tiles, v_tiles, rows, key_lo, offs_n, d_mask,
+                       full_lo, full_end, T, S, qk_scale,
+                       False, CAUSAL, BOUNDED, INPUT_PRECISION, BLOCK_N, TMA)
+    dq = _bwd_dq_inner(dq, q, do, lse, delta, k_tiles, v_tiles, rows, key_lo, offs_n, d_mask,
+                       tl.maximum(lo, full_end), end, T, S, qk_scale,
+                       True, CAUSAL, BOUNDED, INPUT_PRECISION, BLOCK_N, TMA)
+
+    # -- epilogue --
+    dq *= sm_scale
+    tl.store(tile_ptrs(DQ, dq_strides, off_b, off_h, rows, offs_d), dq.to(DQ.dtype.element_ty), mask=row_mask)
+
+
+PREPROCESS = Launcher(_bwd_preprocess_kernel, [config.PREPROCESS], config.PREPROCESS)
+DKDV = Launcher(_bwd_dkdv_kernel, config.DKDV, config.CPU_DKDV, config.DKDV_PRUNE)
+DQ = Launcher(_bwd_dq_kernel, config.DQ, config.CPU_DQ, config.DQ_PRUNE)
+
+
+def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, bounds, signature: tuple) -> None:
+    """Writes dq, dk, dv of checked inputs; bounds: masking.Bounds, or None. Later calls of the
+    same signature reuse the first one's compiled launches."""
+    (B, H, T, D), (H_kv, S) = q.shape, k.shape[1:3]
+    delta = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
+    key_lo, row_hi = bounds or (delta, delta)  # delta stands in for absent bounds: unread
+    delta_args = (o, do, delta)
+    dkdv_args = (q, k, v, do, lse, delta, dk, dv, row_hi)
+    dq_args = (q, k, v, do, lse, delta, dq, key_lo)
+    launches = [launcher.bound_for(signature) for launcher in (PREPROCESS, DKDV, DQ)]
+    if all(launches):
+        for launch, tensors in zip(launches, (delta_args, dkdv_args, dq_args), strict=True):
+            launch(*tensors)
+        return
+    key, constexprs = config.tuning_key_and_constexprs(q, k, causal, bounds is not None, inputs.uses_tma(q, k, v, do))
+    strides = (q.stride(), k.stride(), v.stride(), do.stride())
+    sizes = (H, H // H_kv, T, S, scale, scale * LOG2E.value)
+    with on_device(q):
+        PREPROCESS.bind(signature, lambda c: (triton.cdiv(T, c["BLOCK_M"]), H, B),
+                        (*delta_args, o.stride(), do.stride(), H, T), key, HEAD_DIM=D, BLOCK_D=constexprs["BLOCK_D"])
+        DKDV.bind(signature, lambda c: (triton.cdiv(S, c["BLOCK_N"]), H_kv, B),
+                  (*dkdv_args, *strides, dk.stride(), dv.stride(), *sizes), key, **constexprs)
+        DQ.bind(signature, lambda c: (triton.cdiv(T, c["BLOCK_M"]), H, B),
+                (*dq_args, *strides, dq.stride(), *sizes), key, **constexprs)

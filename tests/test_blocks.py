@@ -1,0 +1,234 @@
+"""Both dialects visit the same tiles and mask the same scores, and flash_ref's dense mask agrees.
+
+The portable kernels compute their tile ranges and element masks in kernels/triton/blocks.py, the
+Hopper kernels in kernels/hopper/blocks.py (Gluon cannot call @triton.jit helpers, and counts in
+key blocks where the Triton kernels count in keys). Gluon has no interpreter, but its helpers use
+only what Gluon and Triton name alike: here they run in Triton's interpreter with `gl` read as
+`tl`, beside the Triton helpers, on every query block and key block of causal, full, document,
+window and T != S masks, for one and three consumer warpgroups. Proves that (1) the two agree on
+each range, (2) every tile holding a score some query sees is visited, (3) every tile visited
+without the mask has all its scores seen, and (4) the element masks equal the dense mask of
+kernels/reference/flash_ref.py: attention_probs. Seconds on a CPU:
+
+    .venv/bin/python -m pytest tests/test_blocks.py -q
+"""
+
+import types
+from typing import NamedTuple
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+from kernels.hopper import blocks as gluon_blocks
+from kernels.masking import bounds
+from kernels.reference.flash_ref import attention_probs
+from kernels.runtime.interpreter import interpreted, interpreting
+from kernels.triton.blocks import kv_ranges, q_ranges, visible, visible_t
+
+
+def _in_triton(helper) -> InterpretedFunction:
+    """A Gluon helper run by Triton's interpreter, its `gl` read as `tl`."""
+    fn = helper.fn
+    return InterpretedFunction(types.FunctionType(fn.__code__, {**fn.__globals__, "gl": tl}, fn.__name__,
+                                                  fn.__defaults__, fn.__closure__))
+
+
+gluon_kv_blocks = _in_triton(gluon_blocks.kv_blocks)
+gluon_kv_runs = _in_triton(gluon_blocks.kv_runs)
+gluon_q_blocks = _in_triton(gluon_blocks.q_blocks)
+gluon_tile_masked = _in_triton(gluon_blocks.tile_masked)
+gluon_visible = _in_triton(gluon_blocks.visible)
+gluon_visible_t = _in_triton(gluon_blocks.visible_t)
+
+
+@triton.jit
+def _store(out, values):
+    """values[i] at out + i."""
+    for i in tl.static_range(len(values)):
+        tl.store(out + i, values[i])
+
+
+@triton.jit
+def _kv_side(KEY_LO, OUT, T, S, CAUSAL: tl.constexpr, BOUNDED: tl.constexpr, CONSUMERS: tl.constexpr,
+             ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Per (program, consumer): the Gluon forward's key blocks, and the Triton kernels' key ranges
+    of the same ROWS query rows."""
+    start_m = tl.program_id(0) * CONSUMERS * ROWS
+    lo, n_blocks, key_lo_row = gluon_kv_blocks(KEY_LO, tl.program_id(2), start_m, T, S, CAUSAL, BOUNDED,
+                                               CONSUMERS * ROWS, BLOCK_N)
+    first = start_m + tl.program_id(1) * ROWS
+    rows = first + tl.arange(0, ROWS)
+    _, own_lo, full_lo, n_full = gluon_kv_runs(key_lo_row, rows, first, lo, n_blocks, T, S, CAUSAL, BOUNDED, ROWS,
+                                               BLOCK_N)
+    _, lo_t, full_lo_t, full_end_t, end_t = kv_ranges(KEY_LO, rows, first, T, S, CAUSAL, BOUNDED, ROWS, BLOCK_N)
+    _store(OUT + (tl.program_id(0) * CONSUMERS + tl.program_id(1)) * 9,
+           (lo, n_blocks, own_lo, full_lo, n_full, lo_t, full_lo_t, full_end_t, end_t))
+
+
+@triton.jit
+def _q_side(ROW_HI, OUT, MASKED, T, S, CAUSAL: tl.constexpr, BOUNDED: tl.constexpr, BLOCK_M: tl.constexpr,
+            BLOCK_N: tl.constexpr, M_BLOCKS: tl.constexpr):
+    """Per key block: the Gluon backward's Q blocks and which it masks, and the Triton dK/dV
+    kernel's query ranges."""
+    n = tl.program_id(0)
+    start_n = n * BLOCK_N
+    cols = start_n + tl.arange(0, BLOCK_N)
+    _, start, full_start, full_hi_t, q_hi = q_ranges(ROW_HI, cols, start_n, T, S, CAUSAL, BOUNDED, BLOCK_M, BLOCK_N)
+    m_lo, m_hi, _, full_hi = gluon_q_blocks(ROW_HI, tl.program_id(1), n, T, S, CAUSAL, BOUNDED, BLOCK_M, BLOCK_N)
+    _store(OUT + n * 6, (m_lo, m_hi, start, full_start, full_hi_t, q_hi))
+    for m in range(M_BLOCKS):
+        masked = gluon_tile_masked(m * BLOCK_M, start_n, start_n + BLOCK_N > S, full_hi, T, S, CAUSAL, BOUNDED,
+                                   BLOCK_M, BLOCK_N)
+        tl.store(MASKED + n * M_BLOCKS + m, masked.to(tl.int32))
+
+
+@triton.jit
+def _masks(KEY_LO, ROW_HI, OUT, S_PAD, T, S, CAUSAL: tl.constexpr, BOUNDED: tl.constexpr, BLOCK_M: tl.constexpr,
+           BLOCK_N: tl.constexpr):
+    """Both dialects' element masks of one (BLOCK_M, BLOCK_N) tile, query-major and key-major."""
+    start_m = tl.program_id(0) * BLOCK_M
+    start_n = tl.program_id(1) * BLOCK_N
+    offs_m = tl.arange(0, BLOCK_M)
+    rows = start_m + offs_m
+    cols = start_n + tl.arange(0, BLOCK_N)
+    key_lo = tl.load(KEY_LO + rows, mask=rows < T, other=0)
+    row_hi = tl.load(ROW_HI + cols, mask=cols < S, other=0)
+    at = rows[:, None] * S_PAD + cols[None, :]
+    plane = (tl.num_programs(0) * BLOCK_M) * S_PAD
+    tl.store(OUT + at, visible(rows, cols, T, S, key_lo, CAUSAL, BOUNDED).to(tl.int32))
+    tl.store(OUT + plane + at, gluon_visible(rows, cols, T, S, key_lo, CAUSAL, BOUNDED).to(tl.int32))
+    if CAUSAL:  # the Triton dK/dV kernel masks only causal tiles
+        at_t = cols[:, None] + rows[None, :] * S_PAD
+        tl.store(OUT + 2 * plane + at_t, visible_t(cols, rows, T, S, row_hi, BOUNDED).to(tl.int32))
+        tl.store(OUT + 3 * plane + at_t,
+                 gluon_visible_t(cols, start_m, offs_m, T, S, row_hi, CAUSAL, BOUNDED).to(tl.int32))
+
+
+def _run(kernel, grid, *args, **constexprs):
+    with interpreting():
+        interpreted(kernel)[grid](*args, **constexprs)
+
+
+# (T, S, mask, document lengths or window): T != S both ways, with S - T + 1 one short of a tile
+# (the diagonal's first key block); one-token documents, one on a tile edge, one ending a row
+# before a tile edge (the last row of a tile past a key's row_hi); windows of 1, 31 and 40 keys
+CASES = [
+    (100, 100, "full", None), (77, 130, "full", None), (100, 100, "causal", None), (77, 130, "causal", None),
+    (130, 77, "causal", None), (100, 114, "causal", None), (1, 64, "causal", None),
+    (100, 100, "documents", [1, 31, 32, 3, 33]), (96, 96, "documents", [48, 48]), (100, 100, "documents", [47, 53]),
+    (100, 100, "window", 31), (77, 130, "window", 40), (130, 77, "window", 1),
+    (100, 100, "documents+window", ([40, 1, 59], 23)),
+]
+BLOCKS = [(16, 32), (32, 16)]
+
+
+class Setting(NamedTuple):
+    T: int
+    S: int
+    block_m: int  # query rows per tile (ROWS, per consumer, in the forward test)
+    block_n: int
+    causal: bool
+    bounded: bool
+    key_lo: torch.Tensor  # (T,) int32: each query's first key (zeros unbounded)
+    row_hi: torch.Tensor  # (S,) int32: one past each key's last query (zeros unbounded)
+    seen: torch.Tensor  # (T, S) bool: flash_ref's dense mask
+
+
+@pytest.fixture(params=[(c, b) for c in CASES for b in BLOCKS],
+                ids=lambda p: f"T{p[0][0]}-S{p[0][1]}-{p[0][2]}-BM{p[1][0]}-BN{p[1][1]}")
+def setting(request) -> Setting:
+    (T, S, mask, extra), (block_m, block_n) = request.param
+    causal = mask != "full"
+    doc_ids = window = None
+    if mask == "documents":
+        doc_ids = extra
+    elif mask == "window":
+        window = extra
+    elif mask == "documents+window":
+        doc_ids, window = extra
+    doc_ids = None if doc_ids is None else torch.repeat_interleave(torch.arange(len(doc_ids)), torch.tensor(doc_ids))
+    doc_ids = None if doc_ids is None else doc_ids[None]
+    bnd = bounds(doc_ids, window or 0, 1, T, S, torch.device("cpu"))
+    zeros_q, zeros_k = torch.zeros(1, 1, T, 8, dtype=torch.float64), torch.zeros(1, 1, S, 8, dtype=torch.float64)
+    probs, _ = attention_probs(zeros_q, zeros_k, causal, doc_ids=doc_ids, window=window or 0)
+    key_lo = bnd.key_lo[0] if bnd else torch.zeros(T, dtype=torch.int32)
+    row_hi = bnd.row_hi[0] if bnd else torch.zeros(S, dtype=torch.int32)
+    return Setting(T, S, block_m, block_n, causal, bnd is not None, key_lo, row_hi, probs[0, 0] > 0)
+
+
+def _tiles_seen(seen, rows, keys):
+    return bool(seen[rows.start:rows.stop, keys.start:keys.stop].any())
+
+
+def _tiles_whole(seen, rows, keys):
+    return bool(seen[rows.start:rows.stop, keys.start:keys.stop].all())
+
+
+@pytest.mark.parametrize("consumers", [1, 3])
+def test_forward_key_blocks_agree(setting, consumers):
+    T, S, rows, block_n, causal, bounded, key_lo, _, seen = setting
+    programs = triton.cdiv(T, consumers * rows)
+    # past T the Triton helpers (never called there) would read past key_lo: pad it
+    padded = torch.cat([key_lo, torch.full((programs * consumers * rows,), S, dtype=torch.int32)])
+    out = torch.zeros(programs * consumers, 9, dtype=torch.int32)
+    _run(_kv_side, (programs, consumers, 1), padded, out, T, S, CAUSAL=causal, BOUNDED=bounded, CONSUMERS=consumers,
+         ROWS=rows, BLOCK_N=block_n)
+    n_blocks_all = triton.cdiv(S, block_n)
+    for index, (lo, n_blocks, own_lo, full_lo, n_full, lo_t, full_lo_t, full_end_t, end_t) in enumerate(out.tolist()):
+        first = index * rows
+        if first >= T:  # a consumer of rows past T only (T < CONSUMERS * ROWS): its stores are masked
+            continue
+        row_range = range(first, min(first + rows, T))
+        # (1) the dialects agree: Gluon counts blocks, Triton keys
+        assert (own_lo * block_n, full_lo * block_n, n_full * block_n) == (lo_t, full_lo_t, full_end_t), index
+        assert triton.cdiv(end_t, block_n) <= n_blocks and (consumers > 1 or triton.cdiv(end_t, block_n) == n_blocks)
+        for j in range(n_blocks_all):
+            keys = range(j * block_n, min((j + 1) * block_n, S))
+            visited = own_lo <= j < n_blocks  # [lo, own_lo): other consumers' blocks, passed unread
+            mask_free = full_lo <= j < n_full
+            # (2) every tile with a score the rows see is visited; (3) a mask-free tile is seen whole
+            assert visited or not _tiles_seen(seen, row_range, keys), (index, j)
+            assert not mask_free or (visited and _tiles_whole(seen, row_range, keys)), (index, j)
+            assert (lo_t <= j * block_n < end_t) or not _tiles_seen(seen, row_range, keys), (index, j)
+
+
+def test_backward_query_blocks_agree(setting):
+    T, S, block_m, block_n, causal, bounded, _, row_hi, seen = setting
+    key_blocks, m_blocks = triton.cdiv(S, block_n), triton.cdiv(T, block_m)
+    out = torch.zeros(key_blocks, 6, dtype=torch.int32)
+    masked = torch.zeros(key_blocks, m_blocks, dtype=torch.int32)
+    _run(_q_side, (key_blocks, 1, 1), row_hi, out, masked, T, S, CAUSAL=causal, BOUNDED=bounded, BLOCK_M=block_m,
+         BLOCK_N=block_n, M_BLOCKS=m_blocks)
+    for n, (m_lo, m_hi, start, full_start, full_hi_t, q_hi) in enumerate(out.tolist()):
+        keys = range(n * block_n, min((n + 1) * block_n, S))
+        # the Triton kernel's runs: masked [start, min(full_start, q_hi)), free [full_start, full_hi), masked
+        # [full_hi, q_hi) (bounded)
+        triton_free = set(range(full_start, full_hi_t, block_m))
+        triton_visited = set(range(start, min(full_start, q_hi), block_m)) | triton_free
+        if bounded:
+            triton_visited |= set(range(full_hi_t, q_hi, block_m))
+        gluon_visited = {m * block_m for m in range(m_lo, m_hi)}
+        assert gluon_visited == triton_visited, n  # (1)
+        for m in range(m_blocks):
+            row_range = range(m * block_m, min((m + 1) * block_m, T))
+            if m * block_m not in gluon_visited:
+                assert not _tiles_seen(seen, row_range, keys), (n, m)  # (2)
+                continue
+            whole = _tiles_whole(seen, row_range, keys)
+            assert masked[n, m] or whole, (n, m)  # (3), Gluon
+            assert m * block_m not in triton_free or whole, (n, m)  # (3), Triton
+
+
+def test_element_masks_agree_with_flash_ref(setting):
+    T, S, block_m, block_n, causal, bounded, key_lo, row_hi, seen = setting
+    m_tiles, n_tiles = triton.cdiv(T, block_m), triton.cdiv(S, block_n)
+    out = torch.zeros(4, m_tiles * block_m, n_tiles * block_n, dtype=torch.int32)
+    _run(_masks, (m_tiles, n_tiles, 1), key_lo, row_hi, out, n_tiles * block_n, T, S, CAUSAL=causal,
+         BOUNDED=bounded, BLOCK_M=block_m, BLOCK_N=block_n)
+    triton_mask, gluon_mask, triton_t, gluon_t = (plane[:T, :S].bool() for plane in out)
+    assert torch.equal(triton_mask, seen) and torch.equal(gluon_mask, seen)  # (4)
+    if causal:
+        assert torch.equal(triton_t, seen) and torch.equal(gluon_t, seen)

@@ -1,0 +1,63 @@
+"""One launch layer: a Bound launch hands Triton's C launcher, in the kernel's argument order, host
+TMA descriptors rebuilt over the new tensors' addresses, the other tensors' addresses, and the
+arguments and constexprs its first launch fixed. The Hopper kernels launch this way from their
+second call on (their GPU test, test_gluon_later_launches_use_the_new_tensors, checks the results);
+here the arguments themselves are checked, on any machine, with the C launcher replaced by a
+recorder.
+
+    .venv/bin/python -m pytest tests/test_launch.py -q
+"""
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.runtime import launch
+
+
+@triton.jit
+def _kernel(a_desc, b_desc, C, D, c_strides, n, scale, WIDTH: tl.constexpr, FLAG: tl.constexpr):
+    pass
+
+
+class _Descriptor(NamedTuple):
+    """What bind reads of a host TensorDescriptor: its box, shape, strides and padding."""
+    base: torch.Tensor
+    shape: list
+    strides: list
+    block_shape: list
+    padding: str
+
+
+def test_a_bound_launch_rebuilds_descriptors_and_fixes_the_rest(monkeypatch):
+    calls = []
+    monkeypatch.setattr(launch, "launch_compiled", lambda compiled, grid, device, args: calls.append(
+        (compiled, grid, device, args)))
+    monkeypatch.setattr(launch, "_hooked", lambda: False)
+    first = [torch.zeros(4, 8) for _ in range(4)]
+    descs = [_Descriptor(t, list(t.shape), list(t.stride()), [2, 8], "zero") for t in first[:2]]
+    args = (*descs, first[2], first[3], (8, 1), 7, 0.5)
+    bound = launch.bind(_kernel, "compiled", (3, 2), args, {"WIDTH": 16, "FLAG": True, "num_warps": 4})
+    assert bound.grid == (3, 2, 1) and bound.tail == ((8, 1), 7, 0.5, 16, True)
+
+    later = [torch.ones(4, 8) for _ in range(4)]
+    bound(*later)
+    (compiled, grid, _, passed), = calls
+    assert compiled == "compiled" and grid == (3, 2, 1)
+    for got, tensor, desc in zip(passed[:2], later[:2], descs, strict=True):
+        assert got == launch.HostDescriptor(launch._Address(tensor.data_ptr()), desc.shape, desc.strides, "zero")
+        assert got.base.data_ptr() == tensor.data_ptr()
+    assert passed[2:] == (later[2].data_ptr(), later[3].data_ptr(), (8, 1), 7, 0.5, 16, True)
+
+
+def test_a_triton_launch_binds_its_tensors_as_addresses(monkeypatch):
+    calls = []
+    monkeypatch.setattr(launch, "launch_compiled", lambda compiled, grid, device, args: calls.append(args))
+    monkeypatch.setattr(launch, "_hooked", lambda: False)
+    tensors = [torch.zeros(2) for _ in range(4)]
+    bound = launch.bind(_kernel, "compiled", (1,), (*tensors, (2, 1), 3, 1.0), {"WIDTH": 8, "FLAG": False})
+    assert bound.descriptors == ()
+    bound(*tensors)
+    assert calls == [(*(t.data_ptr() for t in tensors), (2, 1), 3, 1.0, 8, False)]
