@@ -87,10 +87,10 @@ def validate(cfg: DictConfig, world: int = 1) -> None:
     if attention.max_head_dim is not None and head_dim > attention.max_head_dim:
         _fail("model.d_model", m.d_model, f"gives head dim {head_dim} with {m.n_head} heads; attn={attention.name} "
                                           f"supports up to {attention.max_head_dim}: use more heads or attn=sdpa")
-    if attention.unsupported is not None:  # what this GPU cannot run: before anything is created
+    if attention.unsupported is not None:  # what this machine cannot run: before anything is created
         why = attention.unsupported(head_dim, autocast_dtype(cfg.dtype, device) or torch.float32, device)
         if why:
-            _fail("attn", attention.name, f"cannot run head dim {head_dim} here: {why}; use attn=sdpa")
+            _fail("attn", attention.name, f"cannot run here: {why}; use attn=sdpa")
     if m.pos_emb == "rope" and head_dim % 2:
         _fail("model.d_model", m.d_model, f"gives odd head dim {head_dim}; RoPE rotates pairs: use an even one")
     if not (math.isfinite(m.rope_theta) and m.rope_theta > 0):

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from kernels import MAX_HEAD_DIM, flash_attention, unsupported
 from kernels.decode import decode_attention
+from model.peers import fa4_attention, fa4_unsupported, flex_attention, flex_unsupported
 
 AttentionFn = Callable[..., torch.Tensor]  # (q, k, v, doc_ids=None, window=0) -> (B, H, T, D)
 # (q (B, H, T, D), k_cache, v_cache (B, H_kv, max_len, D), length (1,) int32 on the device, its host
@@ -122,6 +123,13 @@ ATTENTIONS = {a.name: a for a in (
     Attention("triton", triton_attention, "our FlashAttention-2 forward and backward Triton kernels",
               max_head_dim=MAX_HEAD_DIM, unsupported=unsupported, context_parallel=True,
               saved_ops=(torch.ops.kernels.flash_attn_fwd.default,), decode=triton_decode, graphable=True),
+    # the peers ours is measured against (model/peers.py); flex decodes through SDPA, where a
+    # BlockMask and a compile per cache length would cost more than the step
+    Attention("flex", flex_attention, "torch.nn.attention.flex_attention, compiled, with BlockMasks (CUDA to train)",
+              unsupported=flex_unsupported),
+    Attention("fa4", fa4_attention, "FlashAttention-4 (flash_attn.cute), optional: pip install flash-attn-4",
+              max_head_dim=256, unsupported=fa4_unsupported,
+              decode=functools.partial(dense_decode, attend=fa4_attention)),
 )}
 
 

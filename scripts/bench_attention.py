@@ -1,10 +1,13 @@
-"""Benchmark causal bf16 attention kernels: our Triton kernel against SDPA backends, FlexAttention, naive.
+"""Benchmark causal bf16 attention kernels: ours against SDPA backends, FlashAttention-4, FlexAttention, naive.
 
 Shapes: (B, H, T, D) with B·T = 16384 tokens and H·D = 1024, so every cell does the work of one
 attention layer of the same model at a different sequence length. Each SDPA backend is pinned
 with `sdpa_kernel`, so a row always names the kernel that ran. FLOPs: kernels/flops.py, with
 forward+backward = 3.5 × forward. Peak extra memory: what one forward+backward allocates beyond
 its inputs and the gradients it returns (the scores for naive, LSE and scratch for the others).
+Every implementation but the pinned SDPA backends is the function training calls (model/attention.py's
+registry); FlashAttention-4 (fa4, fa4_det: its deterministic backward) runs where `pip install
+flash-attn-4` (CUDA 13) has installed it on an sm_90 or sm_100 GPU, and is skipped with one line elsewhere.
 
     python scripts/bench_attention.py                       # full sweep, into bench/<date>_<time>/
     python scripts/bench_attention.py --quick --impls triton,sdpa_flash --out docs/bench
@@ -12,6 +15,7 @@ its inputs and the gradients it returns (the scores for naive, LSE and scratch f
     python scripts/bench_attention.py --window 1024 --seq-lens 32768      # sliding windows, with and without documents
 """
 import contextlib
+import functools
 import gc
 import math
 import os
@@ -27,7 +31,6 @@ import torch
 import torch.nn.functional as F
 import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 from triton.compiler.errors import CompilationError
 from triton.runtime.errors import OutOfResources
 from triton.testing import do_bench
@@ -53,11 +56,20 @@ FIELDS = ["impl", "D", "T", "B", "H", "fwd_ms", "fwdbwd_ms",
 
 # ---------------------------------------------------------------------------
 # Implementations: name -> factory(T) -> attn(q, k, v), all (B, H, T, D) -> (B, H, T, D), causal.
-# Per-shape state (flex's block mask and compiled graph) is built in the factory, outside timing.
+# Per-shape state (flex's compiled graph) is made in the factory or the first call, outside timing.
 # ---------------------------------------------------------------------------
 
-def _as_trained(attention):
-    return lambda T: attention.fn  # causal, as the model calls it
+def _as_trained(attention, **options):
+    fn = functools.partial(attention.fn, **options) if options else attention.fn
+    return lambda T: fn  # causal, as the model calls it
+
+
+def _recompiled(attention):
+    def make(T):
+        # a fresh graph per shape: past the recompile limit (8) dynamo would fall back to eager flex
+        torch._dynamo.reset()
+        return attention.fn
+    return make
 
 
 def _sdpa(backend):
@@ -69,31 +81,39 @@ def _sdpa(backend):
     return make
 
 
-def _causal(b, h, q_idx, kv_idx):
-    return q_idx >= kv_idx
-
-
-def _flex(T):
-    # A fresh graph per shape: past the recompile limit (8) dynamo would fall back to eager flex.
-    torch._dynamo.reset()
-    block_mask = create_block_mask(_causal, B=None, H=None, Q_LEN=T, KV_LEN=T, device="cuda")
-    compiled = torch.compile(flex_attention, dynamic=False)
-    return lambda q, k, v: compiled(q, k, v, block_mask=block_mask)
-
-
-# the training attentions of model/attention.py as the model calls them; SDPA once per backend,
-# pinned, so that a row names the kernel that ran (its math backend is naive's work again); and
-# FlexAttention, which training does not run
+# the attentions of model/attention.py as the model calls them; SDPA once per backend, pinned, so
+# that a row names the kernel that ran (its math backend is naive's work again)
 # triton runs as training does (on sm_90 from 2048 queries on: the Gluon forward; the Gluon backward
 # at head dim 128, the Triton one at 64); triton_portable pins the Triton kernels both ways,
 # triton_gluon the Hopper kernels in Gluon ("n/a" off sm_90), triton_gluon_unordered them with dQ's
-# shares added as they come (FLASH_ATTENTION_DETERMINISTIC=0), what ordering them costs
-IMPLS = {**{name: _as_trained(a) for name, a in ATTENTIONS.items() if name != "sdpa"},
+# shares added as they come (FLASH_ATTENTION_DETERMINISTIC=0), what ordering them costs; fa4 is
+# FlashAttention-4 as attn=fa4 trains (dQ added atomically), fa4_det its ordered backward
+IMPLS = {"naive": _as_trained(ATTENTIONS["naive"]),
+         "triton": _as_trained(ATTENTIONS["triton"]),
          "triton_portable": _as_trained(ATTENTIONS["triton"]),
          "triton_gluon": _as_trained(ATTENTIONS["triton"]),
          "triton_gluon_unordered": _as_trained(ATTENTIONS["triton"]),
          **{f"sdpa_{name}": _sdpa(backend) for name, backend in SDPA_BACKENDS.items() if name != "math"},
-         "flex": _flex}
+         "fa4": _as_trained(ATTENTIONS["fa4"]),
+         "fa4_det": _as_trained(ATTENTIONS["fa4"], deterministic=True),
+         "flex": _recompiled(ATTENTIONS["flex"])}
+FA4_IMPLS = ("fa4", "fa4_det")
+
+
+@functools.cache
+def fa4_missing(D: int) -> str | None:
+    """Why FlashAttention-4 cannot run bf16 at head dim D here (None: it can)."""
+    return ATTENTIONS["fa4"].unsupported(D, torch.bfloat16, torch.device("cuda"))
+
+
+def fa4_skipped(head_dims: list[int]) -> str | None:
+    """Why FlashAttention-4 cannot run at one of head_dims here, said in one line (None: it can)."""
+    why = next(filter(None, map(fa4_missing, head_dims)), None)
+    if why:
+        print(f"FlashAttention-4 (fa4, fa4_det) skipped: {why}")
+    return why
+
+
 # environment variables a cell runs under, set for the whole cell: the backward reads them too
 CELL_ENV = {"triton_portable": {"FLASH_ATTENTION_BACKEND": "triton"}, "triton_gluon": {"FLASH_ATTENTION_BACKEND": "gluon"},
             "triton_gluon_unordered": {"FLASH_ATTENTION_BACKEND": "gluon", "FLASH_ATTENTION_DETERMINISTIC": "0"}}
@@ -215,19 +235,18 @@ def _cell(rows, impl, D, T, fmt):
 def markdown_tables(rows, impls):
     """Per D: rows T, cells "fwd / fwd+bwd" TFLOP/s; then peak extra memory at the largest T."""
     speed = lambda r: f"{r['fwd_tflops']:.0f} / {r['fwdbwd_tflops']:.0f}"
-    # triton / sdpa_flash fwd+bwd: the number our kernel is judged by
-    ratio = "triton" in impls and "sdpa_flash" in impls
+    # triton / sdpa_flash and triton / fa4 fwd+bwd: the numbers our kernel is judged by
+    refs = [ref for ref in ("sdpa_flash", "fa4") if "triton" in impls and ref in impls]
     tflops = {(r["impl"], r["D"], r["T"]): r["fwdbwd_tflops"] for r in rows}
     lines = []
     for D in sorted({r["D"] for r in rows}):
         H = next(r["H"] for r in rows if r["D"] == D)
         lines += [f"D = {D} (H = {H}), TFLOP/s fwd / fwd+bwd", "",
-                  "| T | " + " | ".join(impls) + " |" + (" triton / sdpa_flash fwd+bwd |" if ratio else ""),
-                  "|---" * (len(impls) + 1 + ratio) + "|"]
+                  "| T | " + " | ".join(impls) + " |" + "".join(f" triton / {ref} fwd+bwd |" for ref in refs),
+                  "|---" * (len(impls) + 1 + len(refs)) + "|"]
         for T in sorted({r["T"] for r in rows if r["D"] == D}):
             cells = [_cell(rows, name, D, T, speed) for name in impls]
-            if ratio:
-                cells.append(f"{tflops[('triton', D, T)] / tflops[('sdpa_flash', D, T)]:.2f}")
+            cells += [f"{tflops[('triton', D, T)] / tflops[(ref, D, T)]:.2f}" for ref in refs]
             lines.append(f"| {T} | " + " | ".join(cells) + " |")
         lines.append("")
     T_max = max(r["T"] for r in rows)
@@ -344,12 +363,23 @@ def _timed(attn, leaves, get_qkv, dout, args) -> float | str:
         free_memory()
 
 
+def _peers(D: int, doc_ids: torch.Tensor | None, window: int = 0) -> dict:
+    """FlexAttention and FlashAttention-4 as training calls them, with these documents and window;
+    FA4 "skipped" where it cannot run (fa4_missing)."""
+    torch._dynamo.reset()  # flex: a fresh graph per shape (see _recompiled)
+    flex, fa4 = ATTENTIONS["flex"].fn, ATTENTIONS["fa4"].fn
+    masks = dict(doc_ids=doc_ids, window=window)
+    return {"flex": lambda q, k, v: flex(q, k, v, **masks),
+            "fa4": "skipped" if fa4_missing(D) else lambda q, k, v: fa4(q, k, v, **masks)}
+
+
 def run_documents(args, env):
-    """fwd+bwd of ours with the document mask against FlexAttention with the same document
-    BlockMask, SDPA with the dense mask, and the full causal kernels; TFLOP/s of the work inside
-    the documents (the sum of their causal triangles), and ms."""
-    rows = ["| D | T | documents | mean length | ours, documents | FlexAttention, documents | SDPA, dense mask "
-            "| ours, full causal | cuDNN, full causal |", "|---" * 9 + "|"]
+    """fwd+bwd of ours with the document mask against FlashAttention-4 through its varlen entry
+    (cu_seqlens), FlexAttention with the document BlockMask, SDPA with the dense mask, and the full
+    causal kernels; TFLOP/s of the work inside the documents (the sum of their causal triangles), and ms."""
+    rows = ["| D | T | documents | mean length | ours, documents | FA4, varlen | FlexAttention, documents "
+            "| SDPA, dense mask | ours, full causal | cuDNN, full causal |", "|---" * 10 + "|"]
+    fa4_skipped(args.head_dims)
     for D in args.head_dims:
         H = args.width // D
         for T in args.seq_lens:
@@ -357,26 +387,22 @@ def run_documents(args, env):
             doc_ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[None].cuda()
             useful = 3.5 * sum(attention_flops(1, H, n, n, D) for n in lengths)
             leaves, get_qkv, dout = make_inputs(1, H, T, D, "btHd")
-            docs = doc_ids[0]
-            block_mask = create_block_mask(lambda b, h, q, kv: (q >= kv) & (docs[q] == docs[kv]), B=None, H=None,
-                                           Q_LEN=T, KV_LEN=T, device="cuda")
-            torch._dynamo.reset()
-            flex = torch.compile(flex_attention, dynamic=False)
+            peers = _peers(D, doc_ids)
             dense = ~hidden_keys(doc_ids, T, doc_ids.device)
             impls = {"ours_docs": lambda q, k, v: flash_attention(q, k, v, doc_ids=doc_ids),
-                     "flex_docs": lambda q, k, v: flex(q, k, v, block_mask=block_mask),
+                     "fa4_docs": peers["fa4"], "flex_docs": peers["flex"],
                      "sdpa_dense": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=dense),
                      "ours_causal": lambda q, k, v: flash_attention(q, k, v),
                      "cudnn_causal": _sdpa(SDPBackend.CUDNN_ATTENTION)(T)}
             cells = []
             _timed(impls["ours_docs"], leaves, get_qkv, dout, args)  # discarded: see main()
             for name, attn in impls.items():
-                ms = _timed(attn, leaves, get_qkv, dout, args)
+                ms = attn if isinstance(attn, str) else _timed(attn, leaves, get_qkv, dout, args)
                 cells.append(ms if isinstance(ms, str) else f"{ms:.2f} ms, {useful / ms / 1e9:.0f}"
                              if "docs" in name or "dense" in name else f"{ms:.2f} ms")
             print(f"D={D} T={T}: " + " | ".join(f"{n} {c}" for n, c in zip(impls, cells)), flush=True)
             rows.append(f"| {D} | {T} | {len(lengths)} | {T / len(lengths):,.0f} | " + " | ".join(cells) + " |")
-            leaves = get_qkv = dout = dense = block_mask = None  # freed before the next shape
+            leaves = get_qkv = dout = dense = peers = impls = None  # freed before the next shape
             free_memory()
     table = "\n".join(rows)
     write_text(args.out / f"documents_{args.documents}.md", f"{env}\n\n{table}\n")
@@ -385,37 +411,35 @@ def run_documents(args, env):
 
 def run_windows(args, env):
     """fwd+bwd of ours with a sliding window of args.window keys, alone and within synthetic
-    documents, against FlexAttention with the same BlockMask and SDPA with the dense mask; and
-    how close ours comes to work proportional to the window: its time against our full causal
-    time scaled by (window's pairs / causal pairs)."""
+    documents, against FlashAttention-4 (window_size, and its varlen entry for the documents),
+    FlexAttention with the same BlockMask and SDPA with the dense mask; and how close ours comes to
+    work proportional to the window: its time against our full causal time scaled by (window's
+    pairs / causal pairs)."""
     W = args.window
-    rows = [f"| D | T | ours, W = {W} | Flex, W = {W} | ours / Flex | SDPA, dense mask | ours, W + documents "
-            "| Flex, W + documents | ours / Flex | ours, full causal | ours W vs T/W-proportional |", "|---" * 11 + "|"]
+    rows = [f"| D | T | ours, W = {W} | FA4, W = {W} | ours / FA4 | Flex, W = {W} | ours / Flex | SDPA, dense mask "
+            "| ours, W + documents | FA4, W + documents | ours / FA4 | Flex, W + documents | ours / Flex "
+            "| ours, full causal | ours W vs T/W-proportional |", "|---" * 15 + "|"]
+    fa4_skipped(args.head_dims)
     for D in args.head_dims:
         H = args.width // D
         for T in args.seq_lens:
             lengths = document_lengths("synthetic", T)
             doc_ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[None].cuda()
-            docs = doc_ids[0]
             work = {"window": 3.5 * attention_flops(1, H, T, T, D, True, W),
                     "docs": 3.5 * sum(attention_flops(1, H, n, n, D, True, W) for n in lengths),
                     "causal": 3.5 * attention_flops(1, H, T, T, D)}
             leaves, get_qkv, dout = make_inputs(1, H, T, D, "btHd")
-            torch._dynamo.reset()
-            flex = torch.compile(flex_attention, dynamic=False)
-            window_mask = create_block_mask(lambda b, h, q, kv: (q >= kv) & (q - kv < W), B=None, H=None,
-                                            Q_LEN=T, KV_LEN=T, device="cuda")
-            docs_mask = create_block_mask(lambda b, h, q, kv: (q >= kv) & (q - kv < W) & (docs[q] == docs[kv]),
-                                          B=None, H=None, Q_LEN=T, KV_LEN=T, device="cuda")
+            alone, within = _peers(D, None, W), _peers(D, doc_ids, W)
             dense = ~hidden_keys(None, T, doc_ids.device, W)
             impls = {"ours": (lambda q, k, v: flash_attention(q, k, v, window=W), "window"),
-                     "flex": (lambda q, k, v: flex(q, k, v, block_mask=window_mask), "window"),
+                     "fa4": (alone["fa4"], "window"), "flex": (alone["flex"], "window"),
                      "sdpa_dense": (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=dense), "window"),
                      "ours_docs": (lambda q, k, v: flash_attention(q, k, v, doc_ids=doc_ids, window=W), "docs"),
-                     "flex_docs": (lambda q, k, v: flex(q, k, v, block_mask=docs_mask), "docs"),
+                     "fa4_docs": (within["fa4"], "docs"), "flex_docs": (within["flex"], "docs"),
                      "ours_causal": (lambda q, k, v: flash_attention(q, k, v), "causal")}
             _timed(impls["ours"][0], leaves, get_qkv, dout, args)  # discarded: see main()
-            ms = {name: _timed(attn, leaves, get_qkv, dout, args) for name, (attn, _) in impls.items()}
+            ms = {name: attn if isinstance(attn, str) else _timed(attn, leaves, get_qkv, dout, args)
+                  for name, (attn, _) in impls.items()}
 
             def cell(name):
                 t = ms[name]
@@ -424,16 +448,17 @@ def run_windows(args, env):
             def ratio(a, b, scale=1.0):
                 return f"{ms[b] * scale / ms[a]:.2f}x" if all(isinstance(ms[n], float) for n in (a, b)) else "n/a"
             proportional = ratio("ours", "ours_causal", work["window"] / work["causal"])
-            rows.append(f"| {D} | {T} | {cell('ours')} | {cell('flex')} | {ratio('ours', 'flex')} | "
-                        f"{cell('sdpa_dense')} | {cell('ours_docs')} | {cell('flex_docs')} | "
-                        f"{ratio('ours_docs', 'flex_docs')} | {cell('ours_causal')} | {proportional} |")
+            rows.append(f"| {D} | {T} | {cell('ours')} | {cell('fa4')} | {ratio('ours', 'fa4')} | {cell('flex')} | "
+                        f"{ratio('ours', 'flex')} | {cell('sdpa_dense')} | {cell('ours_docs')} | {cell('fa4_docs')} | "
+                        f"{ratio('ours_docs', 'fa4_docs')} | {cell('flex_docs')} | {ratio('ours_docs', 'flex_docs')} | "
+                        f"{cell('ours_causal')} | {proportional} |")
             print(rows[-1], flush=True)
-            leaves = get_qkv = dout = dense = window_mask = docs_mask = None  # freed before the next shape
+            leaves = get_qkv = dout = dense = alone = within = impls = None  # freed before the next shape
             free_memory()
     table = "\n".join(rows)
     write_text(args.out / f"window_{W}.md", f"{env}\n\n{table}\n")
-    print(f"\n{env}\nforward+backward, ms and TFLOP/s of the work inside the mask; ours / Flex: Flex's time over "
-          f"ours; vs T/W-proportional: (our causal time x window pairs / causal pairs) over our window time "
+    print(f"\n{env}\nforward+backward, ms and TFLOP/s of the work inside the mask; ours / FA4, ours / Flex: their "
+          f"time over ours; vs T/W-proportional: (our causal time x window pairs / causal pairs) over our window time "
           f"(1.00: the skipped tiles cost nothing)\n\n{table}")
 
 
@@ -443,6 +468,8 @@ def main():
     if args.documents or args.window:
         args.out.mkdir(parents=True, exist_ok=True)
         return (run_documents if args.documents else run_windows)(args, environment())
+    if set(FA4_IMPLS) & set(args.impls) and fa4_skipped(args.head_dims):
+        args.impls = [name for name in args.impls if name not in FA4_IMPLS]
     env = environment()
     print(env)
     print(f"layout {args.layout}, B·T = {args.tokens}, H·D = {args.width}, impls {args.impls}")

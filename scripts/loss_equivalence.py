@@ -4,10 +4,11 @@
     python scripts/loss_equivalence.py experiment=equivalence_gpu     # GPU, bf16: the README's check
     python scripts/loss_equivalence.py attns=[sdpa,triton] max_steps=100 seq_len=512   # any train.py override but resume
 
-Each attention in `attns` trains through train.train() with one config that differs only in
-attn.name: the same seed gives the same initial weights and batch order; log_interval=1 records
-every step's loss; one evaluation at the end gives the final val loss. The first attention is the
-reference. The tolerance follows from the arithmetic, so it depends on the precision:
+Each attention in `attns` (by default sdpa, then every other attention that can train this config
+here: flex on CUDA, fa4 where FlashAttention-4 is installed) trains through train.train() with one
+config that differs only in attn.name: the same seed gives the same initial weights and batch order;
+log_interval=1 records every step's loss; one evaluation at the end gives the final val loss. The
+first attention is the reference. The tolerance follows from the arithmetic, so it depends on the precision:
 
 - strict (fp32 on the CPU): the attentions sum the same terms in different orders, so the curves
   differ by rounding alone, carried through the steps. Bound: |Δloss| <= 1e-4 at every step and
@@ -32,8 +33,9 @@ import copy
 import json
 import statistics
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import hydra
 import matplotlib
@@ -72,18 +74,22 @@ VAL_REL_TOL = 0.01  # bf16: final val losses within 1% of the reference's
 
 @dataclass
 class EquivalenceConfig(TrainConfig):
-    # the first is the reference: PyTorch's own, then every other attention of the registry
-    attns: list[str] = field(default_factory=lambda: ["sdpa", *(name for name in ATTENTIONS if name != "sdpa")])
+    # the first is the reference; null: sdpa, PyTorch's own, then every other attention of the
+    # registry that can train this config here (attentions())
+    attns: Optional[list[str]] = None
     print_every: int = 10  # steps between rows of the printed table
 
 
 def check_config(cfg: DictConfig) -> None:
     """ConfigError for a config the check cannot run: train.py's rules, then the check's own keys."""
     validate(cfg)
-    attns = list(cfg.attns)
+    attns = attentions(cfg)[0]
     if len(attns) < 2 or len(set(attns)) < len(attns) or not set(attns) <= ATTENTIONS.keys():
         raise ConfigError(f"attns={attns}: list two or more distinct attentions of {sorted(ATTENTIONS)}, "
                           "the reference first")
+    for name in attns:
+        if why := cannot_train(cfg, name):
+            raise ConfigError(f"attns={attns}: {why}")
     if cfg.print_every < 1:
         raise ConfigError(f"print_every={cfg.print_every}: must be at least 1 (steps between printed rows)")
     if cfg.resume:  # train() would continue that one run in its own dir, for every attention
@@ -94,6 +100,27 @@ def check_config(cfg: DictConfig) -> None:
     if problem:
         raise ConfigError(f"data.root={cfg.data.root}: the dataset dir {data}: {problem}: point data.root at a "
                           "directory")
+
+
+def cannot_train(cfg: DictConfig, attn: str) -> str | None:
+    """Why this config cannot train with attn here (train.py's one line), or None."""
+    run_cfg = copy.deepcopy(cfg)
+    run_cfg.attn.name = attn
+    try:
+        validate(run_cfg)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def attentions(cfg: DictConfig) -> tuple[list[str], dict[str, str]]:
+    """(the attentions to compare, the reference first; those left out, with why): cfg.attns, or if
+    it is null sdpa and every other attention of the registry, less those that cannot train here."""
+    if cfg.attns is not None:
+        return list(cfg.attns), {}
+    names = ["sdpa", *(name for name in ATTENTIONS if name != "sdpa")]
+    why = {name: cannot_train(cfg, name) for name in names}
+    return [name for name in names if not why[name]], {name: w for name, w in why.items() if w}
 
 
 def precision_mode(cfg: DictConfig) -> str:
@@ -247,9 +274,12 @@ def log_wandb(cfg: DictConfig, out_dir: Path, runs: dict, result: dict, png: Pat
 
 
 def check(cfg: DictConfig, out_dir: Path) -> dict:
-    """Trains every attention in cfg.attns (and, in spread mode, the reference's data-order twin), compares, reports."""
+    """Trains every attention of attentions(cfg) (and, in spread mode, the reference's data-order twin),
+    compares, reports."""
     check_config(cfg)
-    attns = list(cfg.attns)
+    attns, left_out = attentions(cfg)
+    for why in left_out.values():
+        print(f"left out: {why}")
     mode, reference, device = precision_mode(cfg), attns[0], resolve_device(cfg.device)
     environment = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                    "torch": torch.__version__, "triton": triton.__version__}

@@ -1,5 +1,6 @@
 """Where one causal bf16 attention forward+backward spends its GPU time: each kernel's time per
-step, from torch.profiler, ours (what `attn=triton` runs) beside SDPA's cuDNN backend.
+step, from torch.profiler, ours (what `attn=triton` runs) beside SDPA's cuDNN backend and, where it is
+installed (`pip install flash-attn-4`, CUDA 13, sm_90 or sm_100), FlashAttention-4 as `attn=fa4` runs it.
 
 bench_attention.py times the whole call; this splits it, so that a gap to cuDNN can be put on the
 forward, the backward or the passes around them (the backward's preprocessing, dQ's conversion,
@@ -21,9 +22,10 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/ sits beside kernels/
 
 from kernels import flash_attention  # noqa: E402
+from model.attention import ATTENTIONS as TRAINED  # noqa: E402
 from scripts.args import ArgumentParser, positive_int, positive_ints, require_cuda, require_divisors  # noqa: E402
 from scripts.stopping import stoppable  # noqa: E402
-from scripts.bench_attention import make_inputs  # noqa: E402
+from scripts.bench_attention import fa4_skipped, make_inputs  # noqa: E402
 
 
 def cudnn(q, k, v):
@@ -65,18 +67,20 @@ def main() -> None:
     require_divisors(p, "--seq-lens", args.seq_lens, args.tokens, "--tokens", "B·T")
     require_cuda("profile_attention.py")
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | us of GPU time per forward+backward step")
+    attentions = ATTENTIONS if fa4_skipped(args.head_dims) else {**ATTENTIONS, "fa4": TRAINED["fa4"].fn}
     for D in args.head_dims:
         for T in args.seq_lens:
             B, H = args.tokens // T, args.width // D
             inputs = make_inputs(B, H, T, D, "btHd")  # q, k, v views of one (B, T, 3, H, D) tensor
             totals = {}
-            for name, attn in ATTENTIONS.items():
+            for name, attn in attentions.items():
                 times = kernel_us(attn, *inputs, args.steps)
                 totals[name] = sum(times.values())
                 print(f"\nD = {D}, T = {T} (B = {B}, H = {H}), {name}: {totals[name]:,.0f} us")
                 for kernel, us in times.items():
                     print(f"  {us:9,.0f}  {kernel[:100]}")
-            print(f"\nD = {D}, T = {T}: ours / cudnn GPU time {totals['ours'] / totals['cudnn']:.3f}")
+            print(f"\nD = {D}, T = {T}: " + ", ".join(f"ours / {name} GPU time {totals['ours'] / totals[name]:.3f}"
+                                                    for name in totals if name != "ours"))
 
 
 if __name__ == "__main__":

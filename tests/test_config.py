@@ -22,7 +22,7 @@ def options(group: str) -> list[str]:
 
 
 def test_groups_have_the_documented_options():
-    assert options("attn") == ["naive", "sdpa", "triton"]
+    assert options("attn") == ["fa4", "flex", "naive", "sdpa", "triton"]
     for name in options("attn"):  # each attention of the registry is an attn= choice
         assert compose([f"attn={name}"]).attn.name == name
     assert {"tiny", "small", "gpt2_small"} <= set(options("model"))

@@ -156,9 +156,9 @@ def assert_same_function(got, own, ref64, n_terms: int, dtype: torch.dtype = tor
 
 
 def test_unknown_attention_lists_the_valid_ones():
-    with pytest.raises(ValueError, match="naive.*sdpa.*triton"):
+    with pytest.raises(ValueError, match="choose one of .*fa4.*flex.*naive.*sdpa.*triton"):
         get_attention("flash")
-    assert set(ATTENTIONS) == {"naive", "sdpa", "triton"}
+    assert set(ATTENTIONS) == {"naive", "sdpa", "triton", "flex", "fa4"}
 
 
 def test_sequence_longer_than_positions_is_refused():

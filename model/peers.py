@@ -1,0 +1,163 @@
+"""The attentions ours is measured against, as entries of the registry: FlexAttention and FlashAttention-4.
+
+FlexAttention (torch.nn.attention.flex_attention) is PyTorch's programmable attention: the mask is a
+Python function of (batch, head, query, key) that torch.compile fuses into one Triton kernel, and a
+BlockMask (which 128 x 128 tiles the mask leaves empty, partial or full) lets that kernel skip
+tiles, as ours skip the tiles outside their Bounds. The causal and windowed BlockMasks depend on
+the shape alone and are built once per shape; with documents one is built from each batch's doc_ids,
+once for all the layers of a step. torch has no FlexAttention backward on the CPU: it runs
+inference there, and trains on CUDA.
+
+FlashAttention-4 (flash_attn.cute: `pip install flash-attn-4`, CUDA 13) is FlashAttention-3's Hopper
+algorithm (sm_90) and its Blackwell one (sm_100) in CuTe DSL. It is optional: imported at its first
+call. It takes (B, T, H, D), the memory order the model's q, k, v views have already; a window is its
+window_size (W - 1, 0); documents go through its varlen entry, the B rows flattened to B·T tokens and
+cut at every document and row boundary (cu_seqlens). Its backward is FA4's default: dQ added
+atomically, not bit-identical from run to run (deterministic=True orders it).
+
+Both run outside a compiled model's graph where Python must (a graph break): the BlockMask lookup or
+build, and FA4's launch, which Dynamo cannot trace.
+"""
+
+import functools
+
+import torch
+from torch.nn.attention import flex_attention as torch_flex
+
+FA4_NEEDS = ("FlashAttention-4 needs the flash-attn-4 package (pip install flash-attn-4, CUDA 13) and an sm_90 or "
+             "sm_100 GPU")
+
+
+def once_per_batch(build):
+    """build(doc_ids, *key), remembered for the last doc_ids tensor: every layer of a step passes the
+    same one. Holding it keeps the identity check sound; its version counter catches an in-place change."""
+    last = None
+
+    @functools.wraps(build)
+    def cached(doc_ids: torch.Tensor, *key):
+        nonlocal last
+        if last is None or last[0] is not doc_ids or last[1] != doc_ids._version or last[2] != key:
+            last = (doc_ids, doc_ids._version, key, build(doc_ids, *key))
+        return last[3]
+    return torch.compiler.disable(cached)
+
+
+# ---------------------------------------------------------------------------
+# FlexAttention
+
+
+def _visible(T: int, S: int, window: int, device: torch.device, doc_ids: torch.Tensor | None = None):
+    """The mask_mod of hidden_keys (model/attention.py) negated: query q_idx, the key position
+    q_idx + S - T, sees key kv_idx if it is no later, fewer than `window` back (0: any), in its document."""
+    # the window is a tensor the kernel reads, not a constant compiled into it: one kernel (and one
+    # of dynamo's 8 compiles per function) serves every window of a sweep; 0: S, all keys
+    reach = torch.tensor(window or S, device=device)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        offset = q_idx + (S - T) - kv_idx
+        seen = (offset >= 0) & (offset < reach)
+        if doc_ids is not None:
+            seen = seen & (doc_ids[b, q_idx] == doc_ids[b, kv_idx])
+        return seen
+    return mask_mod
+
+
+@functools.cache
+def _compiled(fn):
+    return torch.compile(fn, dynamic=False)
+
+
+def _block_mask(mask_mod, B: int | None, T: int, S: int, device: torch.device) -> torch_flex.BlockMask:
+    # compiled on CUDA, where the eager build would hold the (B, T, S) mask at once; eager on the
+    # CPU, where sequences are short (measured on 2 cores at T = 37: 30 ms, against 14 s to compile)
+    build = _compiled(torch_flex.create_block_mask) if device.type == "cuda" else torch_flex.create_block_mask
+    return build(mask_mod, B, None, T, S, device=device)
+
+
+@torch.compiler.disable
+@functools.cache
+def _shape_mask(T: int, S: int, window: int, device: torch.device) -> torch_flex.BlockMask:
+    return _block_mask(_visible(T, S, window, device), None, T, S, device)
+
+
+@once_per_batch
+def _document_mask(doc_ids: torch.Tensor, window: int) -> torch_flex.BlockMask:
+    B, T = doc_ids.shape
+    return _block_mask(_visible(T, T, window, doc_ids.device, doc_ids), B, T, T, doc_ids.device)
+
+
+def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None = None,
+                   window: int = 0) -> torch.Tensor:
+    """FlexAttention, compiled for each shape (dynamic=False: the kernels of a fixed shape)."""
+    T, S = q.size(-2), k.size(-2)
+    mask = _shape_mask(T, S, window, q.device) if doc_ids is None else _document_mask(doc_ids, window)
+    return _compiled(torch_flex.flex_attention)(q, k, v, block_mask=mask, enable_gqa=k.size(1) != q.size(1))
+
+
+def flex_unsupported(head_dim: int, dtype: torch.dtype, device: torch.device) -> str | None:
+    if device.type == "cpu":
+        return (f"torch {torch.__version__} has no FlexAttention backward on the CPU (inference only): "
+                "train attn=flex on a CUDA GPU")
+    if head_dim < 16:
+        return f"FlexAttention's Triton kernels need head dim 16 or more, not {head_dim}"
+    return None
+
+
+# ---------------------------------------------------------------------------
+# FlashAttention-4
+
+
+def cu_seqlens(doc_ids: torch.Tensor) -> torch.Tensor:
+    """(B, T) document ids -> (N + 1,) int32: where each of the N documents of the B rows, flattened
+    to B·T tokens, starts, then B·T. A document is a run of equal ids; ids restart in every row
+    (data/tokenizer.py document_ids), so every row's first token starts one too."""
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    offsets = starts.flatten().nonzero().flatten()  # the number of documents: one host sync per batch
+    return torch.cat([offsets, offsets.new_tensor([doc_ids.numel()])]).to(torch.int32)
+
+
+_batch_cu_seqlens = once_per_batch(cu_seqlens)
+
+
+@torch.compiler.disable
+def fa4_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None = None,
+                  window: int = 0, deterministic: bool = False) -> torch.Tensor:
+    """FlashAttention-4, causal (bottom-right aligned, as hidden_keys: T new queries of S keys);
+    deterministic: its ordered dQ backward."""
+    from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
+
+    B, H, T, D = q.shape
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, T, H, D): a view, the model's memory order
+    window_size = (window - 1, 0) if window else (None, None)
+    if doc_ids is None:
+        out, _ = flash_attn_func(q, k, v, causal=True, window_size=window_size, deterministic=deterministic)
+        return out.transpose(1, 2)
+    offsets = _batch_cu_seqlens(doc_ids)
+    # (B·T, H, D), views of the model's q, k, v; T bounds every document (none crosses a row): no sync for the longest
+    out, _ = flash_attn_varlen_func(*(t.reshape(B * T, *t.shape[2:]) for t in (q, k, v)), cu_seqlens_q=offsets,
+                                    cu_seqlens_k=offsets, max_seqlen_q=T, max_seqlen_k=T, causal=True,
+                                    window_size=window_size, deterministic=deterministic)
+    return out.view(B, T, H, D).transpose(1, 2)
+
+
+def fa4_unsupported(head_dim: int, dtype: torch.dtype, device: torch.device) -> str | None:
+    if device.type != "cuda":
+        return f"{FA4_NEEDS}; device is {device.type}"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major not in (9, 10):
+        return f"{FA4_NEEDS}; {torch.cuda.get_device_name(device)} is sm_{major}{minor}"
+    try:
+        import flash_attn.cute  # noqa: F401
+    except (ImportError, OSError, RuntimeError) as e:
+        first_line = str(e).partition("\n")[0][:100]
+        return f"{FA4_NEEDS}; flash_attn.cute does not import ({type(e).__name__}: {first_line})"
+    if dtype not in (torch.bfloat16, torch.float16):
+        name = str(dtype).removeprefix("torch.")
+        return f"FlashAttention-4 runs bf16 or fp16, not {name}: set dtype=auto or bfloat16"
+    # flash_attn/cute/interface.py _validate_head_dims: multiples of 8 up to 256 on sm_90, 128 (or 256) on sm_100
+    largest = 256 if major == 9 else 128
+    if head_dim % 8 or not (8 <= head_dim <= largest or head_dim == 256):
+        return (f"FlashAttention-4 on sm_{major}{minor} takes head dims 8-{largest} in multiples of 8, and 256, "
+                f"not {head_dim}")
+    return None
