@@ -18,6 +18,7 @@ import math
 import os
 import signal
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -145,14 +146,18 @@ def load_state_dict(run: Run, state: dict) -> None:
         torch.cuda.set_rng_state(state["rng"]["cuda"], run.device)
 
 
-def setup(cfg: DictConfig, run_dir: Path) -> Run:
-    """Checks cfg, then builds everything the loop needs, resumed from cfg.resume if set."""
+def setup(cfg: DictConfig, run_dir: Path, check: Callable[[], None] = lambda: None) -> Run:
+    """Checks cfg, then builds everything the loop needs, resumed from cfg.resume if set. check()
+    runs between stages and inside dataset preparation: it raises to stop setup there."""
     validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     par = Parallel.start(resolve_device(cfg.device), cfg.parallel.cp, cfg.parallel.dp == "fsdp")
     cfg.batch_size = batch_size_per_process(cfg, par.world)
     ckpt, run_dir = resume_point(cfg, par, Path(run_dir))
     if par.master:
         claim_run_dir(run_dir, fresh=ckpt is None)
+    if cfg.sample_tokens > 0:
+        get_encoding()  # the sample at the end needs it: a bad tokenizer cache is found now, not after training
+    check()
 
     torch.manual_seed(cfg.seed)  # same initial weights on every rank
     if par.device.type == "cuda":
@@ -162,7 +167,8 @@ def setup(cfg: DictConfig, run_dir: Path) -> Run:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(par.device)
 
-    dataset_dir = prepare_on_node(cfg.data, par.local_rank, par.barrier)
+    dataset_dir = prepare_on_node(cfg.data, par.local_rank, par.barrier, check)
+    check()
     # each data-parallel rank takes its own slice of one global batch (data/loader.py)
     data_seed = cfg.seed if cfg.data_seed is None else cfg.data_seed
     train_loader = TokenWindows(dataset_dir, "train", cfg.seq_len, cfg.batch_size, par.device, data_seed,
@@ -184,6 +190,7 @@ def setup(cfg: DictConfig, run_dir: Path) -> Run:
     if par.world > 1:
         torch.manual_seed(cfg.seed + par.rank)  # same initial weights everywhere, but each rank its own dropout
     run.model = par.wrap(raw_model, cfg.compile, cfg.compile_mode)
+    check()  # the last point where a stop leaves nothing behind: W&B's run starts next
     if run.master:
         run.log = RunLog(run.run_dir, cfg, ckpt["wandb_id"] if ckpt else None, ckpt["step"] if ckpt else None)
         run.log.run.config.update(info, allow_val_change=True)
@@ -363,9 +370,13 @@ def resume_hint(run: Run) -> str:
 
 def train(cfg: DictConfig, run_dir: Path) -> dict:
     """Runs the whole training described by cfg, writing into run_dir; returns the summary."""
-    with StopSignals() as stop:  # SIGTERM during setup raises Stopped
-        run = setup(cfg, Path(run_dir))
-        stop.in_loop = True
+    with StopSignals() as stop:
+        try:
+            run = setup(cfg, Path(run_dir), stop.check)
+        except Exception:
+            stop.check()  # a stop signal that reached the tokenizing workers too: their failure is the stop's
+            raise
+        stop.start_loop()
         bar = tqdm(total=cfg.max_steps, initial=run.step, disable=not run.master, dynamic_ncols=True,
                    desc=str(cfg.attn.name))
         profiler = Profiler(run.run_dir / "profile", run.device) if cfg.profile and run.master else None
