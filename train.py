@@ -14,6 +14,7 @@ directory, checkpoints, metrics and W&B, its layout over processes, stop signals
 
 import contextlib
 import importlib.metadata
+import logging
 import math
 import os
 import signal
@@ -36,18 +37,18 @@ from configs.schema import plain
 from configs.store import register_configs
 from configs.validate import ConfigError, batch_size_per_process, check_resume, validate
 from kernels.flash_attn import backends as attention_backends
-from data import DatasetError, TokenWindows, document_ids, get_encoding
-from data.files import DiskFullError, atomic_write
+from data import DatasetError, TokenizerError, TokenWindows, document_ids, get_encoding
+from data.files import WriteError, atomic_write
 from data.prepare import prepare_on_node
 from model import GPT, get_attention
 from model.attention import sdpa_masked
 from trainer.checkpoint import CHECKPOINT_NAME, CheckpointError, load_checkpoint, load_weights, save_checkpoint
-from trainer.metrics import json_line
+from trainer.metrics import json_line, read_metrics
 from trainer.parallel import Parallel
 from trainer.preflight import preflight
 from trainer.profiling import Profiler
 from trainer.report import Meter, RunLog
-from trainer.rundir import abandon_run_dir, claim_run_dir, resume_target
+from trainer.rundir import abandon_run_dir, claim_run_dir, finished, resume_target
 from trainer.signals import Stopped, StopSignals
 
 register_configs()
@@ -187,6 +188,8 @@ def setup(cfg: DictConfig, run_dir: Path, check: Callable[[], None] = lambda: No
     if ckpt is not None:
         load_state_dict(run, ckpt)
         run.saved_step = run.step
+        if run.step == cfg.max_steps and run.master:
+            recorded_end(run)
     if par.world > 1:
         torch.manual_seed(cfg.seed + par.rank)  # same initial weights everywhere, but each rank its own dropout
     run.model = par.wrap(raw_model, cfg.compile, cfg.compile_mode)
@@ -211,12 +214,23 @@ def resume_point(cfg: DictConfig, par: Parallel, run_dir: Path) -> tuple[dict | 
         return None, run_dir
     ckpt = load_checkpoint(path)
     changes = check_resume(ckpt, plain(cfg), par.dp, path)
-    if ckpt["step"] >= cfg.max_steps:
-        raise ConfigError(f"resume={cfg.resume}: that run already finished at step {ckpt['step']}; "
-                          f"raise max_steps above {ckpt['step']} to train it further")
+    step = ckpt["step"]
+    if step > cfg.max_steps or (step == cfg.max_steps and finished(run_dir)):
+        raise ConfigError(f"resume={cfg.resume}: that run already finished at step {step}; "
+                          f"raise max_steps above {step} to train it further")
     if par.master:
-        print(f"resuming {run_dir} at step {ckpt['step']}" + (f"; changed: {changes}" if changes else ""))
+        doing = (f"finishing {run_dir}: it trained to step {step} but did not finish (no summary)"
+                 if step == cfg.max_steps else f"resuming {run_dir} at step {step}")
+        print(doing + (f"; changed: {changes}" if changes else ""))
     return ckpt, run_dir
+
+
+def recorded_end(run: Run) -> None:
+    """A run resumed at its last step only finishes (summary, sample, W&B): its last losses and its
+    throughput come from its metrics.jsonl."""
+    records = read_metrics(run.run_dir / "metrics.jsonl")
+    run.meter.history = [r for r in records if "loss" in r]
+    run.last_val = next((r["val_loss"] for r in reversed(records) if "val_loss" in r), None)
 
 
 def build_model(cfg: DictConfig, par: Parallel) -> GPT:
@@ -396,7 +410,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
             status = "oom"
             message = (f"CUDA out of memory at step {run.step + 1} with attn={cfg.attn.name} seq_len={cfg.seq_len} "
                        f"batch_size={cfg.batch_size}: lower batch_size or seq_len, or use attn=sdpa/triton")
-        except (Diverged, DiskFullError, CheckpointError) as e:
+        except (Diverged, WriteError, CheckpointError) as e:
             status, message = ("diverged" if isinstance(e, Diverged) else "failed"), f"{e}; {last_checkpoint(run)}"
         except BaseException as e:  # Ctrl-C or a crash: close the W&B run as failed; ckpt.pt stays the last good one
             if run.master:
@@ -458,8 +472,8 @@ def finish(run: Run, status: str, message: str | None) -> dict:
     cfg = run.cfg
     if message and run.master:
         print(message, file=sys.stderr)
-        with contextlib.suppress(OSError):  # a full disk said its line already; the record may not fit
-            run.log.log({"step": run.step, "event": status, status: 1, "message": message})
+        with contextlib.suppress(WriteError):  # a full disk said its line already; the record may not fit
+            run.log.log({"step": run.step, "event": status, status: 1, "message": message}, closing=True)
     history = run.meter.history
     summary = {"status": status, "message": message, "steps": run.step,
                "best_val_loss": run.best_val if run.last_val is not None else None, "final_val_loss": run.last_val,
@@ -472,8 +486,12 @@ def finish(run: Run, status: str, message: str | None) -> dict:
     if run.master:
         if "sample" in summary:
             print(f"--- sample ---\n{summary['sample']}\n--------------")
-        with contextlib.suppress(DiskFullError):
+        try:
             atomic_write(run.run_dir / "summary.json", json_line(summary).encode())
+        except WriteError as e:  # not finished without it: resume= from its last checkpoint writes it
+            print(f"error: {e}" + (f"; {resume_hint(run)}" if run.saved_step == run.step else ""), file=sys.stderr)
+            if status == "ok":
+                summary.update(status="failed", message=str(e))
         run.log.finish(summary)
         print("summary: " + ", ".join(f"{k}={v}" for k, v in summary.items() if k not in ("sample", "message")))
     run.par.close()
@@ -506,14 +524,14 @@ def main(cfg: DictConfig) -> float | None:
     hc = HydraConfig.get()
     try:
         summary = train(cfg, Path(hc.runtime.output_dir))
-    except DiskFullError as e:  # preparing data or a cache before training started
+    except WriteError as e:  # preparing data or a cache before training started
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
     except Stopped as e:
         print(e, file=sys.stderr)
         abandon_run_dir(Path(hc.runtime.output_dir))
         sys.exit(128 + e.signum)
-    except (ConfigError, DatasetError, CheckpointError) as e:
+    except (ConfigError, DatasetError, CheckpointError, TokenizerError) as e:
         if hc.mode == RunMode.RUN:
             print(f"error: {e}", file=sys.stderr)
             abandon_run_dir(Path(hc.runtime.output_dir))
@@ -522,7 +540,10 @@ def main(cfg: DictConfig) -> float | None:
         print(f"error: {e} (this job is skipped; the sweep goes on)", file=sys.stderr)
         job_dir = Path(hc.runtime.output_dir)
         if not any((job_dir / name).exists() for name in ("summary.json", CHECKPOINT_NAME)):
-            atomic_write(job_dir / "summary.json", json_line({"status": "skipped", "message": str(e)}).encode())
+            try:
+                atomic_write(job_dir / "summary.json", json_line({"status": "skipped", "message": str(e)}).encode())
+            except WriteError as write:
+                print(f"error: {write}", file=sys.stderr)
         return None
     # a failed sweep job is recorded and the next one runs; a stopped one stops the sweep
     if summary["status"] != "ok" and (hc.mode == RunMode.RUN or summary["status"] == "stopped"):
@@ -531,6 +552,9 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
+    # a log record that cannot be written (train.log or W&B's debug.log on a full disk) is dropped, not
+    # printed as a traceback: the write that matters says what failed in its own line
+    logging.raiseExceptions = False
     sys.argv[1:] = quoted_where_needed(sys.argv[1:])  # any path as typed: hydra.run.dir=/data/ü_日本
     if int(os.environ.get("RANK", "0")) > 0:
         # under torchrun rank 0 alone owns the Hydra run dir; the other ranks get none and write nothing

@@ -22,7 +22,7 @@ from omegaconf.errors import OmegaConfBaseException  # noqa: E402
 from configs.overrides import one_line  # noqa: E402
 from configs.store import register_configs  # noqa: E402
 from configs.validate import ConfigError, validate_data  # noqa: E402
-from data import DatasetError  # noqa: E402
+from data import DatasetError, TokenizerError  # noqa: E402
 from data.files import DiskFullError  # noqa: E402
 from data.prepare import prepare  # noqa: E402
 from scripts.args import ArgumentParser, fail  # noqa: E402
@@ -44,7 +44,7 @@ def main() -> None:
         prepare(OmegaConf.to_object(cfg.data))
     except (HydraException, OmegaConfBaseException) as e:
         fail(one_line(e))
-    except (ConfigError, DatasetError) as e:
+    except (ConfigError, DatasetError, TokenizerError) as e:
         fail(str(e))
     except DiskFullError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -17,14 +17,19 @@ from pathlib import Path
 
 from configs.overrides import override
 from configs.validate import ConfigError
+from data.files import free_bytes
 from trainer.checkpoint import CHECKPOINT_NAME, CheckpointError, checkpoint_path
 
 RUN_FILES = ("metrics.jsonl", CHECKPOINT_NAME, "summary.json")  # what makes a dir a run's
+# free bytes a run keeps on its dir's disk: room to close its records (summary.json, W&B's last
+# blocks, which W&B drops without a word where they do not fit). A run starts only with this much
+# free (before Hydra writes its record there) and stops, in one line, when less is left
+RESERVE = 1 << 20
 _locks: dict[Path, int] = {}  # run dirs this process holds, -> the open lock file
 _created: set[Path] = set()  # run dirs this process made
 
 
-def _finished(run_dir: Path) -> bool:
+def finished(run_dir: Path) -> bool:
     """Whether run_dir's summary.json says its run completed (status ok)."""
     try:
         return json.loads((run_dir / "summary.json").read_text()).get("status") == "ok"
@@ -32,13 +37,21 @@ def _finished(run_dir: Path) -> bool:
         return False
 
 
+def _check_room(run_dir: Path) -> None:
+    if (free := free_bytes(run_dir)) < RESERVE:
+        raise ConfigError(f"run dir {run_dir}: its disk has {free:,} bytes free, a run needs {RESERVE:,} for its "
+                          "records: free some space or choose another hydra.run.dir")
+
+
 def claim_run_dir(run_dir: Path, fresh: bool) -> None:
     """Creates run_dir if needed and locks it for this process (until it exits, kill -9 too).
-    ConfigError if another live run holds it, or, for a fresh run, if an earlier run left a
-    checkpoint or finished there. An earlier run that stopped before its first checkpoint left
-    only records of steps no checkpoint holds: they are removed and the run starts again in place."""
+    ConfigError if its disk has less than RESERVE free, if another live run holds it, or, for a
+    fresh run, if an earlier run left a checkpoint or finished there. An earlier run that stopped
+    before its first checkpoint left only records of steps no checkpoint holds: they are removed
+    and the run starts again in place."""
     run_dir = Path(run_dir).resolve()
     if run_dir not in _locks:
+        _check_room(run_dir)
         try:
             if not run_dir.exists():
                 run_dir.mkdir(parents=True)
@@ -62,7 +75,7 @@ def claim_run_dir(run_dir: Path, fresh: bool) -> None:
     if (run_dir / CHECKPOINT_NAME).exists():
         raise ConfigError(f"run dir {run_dir} already holds a run: {override('resume', str(run_dir))} continues it; "
                           "choose another hydra.run.dir for a new one")
-    if _finished(run_dir):
+    if finished(run_dir):
         raise ConfigError(f"run dir {run_dir} holds a finished run (without a checkpoint: ckpt_interval=-1): "
                           "choose another hydra.run.dir")
     leftovers = [name for name in RUN_FILES if (run_dir / name).exists()]
@@ -85,7 +98,7 @@ def resume_target(resume: str | Path) -> tuple[Path | None, Path]:
         is_run_dir = path.is_dir() and any((path / name).exists() for name in (*RUN_FILES, ".hydra", ".lock"))
     except OSError as e:
         raise CheckpointError(f"resume={resume}: {e.filename} cannot be read ({e.strerror})") from None
-    if is_run_dir and not _finished(path):
+    if is_run_dir and not finished(path):
         return None, path
     if is_run_dir:
         raise CheckpointError(f"resume={resume}: that run finished without writing a checkpoint "
@@ -97,6 +110,7 @@ def resume_target(resume: str | Path) -> tuple[Path | None, Path]:
 def claim_new(template: Path) -> Path:
     """template itself if it is new, else template_2, _3, ...: created exclusively, so two runs
     started in the same second never share one."""
+    _check_room(template)
     for n in range(1, 1000):
         path = template if n == 1 else template.with_name(f"{template.name}_{n}")
         try:
