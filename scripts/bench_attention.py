@@ -12,7 +12,6 @@ its inputs and the gradients it returns (the scores for naive, LSE and scratch f
     python scripts/bench_attention.py --window 1024 --seq-lens 32768      # sliding windows, with and without documents
 """
 import contextlib
-import csv
 import gc
 import math
 import os
@@ -39,6 +38,7 @@ from configs.runtime import SDPA_BACKENDS
 from model.attention import ATTENTIONS, hidden_keys
 from scripts.args import (ArgumentParser, directory, names, non_negative_int, positive_int, positive_ints,
                           require_cuda, require_divisors)
+from scripts.outputs import run_script, save_figure, write_csv, write_text
 
 SEQ_LENS = [512, 1024, 2048, 4096, 8192, 16384]
 QUICK_SEQ_LENS = [1024, 8192]
@@ -264,15 +264,8 @@ def plot(rows, impls, path, title):
             ax.legend(fontsize=8)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
     plt.close(fig)
-
-
-def write_csv(rows, path):
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS)
-        writer.writeheader()
-        writer.writerows(rows)
 
 # ---------------------------------------------------------------------------
 # Main
@@ -387,7 +380,7 @@ def run_documents(args, env):
             leaves = get_qkv = dout = dense = block_mask = None  # freed before the next shape
             free_memory()
     table = "\n".join(rows)
-    (args.out / f"documents_{args.documents}.md").write_text(f"{env}\n\n{table}\n")
+    write_text(args.out / f"documents_{args.documents}.md", f"{env}\n\n{table}\n")
     print(f"\n{env}\nforward+backward, ms and TFLOP/s of the work within the documents\n\n{table}")
 
 
@@ -439,7 +432,7 @@ def run_windows(args, env):
             leaves = get_qkv = dout = dense = window_mask = docs_mask = None  # freed before the next shape
             free_memory()
     table = "\n".join(rows)
-    (args.out / f"window_{W}.md").write_text(f"{env}\n\n{table}\n")
+    write_text(args.out / f"window_{W}.md", f"{env}\n\n{table}\n")
     print(f"\n{env}\nforward+backward, ms and TFLOP/s of the work inside the mask; ours / Flex: Flex's time over "
           f"ours; vs T/W-proportional: (our causal time x window pairs / causal pairs) over our window time "
           f"(1.00: the skipped tiles cost nothing)\n\n{table}")
@@ -481,10 +474,10 @@ def main():
     args.out.mkdir(parents=True, exist_ok=True)
     dims = "-".join(str(d) for d in args.head_dims)
     stem = args.out / f"attention_d{dims}" if args.layout == "bhtd" else args.out / f"attention_d{dims}_{args.layout}"
-    write_csv(rows, stem.with_suffix(".csv"))
+    write_csv(stem.with_suffix(".csv"), rows, FIELDS)
     plot(rows, args.impls, stem.with_suffix(".png"), env)
     tables = markdown_tables(rows, args.impls)
-    stem.with_suffix(".md").write_text(f"{env}\n\n{tables}\n")
+    write_text(stem.with_suffix(".md"), f"{env}\n\n{tables}\n")
     print(f"wrote {stem}.csv, .png, .md\n")
     print("configs our kernels ran with, per (dtype, BLOCK_D, causal, documents, T bucket, S bucket):")
     for name, launcher in LAUNCHERS.items():
@@ -495,4 +488,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -11,7 +11,6 @@ tokens/s(N) / (N x tokens/s(1)). Autotuning is off, as in scripts/long_context.p
     python scripts/context_parallel.py --gpus 4 --seq-lens 1048576 --steps 1 ac=full
 """
 
-import csv
 import json
 import os
 import subprocess
@@ -25,6 +24,7 @@ sys.path.insert(0, str(REPO))  # scripts/ sits beside the packages
 from trainer.metrics import read_metrics  # noqa: E402
 from scripts.args import (ArgumentParser, directory, positive_int, positive_ints, require_cuda,  # noqa: E402
                           train_config)
+from scripts.outputs import run_script, write_csv, write_text  # noqa: E402
 
 FIELDS = ["gpus", "seq_len", "status", "tokens_per_s", "step_s", "peak_mem_alloc_gib", "efficiency", "wall_s"]
 
@@ -96,14 +96,11 @@ def main():
         one = next((r for r in rows if (r["gpus"], r["seq_len"], r["status"]) == (1, row["seq_len"], "ok")), None)
         if one and row["status"] == "ok" and row["gpus"] > 1:
             row["efficiency"] = row["tokens_per_s"] / (row["gpus"] * one["tokens_per_s"])
-    with open(args.out / "context_parallel.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS, extrasaction="ignore", restval="")
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(args.out / "context_parallel.csv", rows, FIELDS)
     md = table(rows)
-    (args.out / "context_parallel.md").write_text(md + "\n")
+    write_text(args.out / "context_parallel.md", md + "\n")
     print("\n" + md)
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -40,6 +40,7 @@ from configs.runtime import precision, resolve_device  # noqa: E402
 from configs.schema import AttnName, Checkpointing  # noqa: E402
 from scripts.args import (ArgumentParser, directory, fail, names, non_negative_ints, positive_int,  # noqa: E402
                           require_cuda, train_config)
+from scripts.outputs import run_script, save_figure, write_csv, write_text  # noqa: E402
 
 FIELDS = ["attn", "ac", "mlp_chunk", "seq_len", "status", "steps", "tokens_per_s", "step_s", "peak_mem_alloc_gib",
           "reason"]
@@ -159,7 +160,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
         ax.legend(fontsize=7)
     fig.suptitle(f"GPT-2-small shape, one sequence per step, RoPE, chunked loss | {title}", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
     plt.close(fig)
 
 
@@ -243,10 +244,7 @@ def main():
             print(f"{label(setting)} T={seq_len:,}: {row['status']}"
                   + (f", {row['tokens_per_s']:,.0f} tokens/s, {row['peak_mem_alloc_gib']:.1f} GiB"
                      if row["status"] == "ok" else f" ({row['reason']})"), flush=True)
-            with open(args.out / "long_context.csv", "w", newline="") as f:  # rewritten after each rung
-                writer = csv.DictWriter(f, fieldnames=FIELDS, extrasaction="ignore", restval="")
-                writer.writeheader()
-                writer.writerows(rows)
+            write_csv(args.out / "long_context.csv", rows, FIELDS)  # rewritten after each rung
             if row["status"] != "ok":
                 break
     cfg = next(iter(configs.values()))  # every rung runs in the same precision
@@ -256,10 +254,10 @@ def main():
 
 def write(rows: list[dict], out: Path, title: str) -> None:
     md = table(rows) + "\n\nPeak allocated memory against seq_len, fitted per setting:\n\n" + fit_table(rows)
-    (out / "long_context.md").write_text(md + "\n")
+    write_text(out / "long_context.md", md + "\n")
     plot(rows, out / "long_context.png", title)
     print("\n" + md)
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -23,9 +23,9 @@ from configs.overrides import one_line  # noqa: E402
 from configs.store import register_configs  # noqa: E402
 from configs.validate import ConfigError, validate_data  # noqa: E402
 from data import DatasetError, TokenizerError  # noqa: E402
-from data.files import DiskFullError  # noqa: E402
 from data.prepare import prepare  # noqa: E402
 from scripts.args import ArgumentParser, fail  # noqa: E402
+from scripts.outputs import run_script  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -46,10 +46,7 @@ def main() -> None:
         fail(one_line(e))
     except (ConfigError, DatasetError, TokenizerError) as e:
         fail(str(e))
-    except DiskFullError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -23,7 +23,6 @@ or gradient), skipped (its config cannot run: the reason is listed under the tab
 (crashed, was killed or is still running: no summary.json and no OOM record).
 """
 
-import csv
 import json
 import sys
 from pathlib import Path
@@ -41,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/ sits be
 
 from trainer.metrics import read_metrics, steady  # noqa: E402
 from scripts.args import ArgumentParser, directory, fail, unwritable  # noqa: E402
+from scripts.outputs import run_script, save_figure, write_csv, write_text  # noqa: E402
 
 COLUMNS = ["attn", "window", "n_kv_head", "seq_len", "status", "steps", "tokens_per_s", "mfu",
            "peak_mem_alloc_gib", "peak_mem_reserved_gib", "final_loss", "final_val_loss", "device", "message"]
@@ -184,13 +184,6 @@ def read_sweep(sweep_dir: Path) -> list[dict]:
 # outputs
 
 
-def write_csv(rows: list[dict], path: Path) -> None:
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
-        writer.writeheader()
-        writer.writerows({k: "" if r[k] is None else r[k] for k in COLUMNS} for r in rows)
-
-
 def plot_losses(rows: list[dict], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for i, r in enumerate(rows):
@@ -205,7 +198,7 @@ def plot_losses(rows: list[dict], path: Path) -> None:
     ax.set_ylabel("training loss")
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
     plt.close(fig)
 
 
@@ -283,7 +276,7 @@ def plot(rows: list[dict], path: Path) -> None:
         if ax.get_legend_handles_labels()[0]:
             ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
     plt.close(fig)
 
 
@@ -302,9 +295,9 @@ def main() -> None:
     if problem:
         fail(f"{out}: {problem}: pass --out a directory to write the summary into")
     out.mkdir(parents=True, exist_ok=True)
-    write_csv(rows, out / "summary.csv")
+    write_csv(out / "summary.csv", rows, COLUMNS)
     table = markdown(rows, args.sweep_dir)
-    (out / "summary.md").write_text(table)
+    write_text(out / "summary.md", table)
     plot(rows, out / "sweep.png")
     plot_losses(rows, out / "losses.png")
     print(f"wrote {out / 'summary.csv'}, {out / 'summary.md'}, {out / 'sweep.png'}, {out / 'losses.png'}\n")
@@ -312,4 +305,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

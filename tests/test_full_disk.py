@@ -9,6 +9,7 @@ where the machine allows neither), through tests/small_disk.py, with real offlin
 - no room at the start: one line, exit 2, no run dir (Hydra has written nothing);
 - the disk is full when summary.json is written: one line, exit 1, and resume= finishes the run
   once there is room;
+- a script's output that does not fit is one line, exit 1, and no file half-written;
 - a JSON-lines append that does not fit leaves the file as it was; a line cut by a kill is
   dropped before the next one is appended.
 
@@ -114,6 +115,18 @@ def test_a_summary_that_does_not_fit_is_one_line_and_resume_writes_it(data_root,
     records = assert_whole_lines(report["metrics"])
     assert report["summary"]["final_loss"] == [r["loss"] for r in records if "loss" in r][-1]
     assert report["wandb"] == {"exit_code": 0, "preempting": False}
+
+
+def test_a_script_whose_output_does_not_fit_says_so_in_one_line(tmp_path):
+    out = tmp_path / "disk" / "run"  # the driver lists what is left in there
+    cmd = [sys.executable, str(REPO / "scripts" / "long_context.py"), "--from-csv",
+           str(REPO / "docs" / "long_context" / "long_context.csv"), "--out", str(out), "--title", "a full disk"]
+    report = on_small_disk(tmp_path, [{"cmd": cmd, "fill": {"at": "start", "leave": 0}}], size="1m")
+    run = report["runs"][0]
+    assert run["rc"] == 1
+    assert the_line(run["stderr"], "error:") == (f"error: disk full while writing {out / 'long_context.md'} (temp file "
+                                                 "removed; nothing written)")
+    assert report["files"] == []
 
 
 def test_an_append_that_does_not_fit_leaves_the_file_as_it_was(tmp_path):
