@@ -1,4 +1,5 @@
-"""A stop signal during setup stops it at its next safe point: real train.py processes, real signals.
+"""A stop signal stops at its next safe point, in setup and in the processes a run is made of: real
+train.py processes, real signals.
 
 - SIGTERM to the process, or SIGTERM or Ctrl-C (SIGINT) to its whole process group, while a dataset
   is streamed, right as tokenizing starts, and while several worker processes tokenize it: exit
@@ -6,9 +7,11 @@
   dir half-made, no run dir, and no worker left behind;
 - SIGTERM while the run waits for another process to finish preparing the dataset: the same;
 - a process forked under StopSignals (a tokenizing worker) dies by SIGTERM as a process without
-  the run's handler does.
+  the run's handler does;
+- SIGTERM to a script that runs train.py as a child (scripts/context_parallel.py) goes on to it:
+  the child checkpoints and exits 143, and no process is left behind.
 
-    .venv/bin/python -m pytest tests/test_setup_stops.py -q      # about two minutes on 2 cores
+    .venv/bin/python -m pytest tests/test_stops.py -q      # about three minutes on 2 cores
 """
 
 import fcntl
@@ -24,6 +27,8 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import REPO, TINY
+from trainer.checkpoint import load_checkpoint
+from trainer.metrics import read_metrics
 from trainer.signals import StopSignals
 
 DOCS = 100_000  # enough for several tokenizing workers (one per 10,000 documents, one per core at most)
@@ -140,3 +145,26 @@ def test_a_child_forked_under_stop_signals_dies_by_sigterm():
     os.close(ready)
     os.close(ready_w)
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM
+
+
+@pytest.mark.slow
+def test_a_stop_signal_to_a_script_goes_on_to_the_train_py_it_runs(data_root, tmp_path):
+    # context_parallel.py needs GPUs as a whole; the part that runs each train.py is the same on the CPU
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, str(REPO / "train.py"), *TINY, f"data.root={data_root}", "wandb.mode=disabled",
+           "log_interval=1", "eval_interval=0", "ckpt_interval=1000", "max_steps=100000", f"hydra.run.dir={run_dir}"]
+    code = ("import json, os, sys; sys.path.insert(0, os.getcwd()); from scripts.context_parallel import run_child; "
+            f"done, stopped = run_child({cmd!r}, dict(os.environ)); print(json.dumps([done.returncode, stopped]))")
+    script = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, start_new_session=True)
+    deadline = time.monotonic() + 600
+    while max((r["step"] for r in read_metrics(run_dir / "metrics.jsonl")), default=0) < 2:
+        assert script.poll() is None and time.monotonic() < deadline, script.communicate()[1][-2000:]
+        time.sleep(0.05)
+    os.kill(script.pid, signal.SIGTERM)  # the script alone, as a scheduler stopping it would
+    out, err = script.communicate(timeout=120)
+    assert json.loads(out.strip().splitlines()[-1]) == [143, signal.SIGTERM], err[-2000:]
+    step = load_checkpoint(run_dir / "ckpt.pt")["step"]  # the child checkpointed the step in flight
+    assert step == max(r["step"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r) >= 2
+    with pytest.raises(ProcessLookupError):  # and it is gone
+        os.killpg(script.pid, 0)
