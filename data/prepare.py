@@ -213,7 +213,8 @@ def _tokenized(docs: datasets.Dataset, check: Callable[[], None]) -> Iterator[tu
         while ahead:
             check()
             done = ahead.popleft().result()
-            ahead.extend(pool.submit(_tokenize, texts) for texts in itertools.islice(batches, 1))
+            if (texts := next(batches, None)) is not None:
+                ahead.append(pool.submit(_tokenize, texts))
             yield done
 
 

@@ -9,7 +9,8 @@ fresh model and optimizer, the CUDA cache emptied between them). Autotuning is o
 (FLASH_ATTENTION_AUTOTUNE=0): at these lengths one benchmark pass of every config would cost
 minutes. Beside the table, a straight-line fit of each setting's peak memory against seq_len
 predicts the longest sequence an 80 GB and a 141 GB card hold. Writes long_context.csv, .md and
-.png into --out; the plot's title names the precision.
+.png into --out; the plot's title names the precision. A stop signal stops the rung in flight
+(train.py's rules) and the ladder: the rungs so far are written, and the exit code is the signal's.
 
     python scripts/long_context.py                               # naive, sdpa, triton x every ac
     python scripts/long_context.py --attns triton,sdpa --acs full,offload --mlp-chunks 0,65536 --max 1048576
@@ -20,6 +21,7 @@ import argparse
 import csv
 import gc
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -41,6 +43,7 @@ from configs.schema import AttnName, Checkpointing  # noqa: E402
 from scripts.args import (ArgumentParser, directory, fail, names, non_negative_ints, positive_int,  # noqa: E402
                           require_cuda, train_config)
 from scripts.outputs import run_script, save_figure, write_csv, write_text  # noqa: E402
+from trainer.signals import Stopped  # noqa: E402
 
 FIELDS = ["attn", "ac", "mlp_chunk", "seq_len", "status", "steps", "tokens_per_s", "step_s", "peak_mem_alloc_gib",
           "reason"]
@@ -77,7 +80,7 @@ def rung(cfg: DictConfig, out: Path) -> dict:
     reason = "CUDA out of memory" if summary["status"] == "oom" else ""
     return {**row, "status": summary["status"], "steps": summary["steps"], "tokens_per_s": tok_s,
             "step_s": row["seq_len"] / tok_s if tok_s else None, "peak_mem_alloc_gib": summary["peak_mem_alloc_gib"],
-            "reason": reason, "wall_s": time.perf_counter() - start}
+            "reason": reason, "wall_s": time.perf_counter() - start, "signal": summary.get("signal")}
 
 
 def free() -> None:
@@ -235,21 +238,31 @@ def main():
                for setting in grid for seq_len in seq_lens}
     require_cuda("long_context.py")
     args.out.mkdir(parents=True, exist_ok=True)
-    rows = []
+    rows, stop = [], 0
     for setting in grid:
         for seq_len in seq_lens:
-            row = rung(configs[(*setting, seq_len)], args.out)
+            try:
+                row = rung(configs[(*setting, seq_len)], args.out)
+            except Stopped as e:  # in the rung's setup
+                stop = e.signum
+                break
             free()
             rows.append(row)
             print(f"{label(setting)} T={seq_len:,}: {row['status']}"
                   + (f", {row['tokens_per_s']:,.0f} tokens/s, {row['peak_mem_alloc_gib']:.1f} GiB"
                      if row["status"] == "ok" else f" ({row['reason']})"), flush=True)
             write_csv(args.out / "long_context.csv", rows, FIELDS)  # rewritten after each rung
+            stop = signal.Signals[row["signal"]] if row["status"] == "stopped" else 0
             if row["status"] != "ok":
                 break
+        if stop:
+            break
     cfg = next(iter(configs.values()))  # every rung runs in the same precision
     write(rows, args.out, f"{torch.cuda.get_device_name()}, "
           f"{precision(cfg.dtype, resolve_device(cfg.device))}, torch {torch.__version__}")
+    if stop:
+        print(f"stopped by {signal.Signals(stop).name}: the rungs so far are in {args.out}", file=sys.stderr)
+        sys.exit(128 + stop)
 
 
 def write(rows: list[dict], out: Path, title: str) -> None:
