@@ -1,7 +1,8 @@
 """Crash-safe file writes and checksums, for datasets, checkpoints, metrics, caches and results alike.
 
-Every file the project writes goes through one of three calls, and each either completes or fails
-with a WriteError whose str() is one line (which file, why, and what became of it):
+The files of datasets, runs and the scripts' results go through three calls (Hydra's record and
+W&B's files are theirs to write), and each either completes or fails with a WriteError whose str()
+is one line (which file, why, and what became of it):
 - atomic_write puts the bytes in a temp file beside the target (a unique name, so concurrent
   writers never share one), fsyncs it, renames it over the target and fsyncs the directory: a
   reader, a crash or a power loss sees the old file or the whole new one, never a mix;

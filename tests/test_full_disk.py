@@ -94,8 +94,8 @@ def test_a_disk_without_room_at_the_start_is_one_line_and_no_run_dir(data_root, 
     report = on_small_disk(tmp_path, [{"cmd": train(data_root, tmp_path), "fill": {"at": "start", "leave": 0}}])
     run = report["runs"][0]
     assert run["rc"] == 2
-    assert the_line(run["stderr"], "error:").endswith("bytes free, a run needs 1,048,576 for its records: free some "
-                                                      "space or choose another hydra.run.dir")
+    assert the_line(run["stderr"], "error:").endswith(f"bytes free, a run needs {RESERVE:,} for its records: free "
+                                                      "some space or choose another hydra.run.dir")
     assert report["files"] is None
 
 
