@@ -14,12 +14,14 @@ directory, checkpoints, metrics and W&B, its layout over processes, stop signals
 
 import contextlib
 import importlib.metadata
+import logging
 import math
 import os
 import re
 import shlex
 import signal
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,13 +39,13 @@ from configs.schema import TrainConfig, plain
 from configs.store import register_configs
 from configs.validate import ConfigError, batch_size_per_process, check_resume, validate
 from kernels.backends import backends as attention_backends
-from data import DatasetError, TokenWindows, document_ids, get_encoding
-from data.files import DiskFullError, atomic_write
+from data import DatasetError, TokenizerError, TokenWindows, document_ids, get_encoding
+from data.files import WriteError, atomic_write
 from data.prepare import prepare_on_node
 from model import GPT, get_attention
 from model.attention import sdpa_masked
 from trainer.checkpoint import CHECKPOINT_NAME, CheckpointError, load_checkpoint, load_weights, save_checkpoint
-from trainer.metrics import json_line
+from trainer.metrics import json_line, read_metrics
 from trainer.parallel import Parallel
 from trainer.preflight import preflight
 from trainer.profiling import Profiler
@@ -147,14 +149,18 @@ def load_state_dict(run: Run, state: dict) -> None:
         torch.cuda.set_rng_state(state["rng"]["cuda"], run.device)
 
 
-def setup(cfg: DictConfig, run_dir: Path) -> Run:
-    """Checks cfg, then builds everything the loop needs, resumed from cfg.resume if set."""
+def setup(cfg: DictConfig, run_dir: Path, check: Callable[[], None] = lambda: None) -> Run:
+    """Checks cfg, then builds everything the loop needs, resumed from cfg.resume if set. check()
+    runs between stages and inside dataset preparation: it raises to stop setup there."""
     validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     par = Parallel.start(resolve_device(cfg.device), cfg.parallel.cp, cfg.parallel.dp == "fsdp")
     cfg.batch_size = batch_size_per_process(cfg, par.world)
     ckpt, run_dir = resume_point(cfg, par, Path(run_dir))
     if par.master:
         claim_run_dir(run_dir, fresh=ckpt is None)
+    if cfg.sample_tokens > 0:
+        get_encoding()  # the sample at the end needs it: a bad tokenizer cache is found now, not after training
+    check()
 
     torch.manual_seed(cfg.seed)  # same initial weights on every rank
     if par.device.type == "cuda":
@@ -164,7 +170,8 @@ def setup(cfg: DictConfig, run_dir: Path) -> Run:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(par.device)
 
-    dataset_dir = prepare_on_node(cfg.data, par.local_rank, par.barrier)
+    dataset_dir = prepare_on_node(cfg.data, par.local_rank, par.barrier, check)
+    check()
     # each data-parallel rank takes its own slice of one global batch (data/loader.py)
     data_seed = cfg.seed if cfg.data_seed is None else cfg.data_seed
     train_loader = TokenWindows(dataset_dir, "train", cfg.seq_len, cfg.batch_size, par.device, data_seed,
@@ -183,9 +190,12 @@ def setup(cfg: DictConfig, run_dir: Path) -> Run:
     if ckpt is not None:
         load_state_dict(run, ckpt)
         run.saved_step = run.step
+        if run.step == cfg.max_steps and run.master:
+            recorded_end(run)
     if par.world > 1:
         torch.manual_seed(cfg.seed + par.rank)  # same initial weights everywhere, but each rank its own dropout
     run.model = par.wrap(raw_model, cfg.compile, cfg.compile_mode)
+    check()  # the last point where a stop leaves nothing behind: W&B's run starts next
     if run.master:
         run.log = RunLog(run.run_dir, cfg, ckpt["wandb_id"] if ckpt else None, ckpt["step"] if ckpt else None)
         run.log.run.config.update(info, allow_val_change=True)
@@ -206,12 +216,23 @@ def resume_point(cfg: DictConfig, par: Parallel, run_dir: Path) -> tuple[dict | 
         return None, run_dir
     ckpt = load_checkpoint(path)
     changes = check_resume(ckpt, plain(cfg), par.dp, path)
-    if ckpt["step"] >= cfg.max_steps:
-        raise ConfigError(f"resume={cfg.resume}: that run already finished at step {ckpt['step']}; "
-                          f"raise max_steps above {ckpt['step']} to train it further")
+    step = ckpt["step"]
+    if step > cfg.max_steps or (step == cfg.max_steps and finished_summary(run_dir) is not None):
+        raise ConfigError(f"resume={cfg.resume}: that run already finished at step {step}; "
+                          f"raise max_steps above {step} to train it further")
     if par.master:
-        print(f"resuming {run_dir} at step {ckpt['step']}" + (f"; changed: {changes}" if changes else ""))
+        doing = (f"finishing {run_dir}: it trained to step {step} but did not finish (no summary)"
+                 if step == cfg.max_steps else f"resuming {run_dir} at step {step}")
+        print(doing + (f"; changed: {changes}" if changes else ""))
     return ckpt, run_dir
+
+
+def recorded_end(run: Run) -> None:
+    """A run resumed at its last step only finishes (summary, sample, W&B): its last losses and its
+    throughput come from its metrics.jsonl."""
+    records = read_metrics(run.run_dir / "metrics.jsonl")
+    run.meter.history = [r for r in records if "loss" in r]
+    run.last_val = next((r["val_loss"] for r in reversed(records) if "val_loss" in r), None)
 
 
 def build_model(cfg: DictConfig, par: Parallel) -> GPT:
@@ -373,9 +394,13 @@ def sweep_command() -> str:
 
 def train(cfg: DictConfig, run_dir: Path) -> dict:
     """Runs the whole training described by cfg, writing into run_dir; returns the summary."""
-    with StopSignals() as stop:  # SIGTERM during setup raises Stopped
-        run = setup(cfg, Path(run_dir))
-        stop.in_loop = True
+    with StopSignals() as stop:
+        try:
+            run = setup(cfg, Path(run_dir), stop.check)
+        except Exception:
+            stop.check()  # a stop signal that reached the tokenizing workers too: their failure is the stop's
+            raise
+        stop.start_loop()
         bar = tqdm(total=cfg.max_steps, initial=run.step, disable=not run.master, dynamic_ncols=True,
                    desc=str(cfg.attn.name))
         profiler = Profiler(run.run_dir / "profile", run.device) if cfg.profile and run.master else None
@@ -395,7 +420,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
             status = "oom"
             message = (f"CUDA out of memory at step {run.step + 1} with attn={cfg.attn.name} seq_len={cfg.seq_len} "
                        f"batch_size={cfg.batch_size}: lower batch_size or seq_len, or use attn=sdpa/triton")
-        except (Diverged, DiskFullError, CheckpointError) as e:
+        except (Diverged, WriteError, CheckpointError) as e:
             status, message = ("diverged" if isinstance(e, Diverged) else "failed"), f"{e}; {last_checkpoint(run)}"
         except BaseException as e:  # Ctrl-C or a crash: close the W&B run as failed; ckpt.pt stays the last good one
             if run.master:
@@ -457,8 +482,8 @@ def finish(run: Run, status: str, message: str | None) -> dict:
     caller says (main(): train.py's line; a script stopped or failed by it, its own)."""
     cfg = run.cfg
     if message and run.master:
-        with contextlib.suppress(OSError):  # a full disk: the record may not fit, the summary's message says it
-            run.log.log({"step": run.step, "event": status, status: 1, "message": message})
+        with contextlib.suppress(WriteError):  # a full disk: the record may not fit, the summary's message says it
+            run.log.log({"step": run.step, "event": status, status: 1, "message": message}, closing=True)
     history = run.meter.history
     summary = {"status": status, "message": message, "steps": run.step,
                "best_val_loss": run.best_val if run.last_val is not None else None, "final_val_loss": run.last_val,
@@ -471,8 +496,12 @@ def finish(run: Run, status: str, message: str | None) -> dict:
     if run.master:
         if "sample" in summary:
             print(f"--- sample ---\n{summary['sample']}\n--------------")
-        with contextlib.suppress(DiskFullError):
+        try:
             atomic_write(run.run_dir / "summary.json", json_line(summary).encode())
+        except WriteError as e:  # not finished without it: resume= from its last checkpoint writes it
+            print(f"error: {e}" + (f"; {resume_hint(run)}" if run.saved_step == run.step else ""), file=sys.stderr)
+            if status == "ok":
+                summary.update(status="failed", message=str(e))
         run.log.finish(summary)
         print("summary: " + ", ".join(f"{k}={v}" for k, v in summary.items() if k not in ("sample", "message")))
     run.par.close()
@@ -528,7 +557,7 @@ def main(cfg: DictConfig) -> float | None:
                   "further; other settings need another hydra.sweep.dir)", file=sys.stderr)
             return done.get("final_val_loss")
         summary = train(cfg, run_dir)
-    except DiskFullError as e:  # preparing data or a cache before training started
+    except WriteError as e:  # preparing data or a cache before training started
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
     except Stopped as e:
@@ -539,7 +568,7 @@ def main(cfg: DictConfig) -> float | None:
             print(e, file=sys.stderr)
         abandon_run_dir(run_dir)
         sys.exit(128 + e.signum)
-    except (ConfigError, DatasetError, CheckpointError) as e:
+    except (ConfigError, DatasetError, CheckpointError, TokenizerError) as e:
         if not sweep:
             print(f"error: {e}", file=sys.stderr)
             abandon_run_dir(run_dir)
@@ -547,7 +576,10 @@ def main(cfg: DictConfig) -> float | None:
         # a sweep job that cannot run is recorded with its reason (in its own dir only) and skipped; the sweep goes on
         print(f"error: {e} (this job is skipped; the sweep goes on)", file=sys.stderr)
         if holds(run_dir) and not any((run_dir / name).exists() for name in ("summary.json", CHECKPOINT_NAME)):
-            atomic_write(run_dir / "summary.json", json_line({"status": "skipped", "message": str(e)}).encode())
+            try:
+                atomic_write(run_dir / "summary.json", json_line({"status": "skipped", "message": str(e)}).encode())
+            except WriteError as write:
+                print(f"error: {write}", file=sys.stderr)
         return None
     if summary["message"] and int(os.environ.get("RANK", "0")) == 0:
         print(summary["message"], file=sys.stderr)
@@ -558,6 +590,9 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
+    # a log record that cannot be written (train.log or W&B's debug.log on a full disk) is dropped, not
+    # printed as a traceback: the write that matters says what failed in its own line
+    logging.raiseExceptions = False
     sys.argv[1:] = quoted_where_needed(sys.argv[1:], TrainConfig)  # any path as typed: hydra.run.dir=/data/ü_日本
     if int(os.environ.get("RANK", "0")) > 0:
         # under torchrun rank 0 alone owns the Hydra run dir; the other ranks get none and write nothing

@@ -5,6 +5,7 @@ runs it from the command line); this package's own import stays light.
 """
 
 from data.loader import SPLITS, DatasetError, TokenWindows, load_meta
-from data.tokenizer import EOT, VOCAB_SIZE, document_ids, get_encoding
+from data.tokenizer import EOT, VOCAB_SIZE, TokenizerError, document_ids, get_encoding
 
-__all__ = ["EOT", "SPLITS", "VOCAB_SIZE", "DatasetError", "TokenWindows", "document_ids", "get_encoding", "load_meta"]
+__all__ = ["EOT", "SPLITS", "VOCAB_SIZE", "DatasetError", "TokenWindows", "TokenizerError", "document_ids",
+           "get_encoding", "load_meta"]

@@ -1,16 +1,23 @@
-"""Crash-safe file writes and checksums, for datasets, checkpoints, metrics and caches alike.
+"""Crash-safe file writes and checksums, for datasets, checkpoints, metrics, caches and results alike.
 
-atomic_write puts the bytes in a temp file beside the target (a unique name, so concurrent
-writers never share one), fsyncs it, renames it over the target and fsyncs the directory: a
-reader, a crash or a power loss sees the old file or the whole new one, never a mix. When the
-disk fills up the temp file is removed and DiskFullError says so; the old file stays.
+The files of datasets, runs and the scripts' results go through three calls (Hydra's record and
+W&B's files are theirs to write), and each either completes or fails with a WriteError whose str()
+is one line (which file, why, and what became of it):
+- atomic_write puts the bytes in a temp file beside the target (a unique name, so concurrent
+  writers never share one), fsyncs it, renames it over the target and fsyncs the directory: a
+  reader, a crash or a power loss sees the old file or the whole new one, never a mix;
+- atomic_path does the same for a writer that takes a path (a profiler's export, savefig);
+- append_line adds one line to a JSON-lines file whole, or leaves the file as it was.
+A full disk or a quota is a DiskFullError, a read-only filesystem or a missing permission a
+WriteError; the temp file is removed and the old file stays.
 """
 
+import contextlib
 import errno
 import hashlib
 import os
 import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
@@ -19,8 +26,36 @@ _UMASK = os.umask(0)
 os.umask(_UMASK)  # read once at import: mkstemp's files are 0600, written files get the usual mode
 
 
-class DiskFullError(OSError):
-    """No space left for a write; the target was left as it was."""
+class WriteError(OSError):
+    """A file could not be written: no space, a quota, a read-only filesystem, no permission. str()
+    is the one line to show; errno, strerror and filename are the failure's own."""
+
+    def __init__(self, code: int, filename: Path, said: str):
+        super().__init__(code, os.strerror(code), str(filename))
+        self.said = said
+
+    def __str__(self) -> str:
+        return self.said
+
+
+class DiskFullError(WriteError):
+    """No space left for a write (or over a quota); the target was left as it was."""
+
+
+def write_error(e: BaseException, path: Path, kept: str) -> WriteError | None:
+    """The one-line error for a write of `path` that failed with e (or with an error it was raised
+    from), `kept` saying what became of the file; None for a failure that is not the disk's."""
+    while e is not None:
+        if isinstance(e, WriteError):
+            return e
+        # torch.save reports a failed write as RuntimeError("... unexpected pos ..."), with no errno
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) or (
+                isinstance(e, RuntimeError) and "unexpected pos" in str(e)):
+            return DiskFullError(errno.ENOSPC, path, f"disk full while writing {path} ({kept})")
+        if isinstance(e, OSError) and e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            return WriteError(e.errno, path, f"{path} cannot be written: {e.strerror} ({kept})")
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def fsync_dir(path: Path) -> None:
@@ -32,40 +67,85 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write(path: Path, write: Callable[[BinaryIO], None] | bytes | Iterable[bytes]) -> None:
-    """Replaces `path` with what `write(f)` writes (or with the given bytes, or chunks of bytes)."""
+@contextlib.contextmanager
+def atomic_path(path: Path) -> Iterator[Path]:
+    """A temp path beside `path` to write to; once the block completes it is fsynced and renamed
+    over `path`. If the block fails, the temp file is removed and `path` is as it was."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "wb") as f:
-            if callable(write):
-                write(f)
-            else:
-                for chunk in [write] if isinstance(write, bytes) else write:
-                    f.write(chunk)
-            f.flush()
-            os.fsync(f.fileno())
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as e:
+        raise write_error(e, path, "nothing written") or e from None
+    os.close(fd)
+    try:
+        yield Path(tmp)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.chmod(tmp, 0o666 & ~_UMASK)
         os.replace(tmp, path)
     except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
-        if _is_disk_full(e):
-            raise DiskFullError(errno.ENOSPC, f"disk full while writing {path} (temp file removed; "
-                                              f"{'the previous file is intact' if path.exists() else 'nothing written'})"
-                                ) from e
+        kept = "temp file removed; " + ("the previous file is intact" if path.exists() else "nothing written")
+        if (error := write_error(e, path, kept)) is not None:
+            raise error from e
         raise
     fsync_dir(path.parent)
 
 
-def _is_disk_full(e: BaseException) -> bool:
-    # torch.save reports a failed write as RuntimeError("... unexpected pos ..."), with no errno
-    while e is not None:
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        if isinstance(e, RuntimeError) and "unexpected pos" in str(e):
-            return True
-        e = e.__cause__ or e.__context__
-    return False
+def atomic_write(path: Path, write: Callable[[BinaryIO], None] | bytes | Iterable[bytes]) -> None:
+    """Replaces `path` with what `write(f)` writes (or with the given bytes, or chunks of bytes)."""
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        if callable(write):
+            write(f)
+        else:
+            for chunk in [write] if isinstance(write, bytes) else write:
+                f.write(chunk)
+
+
+def _whole_lines_end(fd: int) -> int:
+    """The size of the file up to its last newline: what stays of a file whose last line was cut."""
+    end = os.fstat(fd).st_size
+    while end > 0:
+        start = max(0, end - 4096)
+        newline = os.pread(fd, end - start, start).rfind(b"\n")
+        if newline >= 0:
+            return start + newline + 1
+        end = start
+    return 0
+
+
+def append_line(path: Path, line: str) -> None:
+    """Appends `line` (ending in a newline) to `path` whole, or leaves the file as it was and raises
+    WriteError. A line cut short by a crash (kill -9 mid-append) is dropped first: no record is
+    ever glued to a torn one."""
+    data = memoryview(line.encode())
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise write_error(e, path, "nothing written") or e from None
+    try:
+        end = _whole_lines_end(fd)
+        os.ftruncate(fd, end)
+        try:
+            while data:  # a write may take part of the line: the rest follows, or the file is cut back
+                data = data[os.write(fd, data):]
+        except BaseException as e:
+            os.ftruncate(fd, end)
+            if (error := write_error(e, path, "the file is as it was")) is not None:
+                raise error from e
+            raise
+    finally:
+        os.close(fd)
+
+
+def free_bytes(path: Path) -> int:
+    """Bytes free to this process on the filesystem of `path` (or of its nearest existing parent)."""
+    path = Path(path).absolute()
+    st = os.statvfs(next(p for p in (path, *path.parents) if p.exists()))
+    return st.f_bavail * st.f_frsize
 
 
 def sha256_file(path: Path) -> str:

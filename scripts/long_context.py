@@ -39,7 +39,8 @@ from configs.runtime import precision, resolve_device  # noqa: E402
 from configs.schema import AttnName, Checkpointing  # noqa: E402
 from scripts.args import (ArgumentParser, directory, fail, names, non_negative_ints, positive_int,  # noqa: E402
                           require_cuda, train_config)
-from scripts.stopping import save_figure, stoppable, trained, write_csv, write_text  # noqa: E402
+from scripts.outputs import save_figure, write_csv, write_text  # noqa: E402
+from scripts.stopping import stoppable, trained  # noqa: E402
 
 FIELDS = ["attn", "ac", "mlp_chunk", "seq_len", "status", "steps", "tokens_per_s", "step_s", "peak_mem_alloc_gib",
           "reason"]
@@ -252,7 +253,7 @@ def ladders(args: argparse.Namespace, rows: list[dict]) -> None:
                   + (f", {row['tokens_per_s']:,.0f} tokens/s, {row['peak_mem_alloc_gib']:.1f} GiB"
                      if row["status"] == "ok" else f" ({row['reason']})"), flush=True)
             # rewritten after each rung
-            write_csv(args.out / "long_context.csv", FIELDS, rows, extrasaction="ignore", restval="")
+            write_csv(args.out / "long_context.csv", rows, FIELDS)
             if row["status"] != "ok":
                 break
     cfg = next(iter(configs.values()))  # every rung runs in the same precision

@@ -61,7 +61,8 @@ from data.prepare import dataset_dir  # noqa: E402
 from model.attention import ATTENTIONS  # noqa: E402
 from trainer.report import open_wandb  # noqa: E402
 from scripts.args import fail, hydra_config, unwritable  # noqa: E402
-from scripts.stopping import save_figure, stoppable, trained, write_text  # noqa: E402
+from scripts.outputs import save_figure, write_text  # noqa: E402
+from scripts.stopping import stoppable, trained  # noqa: E402
 
 NAN = float("nan")
 STRICT_TOL = 1e-4  # fp32: |Δloss| at every step, and |Δ final val loss|

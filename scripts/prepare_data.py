@@ -22,11 +22,11 @@ from omegaconf.errors import OmegaConfBaseException  # noqa: E402
 from configs.overrides import one_line  # noqa: E402
 from configs.store import register_configs  # noqa: E402
 from configs.validate import ConfigError, validate_data  # noqa: E402
-from data import DatasetError  # noqa: E402
-from data.files import DiskFullError  # noqa: E402
+from data import DatasetError, TokenizerError  # noqa: E402
 from data.prepare import prepare  # noqa: E402
 from scripts.args import ArgumentParser, fail  # noqa: E402
-from scripts.stopping import stoppable  # noqa: E402
+from scripts.stopping import Stop, stoppable  # noqa: E402
+from trainer.signals import Stopped, StopSignals  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -42,14 +42,15 @@ def main() -> None:
         with initialize_config_dir(config_dir=str(CONFIGS), version_base=None):
             cfg = compose(overrides=[f"+data={args.name}", *(f"data.{o}" for o in args.overrides)])
         validate_data(cfg)
-        prepare(OmegaConf.to_object(cfg.data))
+        # a signal is acted on between units of work (data/prepare.py), never inside the tokenizing pool
+        with StopSignals() as stop:
+            prepare(OmegaConf.to_object(cfg.data), stop.check)
+    except Stopped as e:
+        raise Stop(e.signum) from None
     except (HydraException, OmegaConfBaseException) as e:
         fail(one_line(e))
-    except (ConfigError, DatasetError) as e:
+    except (ConfigError, DatasetError, TokenizerError) as e:
         fail(str(e))
-    except DiskFullError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from configs.overrides import quoted_where_needed  # noqa: E402
 from configs.runtime import autocast, resolve_device  # noqa: E402
 from configs.schema import AttnName, ModelConfig  # noqa: E402
 from configs.validate import ConfigError  # noqa: E402
-from data import get_encoding  # noqa: E402
+from data import TokenizerError, get_encoding  # noqa: E402
 from trainer.checkpoint import CheckpointError, checkpoint_path, load_checkpoint, load_weights  # noqa: E402
 from model import GPT  # noqa: E402
 from scripts.args import fail, hydra_config  # noqa: E402
@@ -80,11 +80,11 @@ def main(cfg: DictConfig) -> None:
     try:
         device = check(cfg)
         model = load_model(cfg.ckpt, cfg.attention, device)
-    except ConfigError as e:
+        enc = get_encoding()
+    except (ConfigError, TokenizerError) as e:
         fail(str(e))
     except CheckpointError as e:
         fail(f"ckpt={cfg.ckpt}: {e}")
-    enc = get_encoding()
     idx = torch.tensor([enc.encode_ordinary(cfg.prompt)] * cfg.num_samples, device=device)
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
     with autocast("auto", device):

@@ -6,22 +6,21 @@ a signal during those ends it as Python does); stoppable ends the script with on
 `<script>: stopped by SIGTERM; <what is kept>`, and exit code 128 + the signal's number (130 for
 Ctrl-C): no traceback, and no verdict, table or plot of work cut short. Stop is no Exception, so
 a script's `except Exception` around one cell or rung does not swallow it. A script writes its
-files whole or not at all (write_text, write_csv, save_figure: data/files.py's atomic_write), so
-a stop leaves the previous file, never half of one. Inside train.train() the scheduler's signals
+files whole or not at all (scripts/outputs.py), so a stop leaves the previous file, never half of
+one, and a file that cannot be written (disk full, read-only) ends it inside stoppable in one
+line too, with exit code 1. Inside train.train() the scheduler's signals
 finish the step in flight and checkpoint it (trainer/signals.py): trained() runs it and then
 stops the script there the same way.
 """
 
 import contextlib
-import csv
-import io
 import os
 import signal
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator
 
-from data.files import atomic_write
+from data.files import WriteError
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -58,7 +57,8 @@ def _set(handlers: dict) -> None:
 @contextlib.contextmanager
 def stoppable(script: str, kept: Callable[[], str]) -> Iterator[None]:
     """Inside, a stop signal ends the script: one line naming the signal and kept() (what the
-    stop leaves: the files written so far, or that there is no result), exit 128 + signum."""
+    stop leaves: the files written so far, or that there is no result), exit 128 + signum; a file
+    that cannot be written ends it with one line too, exit 1."""
     stop = _stopper(os.getpid())
     previous = {sig: signal.signal(sig, stop) for sig in SIGNALS}
     try:
@@ -67,6 +67,9 @@ def stoppable(script: str, kept: Callable[[], str]) -> Iterator[None]:
         _set(dict.fromkeys(SIGNALS, signal.SIG_DFL))  # a second signal ends the process at once
         print(f"{script}: stopped by {signal.Signals(e.signum).name}; {kept()}", file=sys.stderr)
         sys.exit(128 + e.signum)
+    except WriteError as e:
+        print(f"{script}: error: {e}", file=sys.stderr)
+        sys.exit(1)
     finally:
         _set(previous)
 
@@ -79,26 +82,8 @@ def trained(cfg: "DictConfig", run_dir: Path) -> dict:
 
     try:
         summary = train.train(cfg, run_dir)
-    except Stopped as e:  # an Exception: a caller's `except Exception` would take it for a failed run
+    except Stopped as e:  # in its setup: nothing of it was saved
         raise Stop(e.signum) from None
     if summary["status"] == "stopped":
         raise Stop(signal.Signals[summary["signal"]])
     return summary
-
-
-def write_text(path: Path, text: str) -> None:
-    atomic_write(path, text.encode())
-
-
-def write_csv(path: Path, fields: list[str], rows: list[dict], **options) -> None:
-    """rows as CSV under the header `fields` (options: csv.DictWriter's)."""
-    out = io.StringIO(newline="")
-    writer = csv.DictWriter(out, fieldnames=fields, **options)
-    writer.writeheader()
-    writer.writerows(rows)
-    write_text(path, out.getvalue())
-
-
-def save_figure(fig, path: Path, dpi: int = 120) -> None:
-    """A matplotlib figure as a PNG file."""
-    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=dpi))

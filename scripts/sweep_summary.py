@@ -40,7 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/ sits be
 
 from trainer.metrics import read_metrics, steady  # noqa: E402
 from scripts.args import ArgumentParser, directory, fail, unwritable  # noqa: E402
-from scripts.stopping import save_figure, stoppable, write_csv, write_text  # noqa: E402
+from scripts.outputs import save_figure, write_csv, write_text  # noqa: E402
+from scripts.stopping import stoppable  # noqa: E402
 
 COLUMNS = ["attn", "window", "n_kv_head", "seq_len", "status", "steps", "tokens_per_s", "mfu",
            "peak_mem_alloc_gib", "peak_mem_reserved_gib", "final_loss", "final_val_loss", "device", "message"]
@@ -295,7 +296,7 @@ def main() -> None:
     if problem:
         fail(f"{out}: {problem}: pass --out a directory to write the summary into")
     out.mkdir(parents=True, exist_ok=True)
-    write_csv(out / "summary.csv", COLUMNS, [{k: "" if r[k] is None else r[k] for k in COLUMNS} for r in rows])
+    write_csv(out / "summary.csv", rows, COLUMNS)
     table = markdown(rows, args.sweep_dir)
     write_text(out / "summary.md", table)
     plot(rows, out / "sweep.png")

@@ -2,6 +2,7 @@
 outputs, and the error bound of a low-precision result against its float64 reference."""
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +26,13 @@ def compose(overrides: list[str], config_name: str = "config", schema: type | No
     register_configs(schema) if schema else register_configs()
     with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
         return hydra_compose(config_name=config_name, overrides=overrides)
+
+
+def private_tmpfs_works() -> bool:
+    """Whether this machine lets a process mount a tmpfs of its own (unshare -rm: a user and mount
+    namespace of its own), for tests that need a small real disk."""
+    return shutil.which("unshare") is not None and subprocess.run(
+        ["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /mnt"], capture_output=True).returncode == 0
 
 
 def metrics(run_dir: Path) -> list[dict]:

@@ -48,7 +48,7 @@ from trainer import preflight
 from trainer import checkpoint
 from trainer.checkpoint import CheckpointError, load_checkpoint
 from trainer.metrics import json_line, read_metrics
-from tests.helpers import REPO, TINY, torchrun, wandb_file
+from tests.helpers import REPO, TINY, private_tmpfs_works, torchrun, wandb_file
 from tests.wandb_records import ending
 
 SEED = int(os.environ.get("FAULT_SEED", "20261122"))
@@ -436,13 +436,8 @@ def test_a_diverging_run_keeps_its_last_good_checkpoint(data_root, tmp_path):
     assert all(r[1] is not None for r in curve(run_dir) if r[3] is None)  # every logged loss finite
 
 
-def _private_tmpfs_works() -> bool:
-    return shutil.which("unshare") is not None and subprocess.run(
-        ["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /mnt"], capture_output=True).returncode == 0
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(not _private_tmpfs_works(), reason="needs unshare -rm and tmpfs mounts for a private small disk")
+@pytest.mark.skipif(not private_tmpfs_works(), reason="needs unshare -rm and tmpfs mounts for a private small disk")
 def test_a_full_disk_during_a_save_keeps_the_last_checkpoint(data_root, tmp_path):
     # a ~20 MB checkpoint on a 30 MB disk: the first save fits, the second cannot (the old file stays
     # until the new one is whole); everything is checked inside the namespace, where the disk exists
@@ -463,6 +458,49 @@ def test_a_full_disk_during_a_save_keeps_the_last_checkpoint(data_root, tmp_path
     assert len(message) == 1 and "the last checkpoint (step 3)" in message[0], done.stderr[-2000:]
     result = eval(out[-1])  # the JSON printed by CHECK: true/false never occur in it
     assert result["step"] == 3 and not [f for f in result["files"] if f.endswith(".tmp")]
+
+
+# ----------------------------------------------------------------------------- what a run needs at its end
+
+
+@pytest.mark.parametrize("cache", ["empty", "read-only"])
+def test_a_bad_tokenizer_cache_is_one_line_before_the_first_step(cache, data_root, tmp_path):
+    # the sample at the end needs the tokenizer: a cache it cannot be loaded from is found in setup
+    cmd = command(data_root, f"hydra.run.dir={tmp_path / 'run'}", "sample_tokens=5")
+    if cache == "empty":
+        done = run(cmd, tmp_path, env={"TIKTOKEN_CACHE_DIR": ""})
+    else:
+        if not private_tmpfs_works():
+            pytest.skip("needs unshare -rm and tmpfs mounts for a read-only cache")
+        (tmp_path / "cache").mkdir()
+        done = run(["unshare", "-rm", "sh", "-c", 'mount -t tmpfs -o ro tmpfs "$1" && shift && exec "$@"', "sh",
+                    str(tmp_path / "cache"), *cmd], tmp_path, env={"TIKTOKEN_CACHE_DIR": str(tmp_path / "cache")})
+    assert done.returncode == 2, done.stderr[-2000:]
+    line = stderr_line_after_logging(done)
+    assert line.startswith("error: TIKTOKEN_CACHE_DIR") and "point it at a writable directory" in line
+    assert not (tmp_path / "run").exists()  # no step ran, nothing was kept
+
+
+@pytest.mark.slow
+def test_a_run_killed_in_its_epilogue_is_finished_by_resume(data_root, tmp_path):
+    # killed while it generates its sample, after its last checkpoint: it trained, but has no summary
+    run_dir = tmp_path / "run"
+    cmd = command(data_root, f"hydra.run.dir={run_dir}", "max_steps=4", "ckpt_interval=0", "sample_tokens=3000",
+                  "wandb.mode=offline")
+    proc = start(cmd, tmp_path, tmp_path / "first.log")
+    assert interrupt(proc, lambda: (run_dir / "ckpt.pt").exists(), signal.SIGKILL)
+    assert not (run_dir / "summary.json").exists()
+    trained = curve(run_dir)
+    done = run(cmd + [f"resume={run_dir}", "sample_tokens=5"], tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"finishing {run_dir}: it trained to step 4 but did not finish (no summary)" in done.stdout
+    summary = read_metrics(run_dir / "summary.json")[0]
+    assert summary["status"] == "ok" and summary["steps"] == 4 and summary["sample"].startswith("ROMEO:")
+    assert summary["final_loss"] == trained[-2][1] and summary["final_val_loss"] == trained[-1][3]
+    assert curve(run_dir) == trained  # nothing trained twice
+    assert ending(wandb_file(run_dir)) == {"exit_code": 0, "preempting": False}
+    again = run(cmd + [f"resume={run_dir}"], tmp_path)
+    assert again.returncode == 2 and "already finished at step 4" in stderr_line(again)
 
 
 # ----------------------------------------------------------------------------- mistakes

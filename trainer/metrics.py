@@ -1,7 +1,8 @@
 """metrics.jsonl: one strict-JSON object per line, appended as a run goes, read back after any crash.
 
-Non-finite numbers are written as null (bare NaN is not JSON). A crash or a full disk can cut the
-last line short; readers drop such a line instead of failing on it.
+Non-finite numbers are written as null (bare NaN is not JSON). A line is appended whole or not at
+all (data/files.py, append_line, which also drops a line a kill cut short before it appends);
+readers drop a cut last line too, instead of failing on it.
 """
 
 import json

@@ -6,12 +6,16 @@ compilation and Triton's autotuning; the second is the profiler's warmup); on CU
 `profile/memory_snapshot.pickle` records every allocation with its stack from the first step to
 the last profiled one (drag it into pytorch.org/memory_viz, or turn it into HTML with
 `python -m torch.cuda._memory_viz trace_plot profile/memory_snapshot.pickle -o memory.html`).
+Each file is written whole or not at all (data/files.py); one that does not fit fails the run in
+one line, as any full disk does.
 """
 
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule
+
+from data.files import atomic_path
 
 WAIT, WARMUP, ACTIVE = 1, 1, 3  # steps skipped, warmed up (not recorded), recorded
 MEMORY_EVENTS = 100_000  # allocations the snapshot keeps (the latest ones)
@@ -50,8 +54,10 @@ class Profiler:
         self.prof.stop()
         self.prof = None
         if self.device.type == "cuda":
-            torch.cuda.memory._dump_snapshot(str(self.out_dir / "memory_snapshot.pickle"))
+            with atomic_path(self.out_dir / "memory_snapshot.pickle") as tmp:
+                torch.cuda.memory._dump_snapshot(str(tmp))
             torch.cuda.memory._record_memory_history(enabled=None)
 
     def _write_trace(self, prof) -> None:
-        prof.export_chrome_trace(str(self.out_dir / "trace.json"))
+        with atomic_path(self.out_dir / "trace.json") as tmp:
+            prof.export_chrome_trace(str(tmp))

@@ -6,6 +6,7 @@ online run that has no API key or cannot reach W&B says why in one line and logs
 """
 
 import contextlib
+import errno
 import math
 import shlex
 import sys
@@ -20,8 +21,9 @@ from omegaconf import DictConfig
 
 from configs.runtime import wandb_mode, wandb_online_problem
 from configs.schema import plain
-from data.files import atomic_write
+from data.files import DiskFullError, append_line, atomic_write, free_bytes
 from trainer.metrics import json_line, read_metrics, steady
+from trainer.rundir import RESERVE
 
 # dense bf16 tensor-core peak by datasheet, for MFU; substrings of torch.cuda.get_device_name()
 GPU_PEAK_BF16_FLOPS = {"H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "H800": 989e12, "GH200": 989e12,
@@ -109,17 +111,28 @@ class RunLog:
                               name=cfg.wandb.name or f"{cfg.attn.name}-T{cfg.seq_len}-{cfg.model.name}",
                               resume="allow" if wandb_id else None)
 
-    def log(self, record: dict) -> None:
-        with self.path.open("a") as f:
-            f.write(json_line(record))
+    def log(self, record: dict, closing: bool = False) -> None:
+        """Appends record to metrics.jsonl and the W&B run; DiskFullError, with nothing written, once
+        the disk has less than RESERVE free, unless the record is the run's closing one."""
+        if not closing and (free := free_bytes(self.path)) < RESERVE:
+            raise DiskFullError(errno.ENOSPC, self.path, f"disk nearly full: {free:,} bytes free for "
+                                f"{self.path.parent}, under the {RESERVE:,} a run keeps to close its records "
+                                "(summary.json, W&B)")
+        append_line(self.path, json_line(record))
         numbers = {k: v for k, v in record.items() if isinstance(v, (int, float)) and math.isfinite(v)}
         self.run.log(numbers, step=record["step"])
 
     def finish(self, summary: dict) -> None:
-        self.run.summary.update({k: v for k, v in summary.items() if k != "sample"})
-        if summary["status"] == "stopped":  # W&B shows it as preempted, to be resumed
-            self.run.mark_preempting()
-        self.run.finish(exit_code=0 if summary["status"] == "ok" else 1)
+        """Closes the W&B run. On a full disk W&B drops what does not fit without a word, but its own
+        log file in the run dir fails to close: that is one line, and the run's end goes on."""
+        try:
+            self.run.summary.update({k: v for k, v in summary.items() if k != "sample"})
+            if summary["status"] == "stopped":  # W&B shows it as preempted, to be resumed
+                self.run.mark_preempting()
+            self.run.finish(exit_code=0 if summary["status"] == "ok" else 1)
+        except OSError as e:
+            print(f"error: W&B could not close its run in {self.path.parent / 'wandb'} ({e.strerror}): its last "
+                  "records may be missing", file=sys.stderr)
 
 
 def open_wandb(cfg: DictConfig, run_dir: Path, **kwargs):

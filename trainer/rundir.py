@@ -21,10 +21,14 @@ from omegaconf import DictConfig, OmegaConf
 
 from configs.overrides import override
 from configs.validate import ConfigError
-from data.files import atomic_write
+from data.files import atomic_write, free_bytes
 from trainer.checkpoint import CHECKPOINT_NAME, CheckpointError, checkpoint_path, require_checkpoint
 
 RUN_FILES = ("metrics.jsonl", CHECKPOINT_NAME, "summary.json")  # what makes a dir a run's
+# free bytes a run keeps on its dir's disk: room to close its records (summary.json, W&B's last
+# blocks, which W&B drops without a word where they do not fit). A run starts only with this much
+# free (before Hydra writes its record there) and stops, in one line, when less is left
+RESERVE = 1 << 20
 _locks: dict[Path, int] = {}  # run dirs this process holds, -> the open lock file
 _created: set[Path] = set()  # run dirs this process made
 
@@ -52,14 +56,21 @@ def write_record(run_dir: Path, task: DictConfig, hydra: DictConfig) -> None:
         atomic_write(record / name, OmegaConf.to_yaml(node).encode())
 
 
+def _check_room(run_dir: Path) -> None:
+    if (free := free_bytes(run_dir)) < RESERVE:
+        raise ConfigError(f"run dir {run_dir}: its disk has {free:,} bytes free, a run needs {RESERVE:,} for its "
+                          "records: free some space or choose another hydra.run.dir")
+
+
 def claim_run_dir(run_dir: Path, fresh: bool) -> None:
     """Creates run_dir if needed and locks it for this process (until it exits, kill -9 too).
-    ConfigError if another live run holds it, or, for a fresh run, if an earlier run left a
-    checkpoint or finished there (CheckpointError if its ckpt.pt is not a file). An earlier run
-    that stopped before its first checkpoint left only records of steps no checkpoint holds: they
-    are removed and the run starts again in place."""
+    ConfigError if its disk has less than RESERVE free, if another live run holds it, or, for a
+    fresh run, if an earlier run left a checkpoint or finished there (CheckpointError if its ckpt.pt
+    is not a file). An earlier run that stopped before its first checkpoint left only records of
+    steps no checkpoint holds: they are removed and the run starts again in place."""
     run_dir = Path(run_dir).resolve()
     if run_dir not in _locks:
+        _check_room(run_dir)
         try:
             if not run_dir.exists():
                 run_dir.mkdir(parents=True)
@@ -120,6 +131,7 @@ def resume_target(resume: str | Path) -> tuple[Path | None, Path]:
 def claim_new(template: Path) -> Path:
     """template itself if it is new, else template_2, _3, ...: created exclusively, so two runs
     started in the same second never share one."""
+    _check_room(template)
     for n in range(1, 1000):
         path = template if n == 1 else template.with_name(f"{template.name}_{n}")
         try:

@@ -1,7 +1,17 @@
 """Stopping on a scheduler's signal: SIGTERM, SIGUSR1 and SIGHUP, what Kubernetes, SLURM's --signal
 and torchrun send before they stop a job. The step in flight finishes; train.py then checkpoints it
-and exits 128 + the signal's number."""
+and exits 128 + the signal's number.
 
+The handler never raises: it records the signal, and the run acts on it at a safe point. An
+exception thrown from a handler lands wherever the main thread happens to be: inside
+multiprocessing's pool shutdown, a lock's release or an at-fork callback (where Python drops it),
+leaving a lock held or a worker waiting forever. During setup check() runs between stages and
+between units of dataset preparation; in the loop signum() answers after each step. A forked child
+(a tokenizing worker) gets the signals' default action instead of the parent's handler: it dies at
+once, as a pool's shutdown expects of it.
+"""
+
+import os
 import signal
 import threading
 
@@ -11,8 +21,9 @@ import torch.distributed as dist
 from trainer.parallel import Parallel
 
 
-class Stopped(Exception):
-    """A stop signal arrived while the run was being set up: no step ran, nothing is saved."""
+class Stopped(BaseException):
+    """A stop signal arrived while the run was being set up: no step ran, nothing is saved. A
+    BaseException, as KeyboardInterrupt: a request to stop passes every `except Exception`."""
 
     def __init__(self, signum: int):
         super().__init__(f"stopped by {signal.Signals(signum).name} before the first step; nothing was saved: "
@@ -20,35 +31,65 @@ class Stopped(Exception):
         self.signum = signum
 
 
+_active: "StopSignals | None" = None  # the instance whose handler is installed in this process
+
+
+def _defaults_in_child() -> None:
+    if _active is not None:
+        for sig in _active._previous:
+            signal.signal(sig, signal.SIG_DFL)
+
+
+os.register_at_fork(after_in_child=_defaults_in_child)
+
+
 class StopSignals:
     """SIGTERM, SIGUSR1 and SIGHUP: what a scheduler sends before it preempts a job (Kubernetes,
-    SLURM's --signal, torchrun passing SIGTERM on). During setup they stop the run at once
-    (Stopped); in the loop the step in flight finishes, and signum() after it names the signal to
-    stop for. Under torchrun the ranks agree: each step all-reduces (MAX) the signal this rank got,
-    and signum() answers with the previous step's result, read from pinned memory once that step's
-    work is done, so every rank stops after the same step and the host still runs a step ahead."""
+    SLURM's --signal, torchrun passing SIGTERM on); during setup Ctrl-C (SIGINT) too. During setup
+    check() raises Stopped once one arrived. In the loop the step in flight finishes, and signum()
+    after it names the signal to stop for; Ctrl-C is Python's KeyboardInterrupt again. Under
+    torchrun the ranks agree: each step all-reduces (MAX) the signal this rank got, and signum()
+    answers with the previous step's result, read from pinned memory once that step's work is
+    done, so every rank stops after the same step and the host still runs a step ahead."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
 
     def __init__(self):
         self.received = 0
-        self.in_loop = False
+        self._pid = os.getpid()
         self._previous: dict = {}
         self._flag = self._host = self._done = None  # device flag, its host copy, the event after that copy
 
     def __enter__(self) -> "StopSignals":
+        global _active
         if threading.current_thread() is threading.main_thread():  # only there can handlers be set
-            self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+            self._previous = {sig: signal.signal(sig, self._handle) for sig in (*self.SIGNALS, signal.SIGINT)}
+            _active = self
         return self
 
     def __exit__(self, *exc) -> None:
+        global _active
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+        if _active is self:
+            _active = None
 
     def _handle(self, signum: int, frame) -> None:
+        if os.getpid() != self._pid:  # a child forked before its at-fork reset ran: die as by default
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
         self.received = self.received or signum
-        if not self.in_loop:
-            raise Stopped(signum)
+
+    def check(self) -> None:
+        """During setup: raises Stopped if a stop signal or Ctrl-C has arrived."""
+        if self.received:
+            raise Stopped(self.received)
+
+    def start_loop(self) -> None:
+        """Setup is over: Ctrl-C interrupts at once again (KeyboardInterrupt; train.py says where to resume)."""
+        if signal.SIGINT in self._previous:
+            signal.signal(signal.SIGINT, self._previous[signal.SIGINT])
 
     def signum(self, parallel: Parallel) -> int:
         """After a step: the signal to stop for (the same on every rank), or 0 to go on."""

@@ -1,0 +1,170 @@
+"""A stop signal stops at its next safe point, in setup and in the processes a run is made of: real
+train.py processes, real signals.
+
+- SIGTERM to the process, or SIGTERM or Ctrl-C (SIGINT) to its whole process group, while a dataset
+  is streamed, right as tokenizing starts, and while several worker processes tokenize it: exit
+  128 + the signal within a minute, one line saying nothing was saved, no traceback, no dataset
+  dir half-made, no run dir, and no worker left behind;
+- SIGTERM while the run waits for another process to finish preparing the dataset: the same;
+- a process forked under StopSignals (a tokenizing worker) dies by SIGTERM as a process without
+  the run's handler does;
+- SIGTERM to a script that runs train.py as a child (scripts/context_parallel.py) goes on to it:
+  the child checkpoints and exits 143, and no process is left behind.
+
+    .venv/bin/python -m pytest tests/test_stops.py -q      # about three minutes on 2 cores
+"""
+
+import fcntl
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import REPO, TINY
+from trainer.checkpoint import load_checkpoint
+from trainer.metrics import read_metrics
+from trainer.signals import StopSignals
+
+DOCS = 100_000  # enough for several tokenizing workers (one per 10,000 documents, one per core at most)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    corpus = tmp_path_factory.mktemp("corpus")
+    rng = random.Random(0)
+    words = "the a king queen lord lady sword crown night day love war speak hear come go".split()
+    with open(corpus / "train.jsonl", "w") as f:
+        for _ in range(DOCS):
+            f.write(json.dumps({"text": " ".join(rng.choice(words) for _ in range(rng.randint(20, 120)))}) + "\n")
+    return corpus
+
+
+def start(corpus: Path, tmp_path: Path) -> tuple[subprocess.Popen, Path]:
+    """train.py preparing the corpus as dataset `big`, in a process group of its own (Ctrl-C as a
+    terminal sends it: to the group, SIGINT not ignored)."""
+    log = tmp_path / "run.log"
+    cmd = [sys.executable, str(REPO / "train.py"), *TINY, "wandb.mode=disabled", "max_steps=3", "data=tinystories",
+           "data.name=big", f"data.hf_path={corpus}", f"data.root={tmp_path / 'data'}",
+           f"hydra.run.dir={tmp_path / 'run'}"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    return proc, log
+
+
+def wait_for(proc: subprocess.Popen, log: Path, event, what: str) -> None:
+    deadline = time.monotonic() + 600
+    while not event():
+        assert proc.poll() is None, f"train.py ended before {what}: {log.read_text()[-2000:]}"
+        assert time.monotonic() < deadline, f"no {what} in 600 s: {log.read_text()[-2000:]}"
+        time.sleep(0.01)
+
+
+def workers_tokenize(proc: subprocess.Popen, log: Path) -> bool:
+    """Tokenizing has begun and the worker processes are up (children of train.py)."""
+    children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+    return "tokenizing" in log.read_text() and len(children) >= 2
+
+
+def assert_stopped_cleanly(proc: subprocess.Popen, log: Path, tmp_path: Path, sig: signal.Signals) -> None:
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"train.py still running 60 s after {sig.name}: {log.read_text()[-2000:]}")
+    text = log.read_text()
+    assert proc.returncode == 128 + sig, text[-2000:]
+    said = [line for line in text.splitlines() if line.startswith("stopped by")]
+    assert said == [f"stopped by {sig.name} before the first step; nothing was saved: the same command starts the "
+                    "run again"], text[-2000:]
+    assert "Traceback" not in text and "Exception ignored" not in text, text[-3000:]
+    assert not (tmp_path / "data" / "big").exists() and not (tmp_path / "run").exists()
+    deadline = time.monotonic() + 60  # its workers went with it
+    while True:
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break
+        assert time.monotonic() < deadline, "a worker process outlived train.py"
+        time.sleep(0.05)
+
+
+CASES = {  # when, what is signalled, which signal
+    "while streaming": ("Generating train split", "process", signal.SIGTERM),
+    "as tokenizing starts": ("tokenizing", "process", signal.SIGTERM),
+    "while workers tokenize": (workers_tokenize, "process", signal.SIGTERM),
+    "to the group while workers tokenize": (workers_tokenize, "group", signal.SIGTERM),
+    "ctrl-c while workers tokenize": (workers_tokenize, "group", signal.SIGINT),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES)
+def test_a_stop_while_a_dataset_is_prepared_ends_setup_and_leaves_nothing(case, corpus, tmp_path):
+    when, target, sig = CASES[case]
+    if callable(when) and (os.cpu_count() or 1) < 2:
+        pytest.skip("one core: the dataset is tokenized in the process itself, without workers")
+    proc, log = start(corpus, tmp_path)
+    wait_for(proc, log, (lambda: when(proc, log)) if callable(when) else (lambda: when in log.read_text()), case)
+    (os.killpg if target == "group" else os.kill)(proc.pid, sig)
+    assert_stopped_cleanly(proc, log, tmp_path, sig)
+
+
+@pytest.mark.slow
+def test_a_stop_while_waiting_for_another_preparer_ends_setup(corpus, tmp_path):
+    (tmp_path / "data").mkdir()
+    fd = os.open(tmp_path / "data" / ".big.lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # as another process preparing the same dataset holds it
+    try:
+        proc, log = start(corpus, tmp_path)
+        wait_for(proc, log, lambda: "data: waiting for" in log.read_text(), "wait for the dataset's lock")
+        os.kill(proc.pid, signal.SIGTERM)
+        assert_stopped_cleanly(proc, log, tmp_path, signal.SIGTERM)
+    finally:
+        os.close(fd)
+
+
+def test_a_child_forked_under_stop_signals_dies_by_sigterm():
+    ready, ready_w = os.pipe()
+    with StopSignals():
+        pid = os.fork()
+        if pid == 0:  # the child: says it runs (a signal before that, Python drops), then works until a signal
+            try:
+                os.write(ready_w, b"1")
+                time.sleep(30)
+            finally:
+                os._exit(0)
+        os.read(ready, 1)
+        os.kill(pid, signal.SIGTERM)
+        _, status = os.waitpid(pid, 0)
+    os.close(ready)
+    os.close(ready_w)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM
+
+
+@pytest.mark.slow
+def test_a_stop_signal_to_a_script_goes_on_to_the_train_py_it_runs(data_root, tmp_path):
+    # context_parallel.py needs GPUs as a whole; the part that runs each train.py is the same on the CPU
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, str(REPO / "train.py"), *TINY, f"data.root={data_root}", "wandb.mode=disabled",
+           "log_interval=1", "eval_interval=0", "ckpt_interval=1000", "max_steps=100000", f"hydra.run.dir={run_dir}"]
+    code = ("import json, os, sys; sys.path.insert(0, os.getcwd()); from scripts.context_parallel import run_child; "
+            f"done, stopped = run_child({cmd!r}, dict(os.environ)); print(json.dumps([done.returncode, stopped]))")
+    script = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, start_new_session=True)
+    deadline = time.monotonic() + 600
+    while max((r["step"] for r in read_metrics(run_dir / "metrics.jsonl")), default=0) < 2:
+        assert script.poll() is None and time.monotonic() < deadline, script.communicate()[1][-2000:]
+        time.sleep(0.05)
+    os.kill(script.pid, signal.SIGTERM)  # the script alone, as a scheduler stopping it would
+    out, err = script.communicate(timeout=120)
+    assert json.loads(out.strip().splitlines()[-1]) == [143, signal.SIGTERM], err[-2000:]
+    step = load_checkpoint(run_dir / "ckpt.pt")["step"]  # the child checkpointed the step in flight
+    assert step == max(r["step"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r) >= 2
+    with pytest.raises(ProcessLookupError):  # and it is gone
+        os.killpg(script.pid, 0)
