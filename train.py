@@ -499,9 +499,11 @@ def finish(run: Run, status: str, message: str | None) -> dict:
         try:
             atomic_write(run.run_dir / "summary.json", json_line(summary).encode())
         except WriteError as e:  # not finished without it: resume= from its last checkpoint writes it
-            print(f"error: {e}" + (f"; {resume_hint(run)}" if run.saved_step == run.step else ""), file=sys.stderr)
-            if status == "ok":
-                summary.update(status="failed", message=str(e))
+            line = f"error: {e}" + (f"; {resume_hint(run)}" if run.saved_step == run.step else "")
+            if status == "ok":  # now a failed run, whose message main() says
+                summary.update(status="failed", message=line)
+            else:  # main() says the stop's or the failure's own message
+                print(line, file=sys.stderr)
         run.log.finish(summary)
         print("summary: " + ", ".join(f"{k}={v}" for k, v in summary.items() if k not in ("sample", "message")))
     run.par.close()

@@ -68,7 +68,7 @@ def stoppable(script: str, kept: Callable[[], str]) -> Iterator[None]:
         print(f"{script}: stopped by {signal.Signals(e.signum).name}; {kept()}", file=sys.stderr)
         sys.exit(128 + e.signum)
     except WriteError as e:
-        print(f"{script}: error: {e}", file=sys.stderr)
+        print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
     finally:
         _set(previous)
