@@ -38,12 +38,18 @@ def backend(request, monkeypatch):
     return request.param
 
 
+# the schedule variants under trial (kernels/hopper/config.py), each switched on
+VARIANTS = {hopper.FWD_ORDER_VARIABLE: "l2", hopper.BWD_STEP_VARIABLE: "overlap"}
+
+
 @pytest.mark.skipif(not GLUON and not (GLUON_TRITON_DIR / "triton").is_dir(),
                     reason=f"the kernel is written in triton {hopper.TRITON}x's Gluon: `make test` installs it")
-def test_compiles_for_sm90_without_a_gpu(tmp_path):
+@pytest.mark.parametrize("variants", [{}, VARIANTS], ids=["as-measured", "variants"])
+def test_compiles_for_sm90_without_a_gpu(variants, tmp_path):
     # a fresh process: the stand-in driver replaces Triton's for the process, and Gluon must not
     # see TRITON_INTERPRET (it has no interpreter)
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env = {key: value for key, value in os.environ.items() if key not in ("TRITON_INTERPRET", *VARIANTS)}
+    env.update(variants)
     if not GLUON:
         env["PYTHONPATH"] = os.pathsep.join([str(GLUON_TRITON_DIR), str(REPO)])
     out = subprocess.run([sys.executable, "-m", "kernels.runtime.sm90", "--sass", "--out", str(tmp_path)], cwd=REPO, env=env,
@@ -53,6 +59,7 @@ def test_compiles_for_sm90_without_a_gpu(tmp_path):
     assert len(lines) == 12, out.stdout  # forward and backward, D 64 and 128, full, causal and documents
     for line in lines:
         assert int(re.search(r"(\d+) HGMMA", line)[1]) > 0, line  # the matmuls run on Hopper's wgmma
+        assert " 0 B stack" in line, line  # no register spills to local memory
 
 
 def test_backend_variable_is_checked(monkeypatch):
@@ -326,3 +333,26 @@ def test_gluon_later_launches_use_the_new_tensors(documents, gluon):
         for x, y in zip(first, later, strict=True):
             assert torch.equal(x, y)
     assert not torch.equal(first_a[0], first_b[0])
+
+
+@pytest.mark.gpu
+@sm90
+@pytest.mark.parametrize("variable", list(VARIANTS))
+@pytest.mark.parametrize("D", [64, 128])
+def test_gluon_schedule_variants_match_float64_reference(variable, D, gluon, monkeypatch):
+    # each variant reorders work or waits, never the arithmetic: odd T, GQA, documents and a
+    # window against float64, and a backward with the same bits every run
+    monkeypatch.setenv(variable, VARIANTS[variable])
+    dtype = BF16
+    _check_against_float64(f"gluon-{variable}-odd-{D}", 2, 4, 2, 2049, 2049, D, True, dtype, "packed", "cuda")
+    _check_against_float64(f"gluon-{variable}-full-{D}", 1, 4, 1, 1000, 1000, D, False, dtype, "bthd", "cuda")
+    lengths = [[1, 700, 1300, 64, 33, 1950], [4048]]
+    _check_against_float64(f"gluon-{variable}-docs-{D}", 2, 4, 2, 4048, 4048, D, True, dtype, "packed", "cuda",
+                           doc_ids=_doc_ids(lengths, "cuda"))
+    _check_against_float64(f"gluon-{variable}-window-{D}", 1, 8, 2, 3000, 3000, D, True, dtype, "bthd", "cuda",
+                           window=700)
+    q, k, v, do = _make_inputs(f"gluon-{variable}-determinism-{D}", 2, 8, 2, 2048, 2048, D, dtype, "packed", "cuda")
+    o = flash_attention(q, k, v)
+    first = torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
+    for a, b in zip(first, torch.autograd.grad(o, (q, k, v), do), strict=True):
+        assert torch.equal(a, b)

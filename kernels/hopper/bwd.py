@@ -17,7 +17,7 @@ import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                              warpgroup_mma_wait)
+                                                              warpgroup_mma_init, warpgroup_mma_wait)
 
 from kernels.hopper import config
 from kernels.hopper.blocks import descriptor, dq_layout, last_kv_block, q_blocks, tile_masked, visible_t
@@ -75,6 +75,21 @@ def _bwd_produce(io, buffers, program):
 
 
 @gluon.jit
+def _landed(j, q_smem, do_smem, ready):
+    """Step j's Q and dO tiles in the ring, once they have landed."""
+    STAGES: gl.constexpr = q_smem.type.shape[0]
+    stage = j % STAGES
+    mbarrier.wait(ready.index(stage), (j // STAGES) & 1)
+    return q_smem.index(stage), do_smem.index(stage)
+
+
+@gluon.jit
+def _scores_t(kv_smem, tile, zero_t):
+    """S^T = K Q^T (kv_smem K, tile Q) or dP^T = V dO^T (V, dO), in flight."""
+    return warpgroup_mma(kv_smem, tile.permute((1, 0)), zero_t, use_acc=False, is_async=True)
+
+
+@gluon.jit
 def _bwd_write_dq(io, buffers, program, SEM, CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr):
     """The dQ writer warp: adds each step's dQ share into the fp32 accumulator by one TMA
     reduce-add, in key-block order (the last key block first), or (not DETERMINISTIC) as soon as
@@ -108,9 +123,12 @@ def _bwd_write_dq(io, buffers, program, SEM, CAUSAL: gl.constexpr, DETERMINISTIC
 
 @gluon.jit
 def _bwd_consume(io, buffers, program, outs, row_bounds, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr,
-                 NUM_WARPS: gl.constexpr):
+                 OVERLAP: gl.constexpr, NUM_WARPS: gl.constexpr):
     """The matmul warps (two warpgroups, one wgmma M of BLOCK_N keys): the five products of every
-    step, dK and dV kept in registers and written at the end, each dQ share handed to the writer."""
+    step, dK and dV kept in registers and written at the end, each dQ share handed to the writer.
+    OVERLAP (config.bwd_overlap): a step issues the next step's S^T and dP^T behind its own dV, dK
+    and dQ, so that the tensor cores have them while it waits, releases its ring slot and hands its
+    dQ share over."""
     k_smem, v_smem, q_smem, do_smem = buffers.k_smem, buffers.v_smem, buffers.q_smem, buffers.do_smem
     lse_smem, delta_smem, ds_smem, dq_smem = buffers.lse_smem, buffers.delta_smem, buffers.ds_smem, buffers.dq_smem
     ready, empty, dq_full, dq_empty = buffers.ready, buffers.empty, buffers.dq_full, buffers.dq_empty
@@ -149,19 +167,35 @@ def _bwd_consume(io, buffers, program, outs, row_bounds, CAUSAL: gl.constexpr, B
     if BOUNDED:
         row_hi = gl.load(ROW_HI + cols_t, mask=cols_t < S, other=0)
     mbarrier.wait(buffers.kv_bar, 0)
-    for j in range(steps * GROUP):
+    n_steps = steps * GROUP
+    if OVERLAP:  # step 0's S^T and dP^T go in flight here, each later step's from the step before
+        st_next = warpgroup_mma_init(zero_t)
+        dpt_next = warpgroup_mma_init(zero_t)
+        if n_steps > 0:
+            q_t, do_t = _landed(0, q_smem, do_smem, ready)
+            st_next = _scores_t(k_smem, q_t, zero_t)
+            dpt_next = _scores_t(v_smem, do_t, zero_t)
+    for j in range(n_steps):
         off_h, start_m = _bwd_step_rows(j, steps, m_lo, off_hkv, GROUP, BLOCK_M)
         stage = j % STAGES
-        mbarrier.wait(ready.index(stage), (j // STAGES) & 1)
-        q_t = q_smem.index(stage)
-        do_t = do_smem.index(stage)
         # -- S^T = K Q^T and dP^T = V dO^T, both in flight --
-        st = warpgroup_mma(k_smem, q_t.permute((1, 0)), zero_t, use_acc=False, is_async=True)
-        dpt = warpgroup_mma(v_smem, do_t.permute((1, 0)), zero_t, use_acc=False, is_async=True)
+        if OVERLAP:
+            q_t = q_smem.index(stage)
+            do_t = do_smem.index(stage)
+            st = st_next
+            dpt = dpt_next
+        else:
+            q_t, do_t = _landed(j, q_smem, do_smem, ready)
+            st = _scores_t(k_smem, q_t, zero_t)
+            dpt = _scores_t(v_smem, do_t, zero_t)
         # -- P^T from LSE --
         # rows past T arrive as zero Q and dO with LSE = delta = 0: P = 1 there but dP = dS = 0, dO = 0
         lse = lse_smem.index(stage).reshape([BLOCK_M]).load(row_layout)
-        st = warpgroup_mma_wait(1, deps=[st])
+        if OVERLAP:  # both queued a step ago: a wait that left dP^T in flight across the loop's
+            # back edge would make ptxas serialize every wgmma of the kernel
+            st, dpt = warpgroup_mma_wait(0, deps=[st, dpt])
+        else:
+            st = warpgroup_mma_wait(1, deps=[st])
         pt = gl.exp2(st * qk_scale - lse[None, :])
         # selected after exp2: a row with LSE = -inf (it sees no key) is dropped, never NaN
         if tile_masked(start_m, start_n, past_s, full_hi, T, S, CAUSAL, BOUNDED, BLOCK_M, BLOCK_N):
@@ -169,7 +203,8 @@ def _bwd_consume(io, buffers, program, outs, row_bounds, CAUSAL: gl.constexpr, B
         # -- dV += P^T dO; dS^T = P^T (dP^T - delta); dK += dS^T Q --
         dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do_t, dv, is_async=True)
         delta = delta_smem.index(stage).reshape([BLOCK_M]).load(row_layout)
-        dpt = warpgroup_mma_wait(1, deps=[dpt])
+        if not OVERLAP:
+            dpt = warpgroup_mma_wait(1, deps=[dpt])
         ds_lo = (pt * (dpt - delta[None, :])).to(dtype)
         dk = warpgroup_mma(gl.convert_layout(ds_lo, a_layout), q_t, dk, is_async=True)
         # -- dQ's share dS K, handed to the writer --
@@ -178,7 +213,16 @@ def _bwd_consume(io, buffers, program, outs, row_bounds, CAUSAL: gl.constexpr, B
         fence_async_shared()
         gl.thread_barrier()
         dq = warpgroup_mma(ds_buf.permute((1, 0)), k_smem, zero_q, use_acc=False, is_async=True)
-        dv, dk, dq = warpgroup_mma_wait(0, deps=[dv, dk, dq])
+        if OVERLAP:
+            # the next step's S^T and dP^T queue behind dV, dK and dQ; the last step issues its
+            # own again (its tiles stay: no step follows to refill them), so that every step waits
+            # the same way and ptxas sees no path where dQ may still be in flight
+            q_next, do_next = _landed(gl.minimum(j + 1, n_steps - 1), q_smem, do_smem, ready)
+            st_next = _scores_t(k_smem, q_next, zero_t)
+            dpt_next = _scores_t(v_smem, do_next, zero_t)
+            dv, dk, dq = warpgroup_mma_wait(2, deps=[dv, dk, dq])
+        else:
+            dv, dk, dq = warpgroup_mma_wait(0, deps=[dv, dk, dq])
         mbarrier.arrive(empty.index(stage), count=1)  # Q and dO are read: the producer may refill
 
         buf = j % 2
@@ -188,6 +232,9 @@ def _bwd_consume(io, buffers, program, outs, row_bounds, CAUSAL: gl.constexpr, B
         gl.thread_barrier()
         mbarrier.arrive(dq_full.index(buf), count=1)
 
+    if OVERLAP:  # the last step's spare S^T and dP^T are done before dK and dV leave (a wait on
+        # them alone, its results unused, would be dropped)
+        dv, dk = warpgroup_mma_wait(0, deps=[dv, dk])
     # -- epilogue: dK and dV --
     offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, kv_layout))
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
@@ -213,7 +260,7 @@ def _bwd_kernel(
     H, GROUP, T, S,
     sm_scale, qk_scale,  # softmax_scale, and softmax_scale * log2(e)
     CAUSAL: gl.constexpr, BOUNDED: gl.constexpr, DETERMINISTIC: gl.constexpr, BLOCK_M: gl.constexpr,
-    STAGES: gl.constexpr, WORKER_REGS: gl.constexpr, num_warps: gl.constexpr,
+    STAGES: gl.constexpr, OVERLAP: gl.constexpr, WORKER_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
     dtype: gl.constexpr = q_desc.dtype
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
@@ -256,7 +303,8 @@ def _bwd_kernel(
     program = BwdProgram(off_b, off_hkv, n, n_blocks, m_lo, steps, H, GROUP, T, S)
     outs = (DK, DV, dk_strides, dv_strides, sm_scale, qk_scale)
     # -- the partitions: the matmul warpgroups in the kernel's own warps, the producer and the dQ writer beside --
-    gl.warp_specialize([(_bwd_consume, (io, buffers, program, outs, (row_hi, full_hi), CAUSAL, BOUNDED, num_warps)),
+    gl.warp_specialize([(_bwd_consume, (io, buffers, program, outs, (row_hi, full_hi), CAUSAL, BOUNDED, OVERLAP,
+                                         num_warps)),
                         (_bwd_produce, (io, buffers, program)),
                         (_bwd_write_dq, (io, buffers, program, SEM, CAUSAL, DETERMINISTIC))],
                        [1, 1], [WORKER_REGS, WORKER_REGS])
@@ -305,10 +353,11 @@ def _buffers(q, block_m: int, device) -> tuple:
 
 
 def _launch(do, q, k, v, o, lse, dk, dv, row_hi: torch.Tensor | None, causal: bool, scale: float,
-            deterministic: bool = True, warmup: bool = False):
+            deterministic: bool = True, overlap: bool = False, warmup: bool = False):
     """Launches the backward (its LSE and delta pass first) through Triton's front door; returns
     the fp32 dQ accumulator, unscaled, and the two launches bound for later calls of this layout
-    (or, with warmup, only compiles the backward kernel and returns it). row_hi: as backward's."""
+    (or, with warmup, only compiles the backward kernel and returns it). row_hi: as backward's;
+    overlap: config.bwd_overlap's."""
     (B, H, T, D), (H_kv, S) = q.shape, k.shape[1:3]
     tiles = config.BWD_TILES[D]
     aux, dq_acc, sem = _buffers(q, tiles.block_m, "cpu" if warmup else q.device)
@@ -324,7 +373,8 @@ def _launch(do, q, k, v, o, lse, dk, dv, row_hi: torch.Tensor | None, causal: bo
             descriptor(aux, [1, 1, 1, tiles.block_m]), descriptor(dq_acc, [1, 1, tiles.block_m, D]), sem, row_hi,
             dk, dv, dk.stride()[:3], dv.stride()[:3], H, H // H_kv, T, S, scale, scale * LOG2E.value)
     options = dict(CAUSAL=causal, BOUNDED=bounded, DETERMINISTIC=deterministic, BLOCK_M=tiles.block_m,
-                   STAGES=tiles.stages, WORKER_REGS=config.WORKER_REGS, num_warps=config.BWD_WARPS,
+                   STAGES=tiles.stages, OVERLAP=overlap, WORKER_REGS=config.WORKER_REGS,
+                   num_warps=config.BWD_WARPS,
                    maxnreg=config.bwd_maxnreg())
     grid = (triton.cdiv(S, tiles.block_n), H_kv, B)
     if warmup:
@@ -344,8 +394,9 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, row_hi
     Bounds.row_hi). deterministic: dQ's shares added in a fixed order (the same bits every run), or
     in the order they come (not)."""
     # the LSE-delta kernel is compiled for o, do and lse as aligned (or not) as the first call's
+    overlap = config.bwd_overlap(q.shape[3])
     layout = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), do.stride(), o.stride(), dk.stride(), dv.stride(),
-              q.dtype, q.device.index, causal, row_hi is None, deterministic, scale,
+              q.dtype, q.device.index, causal, row_hi is None, deterministic, overlap, scale,
               *(t.data_ptr() % 16 == 0 for t in (o, do, lse, lse if row_hi is None else row_hi)))
     if bound := _BOUND.get(layout):
         aux_bound, bwd_bound = bound
@@ -353,7 +404,7 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, row_hi
         aux_bound(o, do, lse, aux)
         bwd_bound(q, k, v, do, aux, dq_acc, sem, lse if row_hi is None else row_hi, dk, dv)
     else:
-        dq_acc, _BOUND[layout] = _launch(do, q, k, v, o, lse, dk, dv, row_hi, causal, scale, deterministic)
+        dq_acc, _BOUND[layout] = _launch(do, q, k, v, o, lse, dk, dv, row_hi, causal, scale, deterministic, overlap)
     torch.mul(dq_acc, scale, out=dq)  # rows that see no key (causal, T > S) got no share: zero
 
 
@@ -363,4 +414,4 @@ def compile_only(do, q, k, v, causal: bool, bounded: bool = False):
     lse = torch.empty((B, H, T), dtype=torch.float32)
     row_hi = torch.empty((B, k.shape[2]), dtype=torch.int32) if bounded else None
     return _launch(do, q, k, v, torch.empty_like(q), lse, torch.empty_like(k), torch.empty_like(v),
-                   row_hi, causal, q.shape[3] ** -0.5, warmup=True)
+                   row_hi, causal, q.shape[3] ** -0.5, overlap=config.bwd_overlap(q.shape[3]), warmup=True)

@@ -3,8 +3,11 @@
 Every number was measured best on the H100 (docs/perf-notes.md v10-v13). Adding a head dim is a
 row in FWD_TILES and BWD_TILES; kernels/backends.py reads the rest to say where they run.
 Plain Python, importable with any triton: Gluon's API is imported only by the kernels' files.
+The schedule variants under trial are switched per call by environment variables read here (unset:
+the kernels as measured), so that one process can time both.
 """
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -63,3 +66,41 @@ def fwd_registers(consumers: int) -> tuple[int, int]:
 def bwd_maxnreg() -> int:
     """The backward's matmul warps get what is left of 64K over 3 warpgroups (240 each)."""
     return REGISTERS // ((BWD_WARPS + 4) * 32) // 8 * 8
+
+
+# --------------------------------------------------------------------------------------------
+# schedule variants, read per call
+
+FWD_ORDER_VARIABLE = "FLASH_ATTENTION_FWD_ORDER"  # l2: the forward's programs in L2-sized sections of heads
+BWD_STEP_VARIABLE = "FLASH_ATTENTION_BWD_STEP"  # overlap: the next step's S^T, dP^T issued before this one's waits
+L2_BYTES = 50 * 1024 * 1024  # the H100's L2: a section's K and V stay in it while its programs run
+
+
+def _variant(variable: str, allowed: tuple[str, ...]) -> str:
+    choice = os.environ.get(variable, "")
+    if choice not in ("", *allowed):
+        raise ValueError(f"{variable}={choice}: use {' or '.join(allowed)} (or leave it unset)")
+    return choice
+
+
+def fwd_section(heads: int, group: int, seq_k: int, head_dim: int, itemsize: int) -> int:
+    """FLASH_ATTENTION_FWD_ORDER: 0 (unset), the programs launch head by head; l2, the (batch, head)
+    pairs of all `heads` in sections of this many whose K and V fit L2_BYTES together (the query
+    heads of one kv head share theirs), each section's query blocks longest first across its heads."""
+    if _variant(FWD_ORDER_VARIABLE, ("l2",)) == "":
+        return 0
+    kv_heads = max(1, L2_BYTES // (2 * seq_k * head_dim * itemsize))
+    return min(kv_heads * group, heads)
+
+
+# the head dims where FLASH_ATTENTION_BWD_STEP=overlap applies: at 128 the next step's S^T and
+# dP^T in flight beside dK, dV and dQ would need 224 of the 240 accumulator registers, and ptxas
+# serializes every wgmma for want of registers (with S^T alone too)
+BWD_OVERLAP_HEAD_DIMS = (64,)
+
+
+def bwd_overlap(head_dim: int) -> bool:
+    """FLASH_ATTENTION_BWD_STEP: unset, a step waits for its own dV, dK and dQ before the next
+    step's S^T = K Q^T and dP^T = V dO^T are issued; overlap, they are issued before that wait
+    (at BWD_OVERLAP_HEAD_DIMS)."""
+    return _variant(BWD_STEP_VARIABLE, ("overlap",)) == "overlap" and head_dim in BWD_OVERLAP_HEAD_DIMS

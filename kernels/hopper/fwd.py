@@ -25,6 +25,27 @@ from kernels.triton.blocks import LOG2E
 WORKER_REGS = gl.constexpr(config.WORKER_REGS)  # the producer only issues TMA copies and waits on barriers
 
 # --------------------------------------------------------------------------------------------
+# the order of work
+
+
+@gluon.jit
+def _l2_order(SECTION: gl.constexpr, BLOCK_M: gl.constexpr):
+    """(start_m, off_h, off_b) of this program, the grid (query blocks, H, B) read in launch order
+    as sections of SECTION (batch, head) pairs, each section's query blocks longest first, its heads
+    in turn within a block row: programs running together share K and V that fit L2."""
+    n_m = gl.num_programs(0)
+    H = gl.num_programs(1)
+    n_heads = H * gl.num_programs(2)
+    tile = gl.program_id(0) + n_m * (gl.program_id(1) + H * gl.program_id(2))
+    section = tile // (SECTION * n_m)
+    first = section * SECTION
+    heads = gl.minimum(n_heads - first, SECTION)  # the last section may have fewer
+    rank = tile - section * (SECTION * n_m)
+    head = first + rank % heads
+    return (n_m - 1 - rank // heads) * BLOCK_M, head % H, head // H
+
+
+# --------------------------------------------------------------------------------------------
 # the partitions
 
 @gluon.jit
@@ -160,15 +181,19 @@ def _fwd_kernel(
     qk_scale,  # softmax_scale * log2(e)
     CAUSAL: gl.constexpr, BOUNDED: gl.constexpr, CONSUMERS: gl.constexpr, STAGES: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
+    SECTION: gl.constexpr,  # 0, or the (batch, head) pairs per L2 section (config.fwd_section)
 ):
     dtype: gl.constexpr = q_desc.dtype
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
-    # the longest causal rows start first, so that short ones fill the tail of the launch
-    start_m = (gl.num_programs(0) - 1 - gl.program_id(0)) * (CONSUMERS * ROWS)
-    off_h = gl.program_id(1)
-    off_b = gl.program_id(2)
+    if SECTION == 0:
+        # the longest causal rows start first, so that short ones fill the tail of the launch
+        start_m = (gl.num_programs(0) - 1 - gl.program_id(0)) * (CONSUMERS * ROWS)
+        off_h = gl.program_id(1)
+        off_b = gl.program_id(2)
+    else:
+        start_m, off_h, off_b = _l2_order(SECTION, CONSUMERS * ROWS)
     lo, n_blocks, key_lo = kv_blocks(KEY_LO, off_b, start_m, T, S, CAUSAL, BOUNDED, CONSUMERS * ROWS, BLOCK_N)
 
     q_tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM], dtype)
@@ -208,11 +233,16 @@ def _fwd_kernel(
 # launching
 
 
-def _options(causal: bool, bounded: bool, tiles: config.FwdTiles) -> dict:
-    """The kernel's constexprs and compile options for these tiles."""
+def _options(causal: bool, bounded: bool, tiles: config.FwdTiles, section: int) -> dict:
+    """The kernel's constexprs and compile options for these tiles and order (config.fwd_section)."""
     maxnreg, consumer_regs = config.fwd_registers(tiles.consumers)
     return dict(CAUSAL=causal, BOUNDED=bounded, CONSUMERS=tiles.consumers, STAGES=tiles.stages,
-                CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg)
+                CONSUMER_REGS=consumer_regs, SECTION=section, num_warps=4, maxnreg=maxnreg)
+
+
+def _section(q, k) -> int:
+    (B, H, _, D), (H_kv, S) = q.shape, k.shape[1:3]
+    return config.fwd_section(B * H, H // H_kv, S, D, q.element_size())
 
 
 def _grid(q, tiles: config.FwdTiles) -> tuple[int, int, int]:
@@ -240,15 +270,16 @@ def forward(q, k, v, o, lse, causal: bool, scale: float, key_lo: torch.Tensor | 
     documents or a window (kernels/masking.py's Bounds.key_lo)."""
     bounded = key_lo is not None
     key_lo = lse if key_lo is None else key_lo  # lse stands in for absent bounds: unread
+    section = _section(q, k)
     layout = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), o.stride(), q.dtype, q.device.index, causal,
-              bounded, scale, lse.data_ptr() % 16 == 0, key_lo.data_ptr() % 16 == 0)
+              bounded, scale, lse.data_ptr() % 16 == 0, key_lo.data_ptr() % 16 == 0, section)
     if bound := _BOUND.get(layout):
         bound(q, k, v, o, lse, key_lo)
         return
     tiles = config.fwd_tiles(q.shape[3], q.shape[2])
     args = _args(q, k, v, o, lse, key_lo, scale, tiles.block_n)
     grid = _grid(q, tiles)
-    options = _options(causal, bounded, tiles)
+    options = _options(causal, bounded, tiles, section)
     _BOUND[layout] = bind(_fwd_kernel, _fwd_kernel[grid](*args, **options), grid, args, options)
 
 
@@ -258,4 +289,4 @@ def compile_only(q, k, v, causal: bool, bounded: bool = False):
     tiles = config.fwd_tiles(D, T)
     args = _args(q, k, v, torch.empty_like(q), torch.empty((B, H, T), dtype=torch.float32),
                  torch.empty((B, T), dtype=torch.int32), D ** -0.5, tiles.block_n)
-    return _fwd_kernel.warmup(*args, grid=_grid(q, tiles), **_options(causal, bounded, tiles))
+    return _fwd_kernel.warmup(*args, grid=_grid(q, tiles), **_options(causal, bounded, tiles, _section(q, k)))

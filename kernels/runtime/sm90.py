@@ -8,6 +8,8 @@ SASS without spending GPU time:
 
     python -m kernels.runtime.sm90            # registers, spills, shared memory of each Hopper kernel
     python -m kernels.runtime.sm90 --sass     # and their SASS, beside the cubins under bench/sass/
+
+The schedule variants' environment variables (kernels/hopper/config.py) compile those variants.
 """
 
 import argparse
