@@ -8,7 +8,7 @@ model calls the `fn` of the Attention it is given and never asks which one it is
 can do (head dims, splitting a sequence over ranks, what selective activation checkpointing keeps
 of it, how it decodes against a KV cache) is written in its entry, once: the config's choices and
 checks, the trainer, the benchmark and the equivalence check read it from here. A new attention
-is a function and an entry below.
+is a function and an entry below. How each decodes against the cache: model/kv_cache.py.
 """
 
 import functools
@@ -20,26 +20,32 @@ import torch
 import torch.nn.functional as F
 
 from kernels import MAX_HEAD_DIM, flash_attention, unsupported
-from kernels.decode import decode_attention
+from model.kv_cache import DecodeFn, dense_decode, triton_decode
 from model.peers import fa4_attention, fa4_unsupported, flex_attention, flex_unsupported
 
 AttentionFn = Callable[..., torch.Tensor]  # (q, k, v, doc_ids=None, window=0) -> (B, H, T, D)
-# (q (B, H, T, D), k_cache, v_cache (B, H_kv, max_len, D), length (1,) int32 on the device, its host
-# copy filled, window) -> (B, H, T, D): the T newest positions, the last T of the `filled`, against the cache
-DecodeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int], torch.Tensor]
 
 
-def hidden_keys(doc_ids: torch.Tensor | None, T: int, device: torch.device, window: int = 0,
-                S: int | None = None) -> torch.Tensor:
-    """(B or 1, 1, T, S) bool: True where query i, the key position i + S - T (the newest T of S
-    keys; S = T by default), may not see key j: the future, another document (T = S), W or more
-    keys back."""
-    S = T if S is None else S
-    offset = torch.arange(T, device=device)[:, None] + (S - T) - torch.arange(S, device=device)[None, :]  # i' - j
-    hidden = (offset < 0) | (offset >= window) if window else offset < 0
-    if doc_ids is None:
-        return hidden[None, None]
-    return hidden[None, None] | (doc_ids[:, None, :, None] != doc_ids[:, None, None, :])
+@dataclass(frozen=True)
+class Attention:
+    name: str  # attn=<name>
+    fn: AttentionFn
+    about: str  # what runs, in a line
+    # generation against a KV cache (model/kv_cache.py)
+    decode: DecodeFn
+    # graphable: decode reads no host copy of the cache's length, so a decode step may be captured
+    # in a CUDA graph
+    graphable: bool = False
+    max_head_dim: int | None = None  # None: any
+    # why (head_dim, dtype, device) cannot run, or None; None: anything runs
+    unsupported: Callable[[int, torch.dtype, torch.device], str | None] | None = None
+    context_parallel: bool = False  # one sequence over several ranks: ring attention over its kernels
+    # the ops selective activation checkpointing keeps (output and LSE); none: recomputed whole
+    saved_ops: tuple = ()
+
+
+# -----------------------------------------------------------------------------
+# the implementations
 
 
 def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None = None,
@@ -56,13 +62,6 @@ def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: 
     return probs @ v  # (B, H, T, D)
 
 
-def sdpa_masked(documents: bool, window: int, T: int, S: int) -> bool:
-    """Whether sdpa_attention passes SDPA a dense mask (which its flash and cuDNN kernels do not take):
-    with documents, a window shorter than the keys, or fewer queries than keys (SDPA's is_causal is
-    aligned top-left, the newest queries' bottom-right)."""
-    return documents or 0 < window < S or T != S
-
-
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None = None,
                    window: int = 0) -> torch.Tensor:
     """PyTorch's fused attention; which backend runs is torch's choice unless pinned (configs/runtime.py).
@@ -75,61 +74,35 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: t
                                           enable_gqa=gqa)
 
 
-def dense_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, length: torch.Tensor, filled: int,
-                 window: int = 0, attend: AttentionFn = sdpa_attention) -> torch.Tensor:
-    """Decoding with an attention that has no cache kernel: `attend` over the cache's filled slice, the
-    T new queries its newest positions. The slice's length is read on the host: eager only (no CUDA graph)."""
-    return attend(q, k_cache[:, :, :filled], v_cache[:, :, :filled], window=window)
-
-
-def triton_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, length: torch.Tensor, filled: int,
-                  window: int = 0) -> torch.Tensor:
-    """Our FlashDecoding kernel (kernels/decode.py): reads the length on the device, so a CUDA graph
-    can replay it."""
-    return decode_attention(q, k_cache, v_cache, length, window)
-
-
 def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None = None,
                      window: int = 0) -> torch.Tensor:
     """Our FlashAttention-2 Triton kernels (kernels/triton/); with documents or a window, block-sparse."""
     return flash_attention(q, k, v, causal=True, doc_ids=doc_ids, window=window)
 
 
-@dataclass(frozen=True)
-class Attention:
-    name: str  # attn=<name>
-    fn: AttentionFn
-    about: str  # what runs, in a line
-    max_head_dim: int | None = None  # None: any
-    # why (head_dim, dtype, device) cannot run, or None; None: anything runs
-    unsupported: Callable[[int, torch.dtype, torch.device], str | None] | None = None
-    context_parallel: bool = False  # one sequence over several ranks: ring attention over its kernels
-    # the ops selective activation checkpointing keeps (output and LSE); none: recomputed whole
-    saved_ops: tuple = ()
-    # generation against a KV cache (model/kv_cache.py); graphable: it reads no host copy of the
-    # cache's length, so a decode step may be captured in a CUDA graph
-    decode: DecodeFn = dense_decode
-    graphable: bool = False
+# -----------------------------------------------------------------------------
+# the registry
 
 
 ATTENTIONS = {a.name: a for a in (
     Attention("naive", naive_attention, "textbook softmax attention, the (T x T) scores in memory",
               decode=functools.partial(dense_decode, attend=naive_attention)),
     Attention("sdpa", sdpa_attention, "torch.nn.functional.scaled_dot_product_attention (backend logged on CUDA)",
+              decode=functools.partial(dense_decode, attend=sdpa_attention),
               saved_ops=(torch.ops.aten._scaled_dot_product_flash_attention.default,
                          torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
                          torch.ops.aten._scaled_dot_product_efficient_attention.default,
                          torch.ops.aten._scaled_dot_product_cudnn_attention.default)),
     Attention("triton", triton_attention, "our FlashAttention-2 forward and backward Triton kernels",
-              max_head_dim=MAX_HEAD_DIM, unsupported=unsupported, context_parallel=True,
-              saved_ops=(torch.ops.kernels.flash_attn_fwd.default,), decode=triton_decode, graphable=True),
+              decode=triton_decode, graphable=True, max_head_dim=MAX_HEAD_DIM, unsupported=unsupported,
+              context_parallel=True, saved_ops=(torch.ops.kernels.flash_attn_fwd.default,)),
     # the peers ours is measured against (model/peers.py); flex decodes through SDPA, where a
     # BlockMask and a compile per cache length would cost more than the step
     Attention("flex", flex_attention, "torch.nn.attention.flex_attention, compiled, with BlockMasks (CUDA to train)",
-              unsupported=flex_unsupported),
+              decode=functools.partial(dense_decode, attend=sdpa_attention), unsupported=flex_unsupported),
     Attention("fa4", fa4_attention, "FlashAttention-4 (flash_attn.cute), optional: pip install flash-attn-4",
-              max_head_dim=256, unsupported=fa4_unsupported,
-              decode=functools.partial(dense_decode, attend=fa4_attention)),
+              decode=functools.partial(dense_decode, attend=fa4_attention), max_head_dim=256,
+              unsupported=fa4_unsupported),
 )}
 
 
@@ -137,3 +110,27 @@ def get_attention(name: str) -> Attention:
     if name not in ATTENTIONS:
         raise ValueError(f"unknown attention {name!r}: choose one of {sorted(ATTENTIONS)} (attn=NAME)")
     return ATTENTIONS[name]
+
+
+# -----------------------------------------------------------------------------
+# the dense mask of naive and sdpa
+
+
+def hidden_keys(doc_ids: torch.Tensor | None, T: int, device: torch.device, window: int = 0,
+                S: int | None = None) -> torch.Tensor:
+    """(B or 1, 1, T, S) bool: True where query i, the key position i + S - T (the newest T of S
+    keys; S = T by default, S > T when decoding against a cache), may not see key j: the future,
+    another document (T = S), W or more keys back."""
+    S = T if S is None else S
+    offset = torch.arange(T, device=device)[:, None] + (S - T) - torch.arange(S, device=device)[None, :]  # i' - j
+    hidden = (offset < 0) | (offset >= window) if window else offset < 0
+    if doc_ids is None:
+        return hidden[None, None]
+    return hidden[None, None] | (doc_ids[:, None, :, None] != doc_ids[:, None, None, :])
+
+
+def sdpa_masked(documents: bool, window: int, T: int, S: int) -> bool:
+    """Whether sdpa_attention passes SDPA a dense mask (which its flash and cuDNN kernels do not take):
+    with documents, a window shorter than the keys, or fewer queries than keys (SDPA's is_causal is
+    aligned top-left, the newest queries' bottom-right)."""
+    return documents or 0 < window < S or T != S

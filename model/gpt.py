@@ -18,9 +18,9 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from kernels import attention_flops
 from kernels.cross_entropy import full_cross_entropy, linear_cross_entropy
-from model.attention import Attention, AttentionFn, DecodeFn, get_attention
+from model.attention import Attention, AttentionFn, get_attention
 from model.config import ModelConfig
-from model.kv_cache import KVCache
+from model.kv_cache import DecodeFn, KVCache
 from model.offload import Offload
 
 

@@ -1,18 +1,27 @@
-"""The KV cache of generation: every layer's keys and values so far, so that a new token costs one
-token's forward, not the whole window's.
+"""The KV cache of generation and how each attention decodes against it: every layer's keys and
+values so far, so that a new token costs one token's forward, not the whole window's.
 
     prefill:  the prompt's forward, as in training (the attention's own kernel, causal over the
               prompt), each layer writing its K and V into the cache;
-    decode:   one token's forward; each layer appends its K and V and attends the cache
-              (kernels/decode.py for attn=triton; the cached slice, densely, for the others).
+    decode:   one token's forward; each layer appends its K and V and attends the cache through
+              its attention's `decode` (model/attention.py's registry): triton_decode
+              (kernels/decode.py) for attn=triton, dense_decode over the cached slice for the others.
 
 The number of positions filled lives on the device (`length`), read by the decode kernel and
 advanced in place, so that one decode step can be captured in a CUDA graph and replayed for
 every token (GPT.generate): its launches then cost one graph launch, where eager decoding
-spends tens of microseconds of Python per kernel (model/gpt.py, model/attention.py).
+spends tens of microseconds of Python per kernel (model/gpt.py).
 """
 
+from collections.abc import Callable
+
 import torch
+
+from kernels.decode import decode_attention
+
+# (q (B, H, T, D), k_cache, v_cache (B, H_kv, max_len, D), length (1,) int32 on the device, its host
+# copy filled, window) -> (B, H, T, D): the T newest positions, the last T of the `filled`, against the cache
+DecodeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int], torch.Tensor]
 
 
 class KVCache:
@@ -45,3 +54,18 @@ class KVCache:
         """After every layer has appended T tokens."""
         self.length.add_(T)
         self.filled += T
+
+
+def dense_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, length: torch.Tensor, filled: int,
+                 window: int = 0, *, attend: Callable[..., torch.Tensor]) -> torch.Tensor:
+    """Decoding with an attention that has no cache kernel: `attend` (q, k, v, window=) over the cache's
+    filled slice, the T new queries its newest positions. The slice's length is read on the host: eager
+    only (no CUDA graph)."""
+    return attend(q, k_cache[:, :, :filled], v_cache[:, :, :filled], window=window)
+
+
+def triton_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, length: torch.Tensor, filled: int,
+                  window: int = 0) -> torch.Tensor:
+    """Our FlashDecoding kernel (kernels/decode.py): reads the length on the device, so a CUDA graph
+    can replay it."""
+    return decode_attention(q, k_cache, v_cache, length, window)
