@@ -33,8 +33,8 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from configs.overrides import override, quoted_where_needed, shell_override
-from configs.runtime import (autocast, autocast_dtype, grad_scaler, precision, precision_line, probe_sdpa_backend,
-                             resolve_device, sdpa_backend)
+from configs.runtime import (autocast, autocast_dtype, fsdp_param_dtype, grad_scaler, precision, precision_line,
+                             probe_sdpa_backend, resolve_device, sdpa_backend)
 from configs.schema import TrainConfig, plain
 from configs.store import register_configs
 from configs.validate import ConfigError, batch_size_per_process, check_resume, validate
@@ -153,7 +153,8 @@ def setup(cfg: DictConfig, run_dir: Path, check: Callable[[], None] = lambda: No
     """Checks cfg, then builds everything the loop needs, resumed from cfg.resume if set. check()
     runs between stages and inside dataset preparation: it raises to stop setup there."""
     validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))
-    par = Parallel.start(resolve_device(cfg.device), cfg.parallel.cp, cfg.parallel.dp == "fsdp")
+    par = Parallel.start(resolve_device(cfg.device), cfg.parallel.cp, cfg.parallel.dp == "fsdp",
+                         get_attention(cfg.attn.name).context_parallel, cfg.parallel.cp_rotate)
     cfg.batch_size = batch_size_per_process(cfg, par.world)
     ckpt, run_dir = resume_point(cfg, par, Path(run_dir))
     if par.master:
@@ -180,7 +181,9 @@ def setup(cfg: DictConfig, run_dir: Path, check: Callable[[], None] = lambda: No
                                par.dp, cfg.data.cycle) if cfg.eval_steps else None)
     raw_model = build_model(cfg, par)
     info = run_info(cfg, par, raw_model)
-    par.shard(raw_model)  # before the optimizer: it holds the shards
+    # before the optimizer: it holds the shards
+    par.shard(raw_model, fsdp_param_dtype(cfg.parallel.param_dtype, cfg.dtype, par.device),
+              cfg.parallel.reshard_after_forward)
     run = Run(cfg=cfg, run_dir=run_dir, par=par, model=raw_model, raw_model=raw_model,
               optimizer=make_optimizer(raw_model, cfg), scaler=grad_scaler(cfg.dtype, par.device),
               train_loader=train_loader, val_loader=val_loader,
@@ -268,8 +271,9 @@ def run_info(cfg: DictConfig, par: Parallel, model: GPT) -> dict:
         dtype = autocast_dtype(cfg.dtype, device) or torch.float32
         try:
             head_dim = cfg.model.d_model // cfg.model.n_head
-            info["sdpa_backend"] = probe_sdpa_backend(cfg.seq_len, cfg.model.n_head, head_dim, dtype, device,
-                                                      cfg.attn.sdpa_backend,
+            # under context parallelism each call attends a rank's shard
+            info["sdpa_backend"] = probe_sdpa_backend(cfg.seq_len // cfg.parallel.cp, cfg.model.n_head, head_dim,
+                                                      dtype, device, cfg.attn.sdpa_backend,
                                                       sdpa_masked(cfg.data.doc_mask, cfg.attn.window, cfg.seq_len,
                                                                   cfg.seq_len),
                                                       cfg.model.n_kv_head)
@@ -283,12 +287,16 @@ def run_info(cfg: DictConfig, par: Parallel, model: GPT) -> dict:
 # steps
 
 
-def forward(run: Run, loader: TokenWindows) -> torch.Tensor:
-    """The mean loss of the loader's next batch (this process's part of it)."""
-    x, y, pos = run.par.split(*loader.next_batch())
-    doc_ids = document_ids(x) if run.cfg.data.doc_mask else None
-    with autocast(run.cfg.dtype, run.device), sdpa_backend(run.cfg.attn.sdpa_backend):
-        return run.model(x, y, pos, doc_ids)[1]
+def forward(run: Run, loader: TokenWindows, backward: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+    """The mean loss of the loader's next batch (this process's part of it), and backward(loss) if
+    given, in the same context-parallel region as the forward (torch's ring runs only inside one)."""
+    with run.par.split(*loader.next_batch()) as (x, y, pos):
+        doc_ids = document_ids(x) if run.cfg.data.doc_mask else None
+        with autocast(run.cfg.dtype, run.device), sdpa_backend(run.cfg.attn.sdpa_backend):
+            loss = run.model(x, y, pos, doc_ids)[1]
+        if backward is not None:
+            backward(loss)
+    return loss
 
 
 def new_graph_step(run: Run) -> None:
@@ -310,8 +318,7 @@ def train_step(run: Run) -> tuple[torch.Tensor, torch.Tensor, float]:
     for micro in range(cfg.grad_accum):
         # reduce gradients over the processes only on the last micro-step
         run.par.sync_gradients(run.model, run.raw_model, micro == cfg.grad_accum - 1)
-        loss = forward(run, run.train_loader)
-        run.scaler.scale(loss / cfg.grad_accum).backward()
+        loss = forward(run, run.train_loader, lambda loss: run.scaler.scale(loss / cfg.grad_accum).backward())
         loss_sum += loss.detach()
     run.scaler.unscale_(run.optimizer)  # fp16: clip (and log) the true gradients, not the scaled ones
     grad_norm = run.par.clip_grad_norm(run.model, cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf)

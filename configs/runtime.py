@@ -51,6 +51,13 @@ def autocast_dtype(dtype: str, device: torch.device) -> torch.dtype | None:
     return torch.float16
 
 
+def fsdp_param_dtype(param_dtype: str, dtype: str, device: torch.device) -> torch.dtype | None:
+    """The dtype FSDP gathers the blocks' weights in, None for fp32 (as stored). param_dtype=auto:
+    the autocast dtype on CUDA, whose autocast runs LayerNorm in fp32 whatever its gains' dtype;
+    fp32 on the CPU, whose LayerNorm takes no fp32 input with bf16 gains."""
+    return autocast_dtype(dtype, device) if param_dtype == "auto" and device.type == "cuda" else None
+
+
 def _version(capability: tuple[int, int]) -> str:
     return ".".join(map(str, capability))
 

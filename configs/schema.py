@@ -18,9 +18,9 @@ from data.config import DataConfig, DataSource
 from model.attention import ATTENTIONS
 from model.config import Checkpointing, Loss, ModelConfig, PosEmb
 
-__all__ = ["AttnConfig", "AttnName", "Checkpointing", "CompileMode", "DataConfig", "DataParallel", "DataSource",
-           "Dtype", "Loss", "ModelConfig", "OptimConfig", "ParallelConfig", "PosEmb", "SdpaBackend", "TrainConfig",
-           "WandbConfig", "WandbMode", "plain"]
+__all__ = ["AttnConfig", "AttnName", "Checkpointing", "CompileMode", "CpRotate", "DataConfig", "DataParallel",
+           "DataSource", "Dtype", "Loss", "ModelConfig", "OptimConfig", "ParallelConfig", "ParamDtype", "PosEmb",
+           "SdpaBackend", "TrainConfig", "WandbConfig", "WandbMode", "plain"]
 
 AttnName = StrEnum("AttnName", {name: name for name in ATTENTIONS})  # attn=: one per registered attention
 
@@ -89,11 +89,28 @@ class DataParallel(StrEnum):
     fsdp = "fsdp"  # FSDP2 (fully_shard): parameters, gradients and AdamW state sharded over the processes
 
 
+class ParamDtype(StrEnum):
+    auto = "auto"  # on CUDA the autocast dtype (bf16): what every matmul casts its weights to anyway
+    float32 = "float32"  # as stored: twice the bytes, each weight cast per use
+
+
+class CpRotate(StrEnum):  # torch's ring (attn=sdpa): how each rank gets the others' K/V shards
+    allgather = "allgather"  # all at once (one collective, under the first block; memory for all)
+    alltoall = "alltoall"  # one shard along the ring per step, each under a block
+
+
 @dataclass
 class ParallelConfig:  # under torchrun: processes = data-parallel ranks x cp
-    # context parallelism: split each sequence over this many ranks (ring attention, attn=triton)
+    # context parallelism: split each sequence over this many ranks (ring attention: attn=triton
+    # ours, attn=sdpa torch's)
     cp: int = 1
     dp: DataParallel = DataParallel.ddp  # how every process keeps the weights (with cp > 1 too)
+    # dp=fsdp: the dtype each block's weights are gathered in (shards and checkpoints stay fp32)
+    param_dtype: ParamDtype = ParamDtype.auto
+    # dp=fsdp: free each block's gathered weights after its forward and gather them again for its
+    # backward; false keeps them (one all-gather per step, the memory of the whole gathered model)
+    reshard_after_forward: bool = True
+    cp_rotate: Optional[CpRotate] = None  # attn=sdpa with cp > 1; null: torch's default, allgather
 
 
 @dataclass

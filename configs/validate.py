@@ -144,13 +144,23 @@ def _parallel(cfg: DictConfig, world: int) -> None:
     if cfg.parallel.dp == "fsdp" and "RANK" not in os.environ:
         _fail("parallel.dp", "fsdp", "shards the model over torchrun's processes: launch with torchrun "
                                      "(--nproc_per_node=1 on one GPU)")
+    if cfg.parallel.dp != "fsdp":  # DDP keeps fp32 weights whole; autocast casts them per use
+        for key, default in (("param_dtype", "auto"), ("reshard_after_forward", True)):
+            if cfg.parallel[key] != default:
+                _fail(f"parallel.{key}", cfg.parallel[key], "sets how FSDP gathers weights: add parallel.dp=fsdp, "
+                                                            "or drop it")
     cp = cfg.parallel.cp
     if world % cp:
         _fail("parallel.cp", cp, f"must divide the number of processes, {world}: run under torchrun "
                                  f"--nproc_per_node=<a multiple of {cp}>")
+    method = ATTENTIONS[cfg.attn.name].context_parallel
+    torch_cp = ", ".join(f"attn={a.name}" for a in ATTENTIONS.values() if a.context_parallel == "torch")
+    if cfg.parallel.cp_rotate is not None and method != "torch":
+        _fail("parallel.cp_rotate", cfg.parallel.cp_rotate, f"is how torch's context parallelism ({torch_cp}) passes "
+                                                            f"K/V; attn={cfg.attn.name} does not use it: drop it")
     if cp == 1:
         return
-    if not ATTENTIONS[cfg.attn.name].context_parallel:
+    if not method:
         able = ", ".join(f"attn={a.name}" for a in ATTENTIONS.values() if a.context_parallel)
         _fail("parallel.cp", cp, f"needs {able} (ring attention over its kernels); attn={cfg.attn.name} "
                                  "cannot split a sequence over ranks")
@@ -163,6 +173,12 @@ def _parallel(cfg: DictConfig, world: int) -> None:
     if cfg.attn.window:
         _fail("attn.window", cfg.attn.window, "is not supported with parallel.cp > 1 (the ring does not window its "
                                               "keys): use attn.window=0 or parallel.cp=1")
+    if method == "torch" and resolve_device(cfg.device).type != "cuda":
+        _fail("parallel.cp", cp, f"with attn={cfg.attn.name} is torch's context parallelism, which runs SDPA's CUDA "
+                                 "kernels only (flash, efficient, cuDNN): use a CUDA device, or attn=triton")
+    if method == "torch" and cfg.attn.sdpa_backend == "math":
+        _fail("attn.sdpa_backend", "math", "has no ring in torch's context parallelism: choose flash, efficient, "
+                                          "cudnn or null with parallel.cp > 1")
 
 
 def data_parallel_size(cfg: DictConfig, world: int) -> int:
@@ -189,7 +205,8 @@ RESUMABLE = frozenset({
     # the same function on the same batches, computed elsewhere or otherwise: other kernels, other rounding
     # (data.cycle changes only windows longer than their split, which fail without it)
     "device", "compile", "compile_mode", "ac", "attn.name", "attn.sdpa_backend", "model.loss", "model.loss_chunk",
-    "model.mlp_chunk", "parallel.cp", "data.root", "data.cycle",
+    "model.mlp_chunk", "parallel.cp", "parallel.param_dtype", "parallel.reshard_after_forward", "parallel.cp_rotate",
+    "data.root", "data.cycle",
     # the lr schedule, which depends on max_steps anyway
     "optim.lr", "optim.min_lr_ratio", "optim.warmup_steps", "optim.grad_clip"})
 

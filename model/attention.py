@@ -39,7 +39,10 @@ class Attention:
     max_head_dim: int | None = None  # None: any
     # why (head_dim, dtype, device) cannot run, or None; None: anything runs
     unsupported: Callable[[int, torch.dtype, torch.device], str | None] | None = None
-    context_parallel: bool = False  # one sequence over several ranks: ring attention over its kernels
+    # how one sequence splits over ranks (parallel.cp > 1): "ring", ours over its kernels
+    # (kernels/ring_attention.py); "torch", torch's context_parallel (its ring over SDPA's CUDA
+    # kernels, trainer/parallel.py); None: it cannot
+    context_parallel: str | None = None
     # the ops selective activation checkpointing keeps (output and LSE); none: recomputed whole
     saved_ops: tuple = ()
 
@@ -88,14 +91,14 @@ ATTENTIONS = {a.name: a for a in (
     Attention("naive", naive_attention, "textbook softmax attention, the (T x T) scores in memory",
               decode=functools.partial(dense_decode, attend=naive_attention)),
     Attention("sdpa", sdpa_attention, "torch.nn.functional.scaled_dot_product_attention (backend logged on CUDA)",
-              decode=functools.partial(dense_decode, attend=sdpa_attention),
+              decode=functools.partial(dense_decode, attend=sdpa_attention), context_parallel="torch",
               saved_ops=(torch.ops.aten._scaled_dot_product_flash_attention.default,
                          torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
                          torch.ops.aten._scaled_dot_product_efficient_attention.default,
                          torch.ops.aten._scaled_dot_product_cudnn_attention.default)),
     Attention("triton", triton_attention, "our FlashAttention-2 forward and backward Triton kernels",
-              decode=triton_decode, graphable=True, max_head_dim=MAX_HEAD_DIM, unsupported=unsupported,
-              context_parallel=True, saved_ops=(torch.ops.kernels.flash_attn_fwd.default,)),
+              max_head_dim=MAX_HEAD_DIM, unsupported=unsupported, context_parallel="ring",
+              saved_ops=(torch.ops.kernels.flash_attn_fwd.default,), decode=triton_decode, graphable=True),
     # the peers ours is measured against (model/peers.py); flex decodes through SDPA, where a
     # BlockMask and a compile per cache length would cost more than the step
     Attention("flex", flex_attention, "torch.nn.attention.flex_attention, compiled, with BlockMasks (CUDA to train)",

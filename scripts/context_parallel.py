@@ -1,15 +1,18 @@
 """Context-parallel scaling: one long sequence per step on 1, 2, 4 ... GPUs of one host.
 
-For each seq_len and GPU count N, trains experiment=long_context (GPT-2-small shape, RoPE,
-chunked loss, bf16, attn=triton) for --steps steps: N = 1 as a plain process, N > 1 under
-torchrun with parallel.cp=N (ring attention, every sequence split over the N GPUs). Prints and
-writes (context_parallel.csv and .md in --out) tokens/s, the time of one step, the peak memory of
-the fullest GPU, and the scaling efficiency against one GPU on the same sequence:
-tokens/s(N) / (N x tokens/s(1)). Autotuning is off, as in scripts/long_context.py. A stop signal
-goes on to the run in flight, which checkpoints and stops; the script then writes the rows so far
-and exits as the signal would have ended it.
+For each seq_len, attention (--attns: triton, our ring over our kernels; sdpa, torch's
+context_parallel over SDPA's) and GPU count N, trains experiment=long_context (GPT-2-small
+shape, RoPE, chunked loss, bf16) for --steps steps: N = 1 as a plain process, N > 1 under
+torchrun with parallel.cp=N (every sequence split over the N GPUs). Prints and writes
+(context_parallel.csv and .md in --out) tokens/s, the time of one step, the peak memory of the
+fullest GPU, the scaling efficiency against one GPU with the same attention on the same sequence,
+tokens/s(N) / (N x tokens/s(1)), and the last step's loss (the same batches at every N: equal up
+to bf16 rounding). Autotuning is off, as in scripts/long_context.py. A stop signal goes on to the
+run in flight, which checkpoints and stops; the script then writes the rows so far and exits as
+the signal would have ended it.
 
     python scripts/context_parallel.py --gpus 1,2,4 --seq-lens 65536,131072
+    python scripts/context_parallel.py --gpus 1,2 --seq-lens 131072,524288 --attns triton,sdpa
     python scripts/context_parallel.py --gpus 4 --seq-lens 1048576 --steps 1 ac=full
 """
 
@@ -24,18 +27,21 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # scripts/ sits beside the packages
 
+from model.attention import ATTENTIONS  # noqa: E402
 from trainer.metrics import read_metrics  # noqa: E402
 from trainer.signals import StopSignals  # noqa: E402
-from scripts.args import (ArgumentParser, directory, positive_int, positive_ints, require_cuda,  # noqa: E402
-                          train_config)
+from scripts.args import (ArgumentParser, directory, names, positive_int, positive_ints,  # noqa: E402
+                          require_cuda, train_config)
 from scripts.outputs import write_csv, write_text  # noqa: E402
 from scripts.stopping import Stop, stoppable  # noqa: E402
 
-FIELDS = ["gpus", "seq_len", "status", "tokens_per_s", "step_s", "peak_mem_alloc_gib", "efficiency", "wall_s"]
+FIELDS = ["attn", "gpus", "seq_len", "status", "tokens_per_s", "step_s", "peak_mem_alloc_gib", "efficiency", "loss",
+          "wall_s"]
+SPLITTING = [a.name for a in ATTENTIONS.values() if a.context_parallel]  # what can split a sequence over GPUs
 
 
-def train_overrides(gpus: int, seq_len: int, steps: int, overrides: list[str]) -> list[str]:
-    return (["experiment=long_context", "attn=triton", f"seq_len={seq_len}", f"max_steps={steps}",
+def train_overrides(attn: str, gpus: int, seq_len: int, steps: int, overrides: list[str]) -> list[str]:
+    return (["experiment=long_context", f"attn={attn}", f"seq_len={seq_len}", f"max_steps={steps}",
              "wandb.mode=disabled", *overrides] + ([f"parallel.cp={gpus}"] if gpus > 1 else []))
 
 
@@ -60,18 +66,18 @@ def run_child(cmd: list[str], env: dict) -> tuple[subprocess.CompletedProcess, i
     return subprocess.CompletedProcess(cmd, child.returncode, stdout, stderr), got[0] if got else 0
 
 
-def run(gpus: int, seq_len: int, steps: int, out: Path, overrides: list[str]) -> tuple[dict, int]:
+def run(attn: str, gpus: int, seq_len: int, steps: int, out: Path, overrides: list[str]) -> tuple[dict, int]:
     """The row of one run, and the stop signal that arrived during it (0 if none)."""
-    run_dir = out / f"gpus{gpus}_T{seq_len}"
+    run_dir = out / f"{attn}_gpus{gpus}_T{seq_len}"
     launcher = ([sys.executable] if gpus == 1 else
                 [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}"])
     cmd = [*launcher, str(REPO / "train.py"), f"hydra.run.dir={run_dir}",
-           *train_overrides(gpus, seq_len, steps, overrides)]
+           *train_overrides(attn, gpus, seq_len, steps, overrides)]
     env = {**os.environ, "FLASH_ATTENTION_AUTOTUNE": "0", "PYTHONPATH": str(REPO)}
     start = time.perf_counter()
     done, stopped = run_child(cmd, env)
     wall = time.perf_counter() - start
-    row = {"gpus": gpus, "seq_len": seq_len, "wall_s": wall}
+    row = {"attn": attn, "gpus": gpus, "seq_len": seq_len, "wall_s": wall}
     summary_path = run_dir / "summary.json"
     if not summary_path.exists():
         print(done.stderr[-2000:], file=sys.stderr)
@@ -82,19 +88,21 @@ def run(gpus: int, seq_len: int, steps: int, out: Path, overrides: list[str]) ->
     tok_s = summary["mean_tokens_per_s"]
     return {**row, "status": summary["status"], "tokens_per_s": tok_s,
             "step_s": summary["tokens_per_step"] / last["tokens_per_s"],
-            "peak_mem_alloc_gib": summary["peak_mem_alloc_gib"]}, stopped
+            "peak_mem_alloc_gib": summary["peak_mem_alloc_gib"], "loss": summary["final_loss"]}, stopped
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| GPUs | seq_len | tokens/s | s per step | peak allocated GiB (fullest GPU) | efficiency vs 1 GPU |",
-             "|--:|--:|--:|--:|--:|--:|"]
+    lines = ["| attn | GPUs | seq_len | tokens/s | s per step | peak allocated GiB (fullest GPU) | efficiency vs 1 GPU "
+             "| last loss |",
+             "|:--|--:|--:|--:|--:|--:|--:|--:|"]
     for r in rows:
         if r["status"] != "ok":
-            lines.append(f"| {r['gpus']} | {r['seq_len']:,} | {r['status']} | | | |")
+            lines.append(f"| {r['attn']} | {r['gpus']} | {r['seq_len']:,} | {r['status']} | | | | |")
             continue
         eff = f"{r['efficiency']:.2f}" if r.get("efficiency") is not None else "—"
         mem = "—" if r["peak_mem_alloc_gib"] is None else f"{r['peak_mem_alloc_gib']:.1f}"  # None on the CPU
-        lines.append(f"| {r['gpus']} | {r['seq_len']:,} | {r['tokens_per_s']:,.0f} | {r['step_s']:.2f} | {mem} | {eff} |")
+        lines.append(f"| {r['attn']} | {r['gpus']} | {r['seq_len']:,} | {r['tokens_per_s']:,.0f} | {r['step_s']:.2f} "
+                     f"| {mem} | {eff} | {r['loss']:.4f} |")
     return "\n".join(lines)
 
 
@@ -104,25 +112,28 @@ def main():
                    help="comma list of GPU counts (1: no context parallelism)")
     p.add_argument("--seq-lens", type=positive_ints, default=[131072],
                    help="comma list of seq_len, one sequence per step")
+    p.add_argument("--attns", type=names(SPLITTING), default=SPLITTING,
+                   help=f"comma subset of {','.join(SPLITTING)}: each over every GPU count")
     p.add_argument("--steps", type=positive_int, default=4,
                    help="training steps per run; tokens/s leaves out the first")
     p.add_argument("--out", type=directory, default=f"bench/context_parallel_{time.strftime('%Y-%m-%d_%H-%M-%S')}")
     p.add_argument("overrides", nargs="*", help="more train.py overrides, e.g. ac=full")
     args = p.parse_args()
-    for seq_len in args.seq_lens:  # as train.py will check each run, in its number of processes
-        for gpus in args.gpus:
-            train_config(train_overrides(gpus, seq_len, args.steps, args.overrides), world=gpus)
+    ladder = [(s, a, g) for s in args.seq_lens for a in args.attns for g in args.gpus]
+    for seq_len, attn, gpus in ladder:  # as train.py will check each run, in its number of processes
+        train_config(train_overrides(attn, gpus, seq_len, args.steps, args.overrides), world=gpus)
     require_cuda(f"context_parallel.py --gpus {','.join(map(str, args.gpus))}", max(args.gpus))
     args.out.mkdir(parents=True, exist_ok=True)
     rows, stopped = [], 0
-    for seq_len, gpus in ((s, g) for s in args.seq_lens for g in args.gpus):
-        row, stopped = run(gpus, seq_len, args.steps, args.out, args.overrides)
+    for seq_len, attn, gpus in ladder:
+        row, stopped = run(attn, gpus, seq_len, args.steps, args.out, args.overrides)
         rows.append(row)
         print(table(rows[-1:]).splitlines()[-1], flush=True)
         if stopped:
             break
-    for row in rows:  # against one GPU on the same sequence, wherever it came in --gpus
-        one = next((r for r in rows if (r["gpus"], r["seq_len"], r["status"]) == (1, row["seq_len"], "ok")), None)
+    for row in rows:  # against one GPU with the same attention on the same sequence, wherever it came in --gpus
+        one = next((r for r in rows if (r["attn"], r["gpus"], r["seq_len"], r["status"])
+                    == (row["attn"], 1, row["seq_len"], "ok")), None)
         if one and row["status"] == "ok" and row["gpus"] > 1:
             row["efficiency"] = row["tokens_per_s"] / (row["gpus"] * one["tokens_per_s"])
     write_csv(args.out / "context_parallel.csv", rows, FIELDS)

@@ -3,7 +3,9 @@
 Ring attention over zigzag shards must give what attention over the whole sequence gives (the
 float64 reference, with test_flash_attn.py's error bound), and a training run that splits every
 sequence over 2 or 4 processes must log the losses and gradient norms of one process that trains
-on the same batches, to fp32 rounding.
+on the same batches, to fp32 rounding. Torch's context parallelism (attn=sdpa) runs SDPA's CUDA
+kernels only: on the CPU its split (the same zigzag) and its config rules are checked; its
+training, on two GPUs.
     .venv/bin/python -m pytest tests/test_context_parallel.py -q
 """
 
@@ -98,8 +100,9 @@ def test_context_parallel_training_matches_one_process(data_root, tmp_path, n, c
 @pytest.mark.gpu
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL: one rank per GPU)")
-def test_context_parallel_training_on_two_gpus_matches_one(data_root, tmp_path):
-    common = TINY[:-1] + ["attn=triton", "model.pos_emb=rope", "seq_len=512", "model.max_seq_len=512",
+@pytest.mark.parametrize("attn", ["triton", "sdpa"])  # our ring; torch's
+def test_context_parallel_training_on_two_gpus_matches_one(data_root, tmp_path, attn):
+    common = TINY[:-1] + [f"attn={attn}", "model.pos_emb=rope", "seq_len=512", "model.max_seq_len=512",
                           "batch_tokens=2048", "max_steps=3", "log_interval=1", "eval_interval=0",
                           "wandb.mode=disabled", "ckpt_interval=-1", f"data.root={data_root}"]
     torchrun(2, [str(REPO / "train.py"), *common, "parallel.cp=2", f"hydra.run.dir={tmp_path / 'cp'}"], tmp_path)
@@ -114,7 +117,13 @@ def test_context_parallel_training_on_two_gpus_matches_one(data_root, tmp_path):
 @pytest.mark.parametrize(("overrides", "world", "message"), [
     (["parallel.cp=2"], 1, r"parallel.cp=2: must divide the number of processes, 1: run under torchrun "
                            r"--nproc_per_node=<a multiple of 2>"),
-    (["parallel.cp=2", "attn=naive"], 2, r"parallel.cp=2: needs attn=triton .*attn=naive cannot split"),
+    (["parallel.cp=2", "attn=naive"], 2, r"parallel.cp=2: needs attn=sdpa, attn=triton .*attn=naive cannot split"),
+    (["parallel.cp=2", "attn=sdpa"], 2, r"parallel.cp=2: with attn=sdpa is torch's context parallelism, which runs "
+                                        r"SDPA's CUDA kernels only \(flash, efficient, cuDNN\): use a CUDA device, "
+                                        r"or attn=triton"),
+    (["parallel.cp=2", "attn=triton", "parallel.cp_rotate=alltoall"], 2,
+     r"parallel.cp_rotate=alltoall: is how torch's context parallelism \(attn=sdpa\) passes K/V; attn=triton does not "
+     r"use it: drop it"),
     (["parallel.cp=2", "attn=triton", "seq_len=30"], 2, r"seq_len=30: must be a multiple of 2 x parallel.cp = 4"),
     (["parallel.cp=2", "attn=triton", "data.doc_mask=true"], 2, r"data.doc_mask=True: is not supported with "
                                                                 r"parallel.cp > 1"),
@@ -126,6 +135,30 @@ def test_context_parallel_training_on_two_gpus_matches_one(data_root, tmp_path):
 def test_context_parallel_config_errors(overrides, world, message):
     with pytest.raises(ConfigError, match=message):
         validate(compose(TINY + overrides), world)
+
+
+def test_torch_context_parallelism_refuses_sdpa_without_a_ring_kernel(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    cfg = compose(TINY[:-1] + ["device=cuda", "attn=sdpa", "parallel.cp=2", "parallel.cp_rotate=alltoall"])
+    validate(cfg, world=2)
+    cfg.attn.sdpa_backend = "math"
+    with pytest.raises(ConfigError, match=r"attn.sdpa_backend=math: has no ring in torch's context parallelism: "
+                                          r"choose flash, efficient, cudnn or null with parallel.cp > 1"):
+        validate(cfg, world=2)
+
+
+@pytest.mark.slow
+def test_torch_context_parallelism_splits_as_our_ring_does(tmp_path):
+    torchrun(3, [str(REPO / "tests" / "split_worker.py"), str(tmp_path), "24"], tmp_path)
+    for r in range(3):
+        got = torch.load(tmp_path / f"rank{r}.pt")
+        assert got["patched"] and got["restored"], r  # torch's SDPA inside the split only
+        # the tokens, their targets and their positions sharded alike, in our ring's zigzag layout
+        assert torch.equal(got["x"], got["whole_x"][:, got["pos"]]), r
+        assert torch.equal(got["y"], got["whole_y"][:, got["pos"]]), r
+        assert torch.equal(got["x"], got["zigzag"]), r
 
 
 def test_the_ranks_of_one_sequence_share_its_batch():

@@ -13,6 +13,7 @@ import torch
 
 import train as train_module
 from configs.validate import ConfigError, batch_size_per_process, validate
+from trainer.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from tests.helpers import REPO, TINY, compose, metrics, torchrun
 
 
@@ -62,8 +63,9 @@ FSDP_RUN = TINY + ["attn=triton", "model.n_layer=2", "batch_tokens=128", "log_in
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("extra", [[], ["parallel.cp=2"], ["ac=offload", "model.mlp_chunk=5"]],
-                         ids=["fsdp", "fsdp-cp2", "fsdp-offload-tiled-mlp"])
+@pytest.mark.parametrize("extra", [[], ["parallel.cp=2"], ["ac=offload", "model.mlp_chunk=5"],
+                                   ["parallel.reshard_after_forward=false", "grad_accum=2"]],
+                         ids=["fsdp", "fsdp-cp2", "fsdp-offload-tiled-mlp", "fsdp-kept-weights-accumulated"])
 def test_sharded_runs_match_one_process_and_resume_exactly(data_root, tmp_path, extra):
     common = FSDP_RUN + [f"data.root={data_root}"] + extra
     torchrun(2, [str(REPO / "train.py"), *common, "max_steps=5", f"hydra.run.dir={tmp_path / 'whole'}"], tmp_path, timeout=600)
@@ -75,7 +77,7 @@ def test_sharded_runs_match_one_process_and_resume_exactly(data_root, tmp_path, 
     values = lambda records: [(r["step"], r.get("loss"), r.get("grad_norm"), r.get("val_loss")) for r in records
                               if r["step"] > 3]
     assert values(resumed) == values(whole)
-    plain = [a for a in common if a != "parallel.dp=fsdp" and not a.startswith("parallel.cp")]
+    plain = [a for a in common if not a.startswith("parallel.")]
     train_module.train(compose(plain + ["max_steps=5", "ckpt_interval=-1"]), tmp_path / "single")
     # the same gradients; the losses agree to fp32 rounding, the gradient norms to that of an fp32 norm
     # over 1.6M embedding-gradient elements (~1e-4: both are that far from the float64 norm)
@@ -94,6 +96,41 @@ def test_sharded_run_on_one_gpu_trains(data_root, tmp_path):
     torchrun(1, [str(REPO / "train.py"), *args], tmp_path, timeout=600)
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["status"] == "ok" and summary["sample"]
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL: one rank per GPU)")
+def test_sharded_run_on_two_gpus_gathers_bf16_tracks_ddp_and_resumes_exactly(data_root, tmp_path):
+    common = TINY[:-1] + ["attn=triton", "model.n_layer=2", "batch_tokens=128", "log_interval=1", "eval_interval=2",
+                          "wandb.mode=disabled", "ckpt_interval=3", "sample_tokens=0", f"data.root={data_root}"]
+    sharded = common + ["parallel.dp=fsdp"]
+    run = lambda args, steps, name: torchrun(2, [str(REPO / "train.py"), *args, f"max_steps={steps}",
+                                                 f"hydra.run.dir={tmp_path / name}"], tmp_path, timeout=600)
+    run(sharded, 5, "whole")
+    run(sharded, 3, "cut")
+    torchrun(2, [str(REPO / "train.py"), *sharded, "max_steps=5", f"resume={tmp_path / 'cut'}"], tmp_path,
+             timeout=600)
+    run(common, 5, "ddp")
+    checkpoint = load_checkpoint(tmp_path / "cut" / CHECKPOINT_NAME)
+    assert {t.dtype for t in checkpoint["model"].values()} == {torch.float32}  # gathered in bf16, kept in fp32
+    whole, resumed = metrics(tmp_path / "whole"), metrics(tmp_path / "cut")
+    values = lambda records: [(r["step"], r.get("loss"), r.get("grad_norm"), r.get("val_loss")) for r in records
+                              if r["step"] > 3]
+    assert values(resumed) == values(whole)
+    # bf16 autocast either way; FSDP's LayerNorm gains arrive rounded to bf16
+    for a, b in zip(metrics(tmp_path / "ddp"), whole, strict=True):
+        for key in ("loss", "val_loss"):
+            if key in a:
+                assert b[key] == pytest.approx(a[key], rel=2e-2), (a["step"], key)
+
+
+@pytest.mark.parametrize(("override", "said"), [("parallel.param_dtype=float32", "parallel.param_dtype=float32"),
+                                               ("parallel.reshard_after_forward=false",
+                                                "parallel.reshard_after_forward=False")])
+def test_fsdp_settings_need_fsdp(override, said):
+    with pytest.raises(ConfigError, match=f"{said}: sets how FSDP gathers weights: add parallel.dp=fsdp, or drop it"):
+        validate(compose(TINY + [override]))
 
 
 def test_sharding_needs_torchrun(monkeypatch):

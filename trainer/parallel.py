@@ -14,10 +14,12 @@ shard and the shard's global positions (RoPE, the learned table); its attention 
 the registry's kernels.
 """
 
+import contextlib
 import dataclasses
 import functools
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -25,9 +27,11 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.experimental import context_parallel
+from torch.distributed.tensor.experimental._attention import set_rotate_method  # torch documents it here
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from kernels.ring_attention import ring_attention
@@ -43,10 +47,12 @@ class ContextParallel:
     group: dist.ProcessGroup
     rank: int  # in the group
     size: int
+    mesh: DeviceMesh | None = None  # the group's, for torch's context_parallel
+    method: str = "ring"  # the attention's registry entry: "ring" (ours) or "torch"
 
     @classmethod
-    def of(cls, group: dist.ProcessGroup) -> "ContextParallel":
-        return cls(group, dist.get_rank(group), dist.get_world_size(group))
+    def of(cls, group: dist.ProcessGroup, mesh: DeviceMesh | None = None, method: str = "ring") -> "ContextParallel":
+        return cls(group, dist.get_rank(group), dist.get_world_size(group), mesh, method)
 
     def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """This rank's two chunks of x along dim (the sequence), in order: (..., T / N, ...)."""
@@ -81,8 +87,11 @@ class Parallel:
     sharded: bool  # FSDP2 (parallel.dp=fsdp under torchrun): state dicts are collective
 
     @classmethod
-    def start(cls, device: torch.device, cp: int = 1, fsdp: bool = False) -> "Parallel":
-        """One process alone, or this process's place among torchrun's (process group, device, grid)."""
+    def start(cls, device: torch.device, cp: int = 1, fsdp: bool = False, cp_method: str | None = None,
+              cp_rotate: str | None = None) -> "Parallel":
+        """One process alone, or this process's place among torchrun's (process group, device, grid);
+        cp_method: how the attention splits a sequence (its registry entry's context_parallel),
+        cp_rotate: how torch's ring passes K/V (allgather or alltoall; None: torch's default)."""
         if "RANK" not in os.environ:
             return cls(0, 1, 0, device, 1, 0, None, False)
         rank, world, local_rank = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
@@ -94,8 +103,10 @@ class Parallel:
         if cp == 1:
             return cls(rank, world, local_rank, device, world, rank, None, fsdp)
         mesh = init_device_mesh(device.type, (world // cp, cp), mesh_dim_names=("dp", "cp"))
+        if cp_rotate is not None:
+            set_rotate_method(cp_rotate)
         return cls(rank, world, local_rank, device, world // cp, mesh.get_local_rank("dp"),
-                   ContextParallel.of(mesh.get_group("cp")), fsdp)
+                   ContextParallel.of(mesh.get_group("cp"), mesh["cp"], cp_method), fsdp)
 
     @property
     def master(self) -> bool:  # rank 0 alone writes: run dir, metrics, W&B, checkpoints, progress bar
@@ -104,23 +115,43 @@ class Parallel:
     # ------------------------------------------------------------------ the model
 
     def attention(self, attention: Attention) -> Attention:
-        """The attention the model calls: under context parallelism the ring over it (one op no
-        more: selective activation checkpointing recomputes it)."""
-        if self.cp is None:
+        """The attention the model calls: under our context parallelism the ring over it (one op no
+        more: selective activation checkpointing recomputes it); torch's patches SDPA in place."""
+        if self.cp is None or self.cp.method != "ring":
             return attention
         return dataclasses.replace(attention, fn=functools.partial(ring_attention, group=self.cp.group),
                                    saved_ops=())
 
-    def shard(self, model: nn.Module) -> None:
+    def shard(self, model: nn.Module, param_dtype: torch.dtype | None = None,
+              reshard_after_forward: bool = True) -> None:
         """FSDP2 in place (before the optimizer is made: it holds the shards): each block, then the
         rest (embedding, tied head, final norm); a block's weights are gathered for its forward and
-        backward, its gradients reduce-scattered (averaged over all processes, as DDP does)."""
+        backward, its gradients reduce-scattered (averaged over all processes, as DDP does).
+
+        param_dtype: what the blocks' weights are gathered in (None: fp32, as stored). Under
+        autocast each matmul casts its weights to that dtype anyway: a block computes what it does
+        under DDP but for its LayerNorm gains, which arrive rounded (the losses differ by that).
+        Shards, optimizer state and checkpoints stay fp32; gradients are reduced, and accumulated,
+        in fp32. Inputs are not cast, so the residual stream stays fp32 as under autocast; the rest
+        (embedding, tied head, final norm) stays fp32: the embedding starts that stream.
+        reshard_after_forward: False keeps every block's gathered weights to its backward (one
+        all-gather per step, not two, for the memory of the gathered model); the last block keeps
+        them either way: its backward comes at once."""
         if not self.sharded:
             return
         mesh = init_device_mesh(self.device.type, (self.world,))
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh)
+        policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
+        blocks = list(model.blocks)
+        for i, block in enumerate(blocks):
+            fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward
+                        and i < len(blocks) - 1)
         fully_shard(model, mesh=mesh)
+        # all-gathers one block ahead, issued before the current block's compute (not when the
+        # host reaches the next block, which a host slower than the GPU reaches late)
+        for i, block in enumerate(blocks):
+            block.set_modules_to_forward_prefetch(blocks[i + 1:i + 2])
+            block.set_modules_to_backward_prefetch(blocks[i - 1:i] if i else [])
+        model.set_modules_to_forward_prefetch(blocks[:1])
 
     def wrap(self, model: nn.Module, compile: bool, mode: str = "default") -> nn.Module:
         """What the loop calls: compiled (in torch.compile's `mode`) and/or in DDP. The ring
@@ -138,12 +169,23 @@ class Parallel:
                         gradient_as_bucket_view=True)
         return model
 
-    def split(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    @contextlib.contextmanager
+    def split(self, x: torch.Tensor, y: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor,
+                                                                      torch.Tensor | None]]:
         """(x, y, positions) of this rank's part of a batch of windows: its shard of each sequence and
-        the shard's global positions under context parallelism, else the windows (positions None)."""
+        the shard's global positions under context parallelism, else the windows (positions None).
+        A forward and its backward run inside: torch's context parallelism dispatches SDPA, and its
+        backward, to its ring only there."""
         if self.cp is None:
-            return x, y, None
-        return self.cp.shard(x), self.cp.shard(y), self.cp.positions(x.size(1), x.device)
+            yield x, y, None
+        elif self.cp.method == "ring":
+            yield self.cp.shard(x), self.cp.shard(y), self.cp.positions(x.size(1), x.device)
+        else:
+            pos = torch.arange(x.size(1), device=x.device)
+            shards = [x, y, pos]  # sharded in place, zigzag: torch's causal load balancing
+            with context_parallel(self.cp.mesh, buffers=shards, buffer_seq_dims=[1, 1, 0],
+                                  no_restore_buffers=set(shards)):
+                yield x, y, pos
 
     # ------------------------------------------------------------------ a step
 
@@ -166,9 +208,12 @@ class Parallel:
         return t
 
     def after_forward_only(self, raw_model: nn.Module) -> None:
-        """A forward without backward (evaluation) leaves FSDP's root weights gathered: reshard them."""
+        """A forward without backward (evaluation) leaves the weights of FSDP's root and last block
+        gathered: reshard them."""
         if self.sharded:
-            raw_model.reshard()
+            for module in raw_model.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
 
     # ------------------------------------------------------------------ checkpoints
 
