@@ -38,9 +38,10 @@ from omegaconf.errors import OmegaConfBaseException  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/ sits beside the packages
 
+from data.files import save_figure  # noqa: E402
 from trainer.metrics import read_metrics, steady  # noqa: E402
 from scripts.args import ArgumentParser, directory, fail, unwritable  # noqa: E402
-from scripts.outputs import save_figure, write_csv, write_text  # noqa: E402
+from scripts.outputs import write_csv, write_text  # noqa: E402
 from scripts.stopping import stoppable  # noqa: E402
 
 COLUMNS = ["attn", "window", "n_kv_head", "seq_len", "status", "steps", "tokens_per_s", "mfu",
