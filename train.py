@@ -406,7 +406,7 @@ def continue_command(run: Run, max_steps: int | None = None) -> str:
     command with resume= where that command started this process alone, else what to add to it."""
     added = ([f"max_steps={max_steps}"] if max_steps else []) + [override("resume", shown(run.run_dir))]
     if run.par.world == 1 and Path(sys.argv[0]).resolve() == Path(__file__).resolve():
-        return same_command(r"hydra\.(run\.dir|output_subdir)|resume|max_steps", *added)
+        return same_command(r"hydra\.(run\.dir|output_subdir)|resume" + ("|max_steps" if max_steps else ""), *added)
     return f"add {shlex.join(added)} to the same command"
 
 
