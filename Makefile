@@ -21,9 +21,12 @@ endif
 # one stamp per pair: naming another pair installs it into the same .venv
 STAMP  := $(VENV)/.installed-$(subst >,,$(subst =,,$(TORCH)-$(TRITON)))
 # the Hopper kernel is Gluon of this triton release; where the venv has another, the test suite
-# compiles the kernel for sm_90 with a copy of it kept apart (tests/test_hopper.py)
+# compiles the kernel for sm_90 with a copy of it kept apart (tests/test_hopper.py): `make test`
+# installs it, `make train` does not need it
 GLUON_TRITON := triton==3.6.0
+GLUON_STAMP  := $(VENV)/gluon-triton/.installed
 SETUP  := $(if $(filter command line,$(origin PY)),,setup)
+TEST_SETUP := $(if $(SETUP),$(GLUON_STAMP))
 
 .PHONY: setup train test bench clean
 
@@ -35,16 +38,20 @@ $(STAMP): requirements.txt
 	$(VENV)/bin/python -m pip install -q "$(TORCH)" "$(TRITON)"
 	$(VENV)/bin/python -m pip install -q -r requirements.txt "$(TORCH)" "$(TRITON)"
 	@$(VENV)/bin/python -c "import torch, triton; print('installed torch', torch.__version__, 'triton', triton.__version__)"
+	touch $@
+
+$(GLUON_STAMP): $(STAMP)
 	if ! $(VENV)/bin/python -c "import triton; assert triton.__version__.startswith('3.6.')" 2>/dev/null; then \
 	  $(VENV)/bin/python -m pip install -q --no-deps --target $(VENV)/gluon-triton "$(GLUON_TRITON)"; fi
-	touch $@
+	mkdir -p $(@D) && touch $@
 
 train: $(SETUP)
 	@echo "make train: experiment=$(PRESET) ($(if $(filter gpu,$(PRESET)),CUDA GPU found,no CUDA GPU: CPU-sized run))"
 	$(PY) train.py experiment=$(PRESET) $(ARGS)
 
-test: $(SETUP)
-	$(PY) -m pytest -q tests $(ARGS)
+# -q unless ARGS brings its own verbosity; the closing "N passed" line shows either way
+test: $(SETUP) $(TEST_SETUP)
+	$(PY) -m pytest $(if $(filter -q% -v% --verbose --quiet,$(ARGS)),,-q) $(if $(filter tests%,$(ARGS)),,tests) $(ARGS)
 
 bench: $(SETUP)
 	$(PY) scripts/bench_attention.py $(ARGS)

@@ -49,7 +49,8 @@ from trainer.metrics import json_line, read_metrics
 from trainer.parallel import Parallel
 from trainer.preflight import preflight
 from trainer.profiling import Profiler
-from trainer.report import Meter, RunLog
+from trainer.curves import CURVES_NAME, write_curves
+from trainer.report import Meter, RunLog, outcome_lines
 from trainer.rundir import abandon_run_dir, claim_run_dir, finished_summary, holds, resume_target, write_record
 from trainer.signals import Stopped, StopSignals
 
@@ -234,7 +235,7 @@ def recorded_end(run: Run) -> None:
     """A run resumed at its last step only finishes (summary, sample, W&B): its last losses and its
     throughput come from its metrics.jsonl."""
     records = read_metrics(run.run_dir / "metrics.jsonl")
-    run.meter.history = [r for r in records if "loss" in r]
+    run.meter.restore([r for r in records if "loss" in r])
     run.last_val = next((r["val_loss"] for r in reversed(records) if "val_loss" in r), None)
 
 
@@ -377,6 +378,12 @@ def save(run: Run) -> None:
     run.saved_step = run.step
 
 
+def shown(path: Path) -> str:
+    """path as a command line shows it: relative to the working directory where it lies under it."""
+    path = Path(path).absolute()
+    return str(path.relative_to(Path.cwd())) if path.is_relative_to(Path.cwd()) else str(path)
+
+
 def last_checkpoint(run: Run) -> str:
     if run.saved_step is None:
         return "no checkpoint was written"
@@ -389,10 +396,25 @@ def resume_hint(run: Run) -> str:
     return f"add {shell_override('resume', str(run.run_dir))} to the same command to continue"
 
 
+def same_command(drop: str, *added: str) -> str:
+    """This process's train.py command as a shell line, without the overrides whose key matches the
+    regex `drop` (those preflight added among them), with the overrides `added` at the end."""
+    args = [a for a in sys.argv[1:] if not re.match(rf"\+*({drop})=", a)]
+    return shlex.join(["python", sys.argv[0], *args, *added])
+
+
 def sweep_command() -> str:
     """This sweep's command, into its sweep dir: what continues it (train.py -m, in a shell)."""
-    args = [a for a in sys.argv[1:] if not re.match(r"\+*hydra\.(sweep\.dir|output_subdir)=", a)]
-    return shlex.join(["python", sys.argv[0], *args, override("hydra.sweep.dir", HydraConfig.get().sweep.dir)])
+    return same_command(r"hydra\.(sweep\.dir|output_subdir)", override("hydra.sweep.dir", HydraConfig.get().sweep.dir))
+
+
+def continue_command(run: Run, max_steps: int | None = None) -> str:
+    """What continues this run from its checkpoint (to max_steps, where given): train.py's own
+    command with resume= where that command started this process alone, else what to add to it."""
+    added = ([f"max_steps={max_steps}"] if max_steps else []) + [override("resume", shown(run.run_dir))]
+    if run.par.world == 1 and Path(sys.argv[0]).resolve() == Path(__file__).resolve():
+        return same_command(r"hydra\.(run\.dir|output_subdir)|resume" + ("|max_steps" if max_steps else ""), *added)
+    return f"add {shlex.join(added)} to the same command"
 
 
 # -----------------------------------------------------------------------------
@@ -512,9 +534,38 @@ def finish(run: Run, status: str, message: str | None) -> dict:
             else:  # main() says the stop's or the failure's own message
                 print(line, file=sys.stderr)
         run.log.finish(summary)
-        print("summary: " + ", ".join(f"{k}={v}" for k, v in summary.items() if k not in ("sample", "message")))
+        title = f"{run.run_dir.name}: attn={cfg.attn.name}, seq_len={cfg.seq_len}, model={cfg.model.name}"
+        curves = write_curves(run.run_dir, f"{title} ({summary['status']} at step {run.step})")
+        print("\n".join(closing_lines(run, summary, curves)), flush=True)
     run.par.close()
     return summary
+
+
+def closing_lines(run: Run, summary: dict, curves: Path | None) -> list[str]:
+    """The end of a run in at most eight short lines: how it went (trainer/report.py), where its
+    files are, and the commands that sample from its checkpoint and continue it."""
+    files = [CURVES_NAME] * bool(curves) + [name for name in ("metrics.jsonl", "summary.json")
+                                            if (run.run_dir / name).exists()]
+    lines = [*outcome_lines(summary), f"run dir: {shown(run.run_dir)} ({', '.join(files)})"]
+    if run.saved_step is None:
+        every = run.cfg.ckpt_interval
+        lines.append("checkpoint: none (ckpt_interval=-1)" if every < 0 else
+                     f"checkpoint: none yet (ckpt_interval={every}: the first at step {every or run.cfg.max_steps})")
+    else:
+        lines += [f"checkpoint: {shown(run.run_dir / CHECKPOINT_NAME)} (step {run.saved_step})",
+                  "sample: " + shlex.join(["python", shown(Path(__file__).parent / "scripts" / "sample.py"),
+                                           override("ckpt", shown(run.run_dir)),
+                                           override("prompt", run.cfg.sample_prompt)])]
+        if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+            if summary["status"] != "ok":
+                lines.append(f"resume: {resume_hint(run)}")
+        elif summary["status"] == "ok":
+            lines.append(f"train further: {continue_command(run, 2 * run.cfg.max_steps)}")
+        else:
+            lines.append(f"resume: {continue_command(run)}")
+    if where := run.log.where():
+        lines.append(f"W&B: {where}")
+    return lines
 
 
 def sample(model: GPT, cfg: DictConfig, device: torch.device, cuda_graph: bool = True) -> str:

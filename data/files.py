@@ -6,7 +6,7 @@ is one line (which file, why, and what became of it):
 - atomic_write puts the bytes in a temp file beside the target (a unique name, so concurrent
   writers never share one), fsyncs it, renames it over the target and fsyncs the directory: a
   reader, a crash or a power loss sees the old file or the whole new one, never a mix;
-- atomic_path does the same for a writer that takes a path (a profiler's export, savefig);
+- atomic_path does the same for a writer that takes a path (a profiler's export, save_figure);
 - append_line adds one line to a JSON-lines file whole, or leaves the file as it was.
 A full disk or a quota is a DiskFullError, a read-only filesystem or a missing permission a
 WriteError; the temp file is removed and the old file stays.
@@ -103,6 +103,12 @@ def atomic_write(path: Path, write: Callable[[BinaryIO], None] | bytes | Iterabl
         else:
             for chunk in [write] if isinstance(write, bytes) else write:
                 f.write(chunk)
+
+
+def save_figure(fig, path: Path) -> None:
+    """A matplotlib figure as path (120 dpi, in the format path's suffix names), replaced whole."""
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format=Path(path).suffix[1:], dpi=120)
 
 
 def _whole_lines_end(fd: int) -> int:

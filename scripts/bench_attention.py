@@ -40,7 +40,8 @@ from configs.runtime import SDPA_BACKENDS
 from model.attention import ATTENTIONS, hidden_keys
 from scripts.args import (ArgumentParser, directory, names, non_negative_int, positive_int, positive_ints,
                           require_cuda, require_divisors)
-from scripts.outputs import save_figure, write_csv, write_text
+from data.files import save_figure
+from scripts.outputs import write_csv, write_text
 from scripts.stopping import stoppable
 
 SEQ_LENS = [512, 1024, 2048, 4096, 8192, 16384]

@@ -39,7 +39,8 @@ from configs.runtime import precision, resolve_device  # noqa: E402
 from configs.schema import AttnName, Checkpointing  # noqa: E402
 from scripts.args import (ArgumentParser, directory, fail, names, non_negative_ints, positive_int,  # noqa: E402
                           require_cuda, train_config)
-from scripts.outputs import save_figure, write_csv, write_text  # noqa: E402
+from data.files import save_figure  # noqa: E402
+from scripts.outputs import write_csv, write_text  # noqa: E402
 from scripts.stopping import stoppable, trained  # noqa: E402
 
 FIELDS = ["attn", "ac", "mlp_chunk", "seq_len", "status", "steps", "tokens_per_s", "step_s", "peak_mem_alloc_gib",

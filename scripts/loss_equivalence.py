@@ -58,10 +58,11 @@ from data import DatasetError  # noqa: E402
 from trainer.checkpoint import CheckpointError  # noqa: E402
 from trainer.metrics import read_metrics  # noqa: E402
 from data.prepare import dataset_dir  # noqa: E402
+from data.files import save_figure  # noqa: E402
 from model.attention import ATTENTIONS  # noqa: E402
 from trainer.report import open_wandb  # noqa: E402
 from scripts.args import fail, hydra_config, unwritable  # noqa: E402
-from scripts.outputs import save_figure, write_text  # noqa: E402
+from scripts.outputs import write_text  # noqa: E402
 from scripts.stopping import stoppable, trained  # noqa: E402
 
 NAN = float("nan")

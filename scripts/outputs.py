@@ -1,12 +1,13 @@
-"""What the scripts write: tables (CSV, markdown) and figures, each replaced whole (data/files.py: a
-crash, a stop or a full disk leaves the previous file, never half a new one). A file that cannot be
-written raises WriteError, which ends the script in one line (scripts/stopping.py's stoppable)."""
+"""What the scripts write: tables (CSV, markdown), each replaced whole (data/files.py: a crash, a stop
+or a full disk leaves the previous file, never half a new one; figures go through its save_figure).
+A file that cannot be written raises WriteError, which ends the script in one line
+(scripts/stopping.py's stoppable)."""
 
 import csv
 import io
 from pathlib import Path
 
-from data.files import atomic_path, atomic_write
+from data.files import atomic_write
 
 
 def write_text(path: Path, text: str) -> None:
@@ -20,9 +21,3 @@ def write_csv(path: Path, rows: list[dict], fields: list[str]) -> None:
     writer.writeheader()
     writer.writerows(rows)
     write_text(path, text.getvalue())
-
-
-def save_figure(fig, path: Path) -> None:
-    """fig.savefig(path) at 120 dpi, in the format path's suffix names."""
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format=Path(path).suffix[1:], dpi=120)

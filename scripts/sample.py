@@ -20,12 +20,12 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/ sits beside the packages
 
 from configs.overrides import quoted_where_needed  # noqa: E402
-from configs.runtime import autocast, resolve_device  # noqa: E402
+from configs.runtime import autocast, autocast_dtype, resolve_device  # noqa: E402
 from configs.schema import AttnName, ModelConfig  # noqa: E402
 from configs.validate import ConfigError  # noqa: E402
 from data import TokenizerError, get_encoding  # noqa: E402
 from trainer.checkpoint import CheckpointError, checkpoint_path, load_checkpoint, load_weights  # noqa: E402
-from model import GPT  # noqa: E402
+from model import GPT, get_attention  # noqa: E402
 from scripts.args import fail, hydra_config  # noqa: E402
 from scripts.stopping import stoppable  # noqa: E402
 
@@ -65,12 +65,28 @@ def check(cfg: DictConfig) -> torch.device:
         raise ConfigError(f"device={cfg.device}: {e}") from None
 
 
+def check_attention(attention: str | None, trained: str, head_dim: int, device: torch.device) -> None:
+    """ConfigError where the attention to sample with (`attention`, else the `trained` one) cannot
+    run here, as its entry in model/attention.py says (FlexAttention's refusal on the CPU is of its
+    backward, which sampling does not run)."""
+    name = attention or trained
+    entry = get_attention(name)
+    why = entry.unsupported and entry.unsupported(head_dim, autocast_dtype("auto", device) or torch.float32, device)
+    if not why or (name == "flex" and device.type == "cpu"):
+        return
+    if attention:
+        raise ConfigError(f"attention={name}: cannot run here: {why}; use attention=sdpa")
+    raise ConfigError(f"attention=null: the checkpoint trained with attn={name}, which cannot run here: {why}; "
+                      "pass attention=sdpa (the weights do not depend on it)")
+
+
 def load_model(ckpt: str, attention: str | None, device: torch.device) -> GPT:
     path = checkpoint_path(hydra.utils.to_absolute_path(ckpt))
     state = load_checkpoint(path)
     trained = state["config"]
-    model = GPT(OmegaConf.merge(OmegaConf.structured(ModelConfig), trained["model"]),
-                attention or trained["attn"]["name"], window=trained["attn"].get("window", 0))
+    model_cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), trained["model"])
+    check_attention(attention, trained["attn"]["name"], model_cfg.d_model // model_cfg.n_head, device)
+    model = GPT(model_cfg, attention or trained["attn"]["name"], window=trained["attn"].get("window", 0))
     load_weights(model, state["model"], path)
     return model.to(device).eval()
 

@@ -1,17 +1,21 @@
-"""Turns an ablation sweep's runs into a table (Markdown, CSV) and a plot, from the local files alone.
+"""Turns an ablation sweep's runs, or single runs side by side, into a table (Markdown, CSV) and plots,
+from the local files alone.
 
     python train.py -m experiment=sweep                              # writes multirun/<date>/<time>/
     python scripts/sweep_summary.py multirun/<date>/<time> [--out DIR]
+    python train.py attn=naive; python train.py attn=sdpa           # each writes outputs/<date>/<run>/
+    python scripts/sweep_summary.py outputs/<date>/*_naive_T256 outputs/<date>/*_sdpa_T256 --out compare
 
-Reads every Hydra job under the sweep directory (`<job>/.hydra/config.yaml` for the setting: attn,
-attn.window, model.n_kv_head and seq_len; `metrics.jsonl` for the curves, `summary.json` for the
-outcome) and writes, into --out (default: the sweep directory):
+Reads every Hydra job under a sweep directory, and every run directory named (`.hydra/config.yaml`
+for the setting: attn, attn.window, model.n_kv_head and seq_len; `metrics.jsonl` for the curves,
+`summary.json` for the outcome) and writes, into --out (default: the one directory named):
 - summary.csv: one row per job, raw numbers;
 - summary.md:  the same rows sorted by seq_len then setting, and tokens/s pivoted seq_len x setting
                (a setting: the attention, with its window and key/value heads where not the default);
 - sweep.png:   tokens/s and peak allocated GPU memory against seq_len, one line per setting,
                out-of-memory jobs marked with an x on the axis;
-- losses.png:  every job's training loss against the step, one line per setting and seq_len.
+- losses.png:  every job's training (solid) and validation (dashed) loss against the step, each
+               labelled by the config keys in which the runs differ (attn=naive, attn=sdpa, ...).
 No network and no W&B: the same numbers are in W&B, grouped by sweep, but this works offline.
 
 tokens/s and MFU are means over the logged intervals after the first, which holds warmup,
@@ -38,15 +42,20 @@ from omegaconf.errors import OmegaConfBaseException  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/ sits beside the packages
 
+from data.files import save_figure  # noqa: E402
 from trainer.metrics import read_metrics, steady  # noqa: E402
 from scripts.args import ArgumentParser, directory, fail, unwritable  # noqa: E402
-from scripts.outputs import save_figure, write_csv, write_text  # noqa: E402
+from scripts.outputs import write_csv, write_text  # noqa: E402
 from scripts.stopping import stoppable  # noqa: E402
 
 COLUMNS = ["attn", "window", "n_kv_head", "seq_len", "status", "steps", "tokens_per_s", "mfu",
-           "peak_mem_alloc_gib", "peak_mem_reserved_gib", "final_loss", "final_val_loss", "device", "message"]
+           "peak_mem_alloc_gib", "peak_mem_reserved_gib", "peak_rss_gib", "final_loss", "final_val_loss", "device",
+           "message"]
+PEAKS = ("peak_mem_alloc_gib", "peak_mem_reserved_gib", "peak_rss_gib")  # GPU allocator's; the CPU process's RSS
 # what train.py writes: a number (or null, for a non-finite one) under these keys of a metrics record
-NUMBERS = ("loss", "val_loss", "tokens_per_s", "mfu", "peak_mem_alloc_gib", "peak_mem_reserved_gib")
+NUMBERS = ("loss", "val_loss", "tokens_per_s", "mfu", *PEAKS)
+# config keys that name or place a run rather than set what it trains: not what tells runs apart
+NOT_SETTINGS = ("resume", "wandb.")
 STATUSES = ("ok", "oom", "diverged", "failed", "skipped", "stopped")
 
 
@@ -71,11 +80,19 @@ def _one_line(e: Exception) -> str:
     return " ".join(str(e).split())
 
 
-def job_config(path: Path) -> tuple[str, int, int, int]:
-    """(attn, seq_len, attn.window, model.n_kv_head) from a job's .hydra/config.yaml (a config from
-    before the last two existed: 0, their default)."""
+def flat(node, prefix: str = "") -> dict:
+    """A config's leaves by dotted key: {"attn.name": "sdpa", "seq_len": 256, ...}."""
+    if not isinstance(node, dict):
+        return {prefix: node}
+    return {k: v for key, value in node.items() for k, v in flat(value, f"{prefix}{key}.").items()} if node else {}
+
+
+def job_config(path: Path) -> tuple[str, int, int, int, dict]:
+    """(attn, seq_len, attn.window, model.n_kv_head, every key flat) from a job's .hydra/config.yaml
+    (a config from before window and n_kv_head existed: 0, their default)."""
     try:
         cfg = OmegaConf.load(path)
+        keys = {k.rstrip("."): v for k, v in flat(OmegaConf.to_container(cfg)).items()}
         attn, seq_len, window, n_kv_head = (
             OmegaConf.select(cfg, key, default=default) if isinstance(cfg, DictConfig) else None
             for key, default in (("attn.name", None), ("seq_len", None), ("attn.window", 0), ("model.n_kv_head", 0)))
@@ -89,7 +106,17 @@ def job_config(path: Path) -> tuple[str, int, int, int]:
     for key, value in (("attn.window", window), ("model.n_kv_head", n_kv_head)):
         if not _is_int(value) or value < 0:
             raise SweepError(f"{path} holds {key}={value!r}: a train.py job's config has an integer >= 0 there")
-    return attn, seq_len, window, n_kv_head
+    return attn, seq_len, window, n_kv_head, keys
+
+
+def label_differences(rows: list[dict]) -> None:
+    """Sets each row's label: the settings in which the rows differ (attn=naive, seq_len=512), or its
+    directory's name where they differ in none."""
+    keys = sorted({k for r in rows for k in r["config"] if not k.startswith(NOT_SETTINGS)})
+    differ = [k for k in keys if len({repr(r["config"].get(k)) for r in rows}) > 1]
+    for r in rows:
+        said = [f"{k.removesuffix('.name')}={r['config'].get(k)}" for k in differ]
+        r["label"] = ", ".join(said) or r["dir"].name
 
 
 def setting(row: dict) -> str:
@@ -141,7 +168,7 @@ def job_summary(path: Path) -> dict:
 
 def job_row(job: Path) -> dict:
     """One sweep job's row: what it ran (its Hydra config) and how it went (its metrics)."""
-    attn, seq_len, window, n_kv_head = job_config(job / ".hydra" / "config.yaml")
+    attn, seq_len, window, n_kv_head, config = job_config(job / ".hydra" / "config.yaml")
     records = job_records(job / "metrics.jsonl")
     summary = job_summary(job / "summary.json")
     train = [r for r in records if "loss" in r]
@@ -151,33 +178,42 @@ def job_row(job: Path) -> dict:
         status = summary["status"]
     else:
         status = "oom" if any(r.get("event") == "oom" for r in records) else "failed"
-    peaks = {k: max((r[k] for r in steady_train if r.get(k) is not None), default=None)
-             for k in ("peak_mem_alloc_gib", "peak_mem_reserved_gib")}
+    peaks = {k: max((r[k] for r in steady_train if r.get(k) is not None), default=None) for k in PEAKS}
     return {"attn": attn, "window": window, "n_kv_head": n_kv_head, "seq_len": seq_len, "status": status,
             "steps": summary.get("steps", train[-1]["step"] if train else 0),
             "tokens_per_s": mean([r.get("tokens_per_s") for r in steady_train]),
             "mfu": mean([r.get("mfu") for r in steady_train]),
             **peaks, "final_loss": train[-1]["loss"] if train else None, "final_val_loss": val[-1] if val else None,
             "device": summary.get("device"), "message": summary.get("message"),
-            "curve": [(r["step"], r["loss"]) for r in train if r.get("loss") is not None]}
+            "curve": [(r["step"], r["loss"]) for r in train if r.get("loss") is not None],
+            "val_curve": [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None],
+            "dir": job, "config": config}
 
 
-def read_sweep(sweep_dir: Path) -> list[dict]:
-    """Every job's row, by seq_len then setting; SweepError naming the first file that is not train.py's."""
-    if not sweep_dir.is_dir():
-        raise SweepError(f"{sweep_dir}: no such directory: pass the multirun/<date>/<time> directory written by "
-                         "`train.py -m experiment=sweep`")
-    jobs = sorted(p.parent.parent for p in sweep_dir.glob("*/.hydra/config.yaml"))
-    if not jobs:
-        raise SweepError(f"no Hydra jobs (<job>/.hydra/config.yaml) under {sweep_dir}: "
-                         "pass the multirun/<date>/<time> directory written by `train.py -m experiment=sweep`")
+WHAT_TO_PASS = ("pass the multirun/<date>/<time> directory of `train.py -m`, or run directories of `train.py` "
+                "(outputs/<date>/<time>_<attn>_T<seq_len>)")
+
+
+def read_sweep(*dirs: Path) -> list[dict]:
+    """Every job's row of each sweep dir or run dir, by seq_len then setting, labelled by what tells
+    them apart; SweepError naming the first file that is not train.py's."""
+    jobs = []
+    for path in dirs:
+        if not path.is_dir():
+            raise SweepError(f"{path}: no such directory: {WHAT_TO_PASS}")
+        found = [path] if (path / ".hydra" / "config.yaml").exists() else sorted(
+            p.parent.parent for p in path.glob("*/.hydra/config.yaml"))
+        if not found:
+            raise SweepError(f"no Hydra record (.hydra/config.yaml) in {path} or the jobs under it: {WHAT_TO_PASS}")
+        jobs += [job for job in found if job not in jobs]
     rows = []
     for job in jobs:
         try:
             rows.append(job_row(job))
         except SweepError as e:
-            raise SweepError(f"{e}: repair it, or move {job.name} out of the sweep dir to summarise the other "
-                             "jobs") from None
+            where = "its sweep dir" if job not in dirs else "the command line"
+            raise SweepError(f"{e}: repair it, or leave {job.name} out of {where} to summarise the other jobs") from None
+    label_differences(rows)
     return sorted(rows, key=lambda r: (r["seq_len"], r["attn"], r["window"], r["n_kv_head"]))
 
 
@@ -189,14 +225,15 @@ def plot_losses(rows: list[dict], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for i, r in enumerate(rows):
         if r["curve"]:
-            steps, losses = zip(*r["curve"])
-            ax.plot(steps, losses, color=f"C{i % 10}", label=f"{setting(r)}, T={r['seq_len']}")
+            ax.plot(*zip(*r["curve"]), color=f"C{i % 10}", label=r["label"])
+        if r["val_curve"]:
+            ax.plot(*zip(*r["val_curve"]), "--", color=f"C{i % 10}", label=f"{r['label']} (val)")
     if not any(r["curve"] for r in rows):
         ax.text(0.5, 0.5, "no job logged a loss", ha="center", va="center", transform=ax.transAxes, color="gray")
     else:
         ax.legend(fontsize=8)
     ax.set_xlabel("step")
-    ax.set_ylabel("training loss")
+    ax.set_ylabel("loss (dashed: validation)")
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
     save_figure(fig, path)
@@ -207,10 +244,10 @@ def fmt(value, spec: str) -> str:
     return "—" if value is None else format(value, spec)
 
 
-def markdown(rows: list[dict], sweep_dir: Path) -> str:
+def markdown(rows: list[dict], source: str) -> str:
     attns = list(dict.fromkeys(setting(r) for r in rows))
     devices = sorted({r["device"] for r in rows if r["device"]}) or ["unknown"]
-    lines = [f"## Sweep `{sweep_dir}`", "",
+    lines = [f"## Runs of `{source}`", "",
              f"Device: {', '.join(devices)}. tokens/s, MFU (means) and peak memory (max) over the logged "
              "intervals after the first.", "",
              "| attn | window | kv heads | seq_len | status | steps | tokens/s | MFU | peak alloc GiB "
@@ -245,7 +282,7 @@ def plot(rows: list[dict], path: Path) -> None:
     # memory on a log2 axis: naive's T x T scores make it grow 4x per doubling of seq_len
     panels = [("tokens_per_s", "tokens/s", {"value": "linear"}, "no job finished"),
               ("peak_mem_alloc_gib", "peak allocated GPU memory (GiB)", {"value": "log", "base": 2},
-               "no GPU memory recorded\n(train.py logs it on CUDA only)")]
+               "no GPU memory recorded\n(a CPU run has its peak RSS in summary.csv)")]
     seq_lens = sorted({r["seq_len"] for r in rows})
     attns = list(dict.fromkeys(setting(r) for r in rows))
     for ax, (key, label, yscale, empty_note) in zip(axes, panels):
@@ -283,21 +320,24 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def main() -> None:
     parser = ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("sweep_dir", type=Path, help="the multirun/<date>/<time> directory of `train.py -m`")
+    parser.add_argument("dirs", type=Path, nargs="+", metavar="DIR",
+                        help="the multirun/<date>/<time> directory of `train.py -m`, or run directories of train.py")
     parser.add_argument("--out", type=directory,
-                        help="where to write summary.csv/.md, sweep.png and losses.png (default: sweep_dir)")
+                        help="where to write summary.csv/.md, sweep.png and losses.png (default: the one DIR)")
     args = parser.parse_args()
+    if len(args.dirs) > 1 and args.out is None:
+        parser.error(f"{len(args.dirs)} directories and no --out: pass --out DIR to write their comparison into")
     try:
-        rows = read_sweep(args.sweep_dir)
+        rows = read_sweep(*args.dirs)
     except SweepError as e:
         fail(str(e))
-    out = args.out or args.sweep_dir
+    out = args.out or args.dirs[0]
     problem = unwritable(out)
     if problem:
         fail(f"{out}: {problem}: pass --out a directory to write the summary into")
     out.mkdir(parents=True, exist_ok=True)
     write_csv(out / "summary.csv", rows, COLUMNS)
-    table = markdown(rows, args.sweep_dir)
+    table = markdown(rows, ", ".join(map(str, args.dirs)))
     write_text(out / "summary.md", table)
     plot(rows, out / "sweep.png")
     plot_losses(rows, out / "losses.png")

@@ -6,8 +6,9 @@ argument or key and the value; the working directory still empty and the input f
 The rows cover argparse's own errors, each script's value checks, damaged input files, train.py
 overrides the benchmarks pass on, and the refusal without CUDA (those rows run only where there
 is none: elsewhere the command would start the benchmark). Then host_overhead.py --help, and
-sample.py with each attention and with the one the checkpoint trained with (attention=null), and
-with a prompt holding a comma, as typed.
+sample.py with each attention and with the one the checkpoint trained with (attention=null), with
+a prompt holding a comma, as typed, and refusing in one line an attention this machine cannot run
+(FlashAttention-4 on the CPU).
 Each process imports torch: five minutes or so on 2 cores, so marked slow:
 
     .venv/bin/python -m pytest tests/test_scripts.py -q
@@ -23,7 +24,9 @@ import pytest
 import torch
 
 import train as train_module
+from model.peers import fa4_unsupported
 from tests.helpers import REPO, TINY, compose
+from trainer.checkpoint import CHECKPOINT_NAME, KEYS, load_checkpoint, save_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -240,6 +243,27 @@ def test_sample_runs_with_each_attention_and_the_trained_one(attention, checkpoi
                              "device=cpu"], tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.startswith("ROMEO:") and len(done.stdout) > len("ROMEO:")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.fixture(scope="module")
+def fa4_checkpoint(checkpoint, tmp_path_factory) -> Path:
+    """The checkpoint as a run with attn=fa4 writes it: a machine without FlashAttention-4 cannot train one."""
+    state = load_checkpoint(checkpoint / CHECKPOINT_NAME)
+    state["config"]["attn"]["name"] = "fa4"
+    path = tmp_path_factory.mktemp("fa4") / CHECKPOINT_NAME
+    save_checkpoint(path, {key: state[key] for key in KEYS})
+    return path
+
+
+@pytest.mark.skipif(fa4_unsupported(16, torch.float32, torch.device("cpu")) is None, reason="FA4 runs here")
+@pytest.mark.parametrize("attention, said", [
+    ("null", "attention=null: the checkpoint trained with attn=fa4, which cannot run here: FlashAttention-4 needs"),
+    ("fa4", "attention=fa4: cannot run here: FlashAttention-4 needs")])
+def test_sample_refuses_an_attention_this_machine_cannot_run_in_one_line(attention, said, fa4_checkpoint, tmp_path):
+    done = run("sample.py", [f"ckpt={fa4_checkpoint}", f"attention={attention}", "device=cpu"], tmp_path)
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [done.stderr.strip()], done.stderr[-2000:]
+    assert done.stderr.startswith(f"error: {said}") and "attention=sdpa" in done.stderr
     assert list(tmp_path.iterdir()) == []
 
 

@@ -1,5 +1,7 @@
 """What a run reports, and where: tokens/s, MFU and peak memory per log interval (Meter), written to
-metrics.jsonl and the W&B run (RunLog) by rank 0.
+metrics.jsonl and the W&B run (RunLog) by rank 0. Peak memory on CUDA is the allocator's peak
+allocated and reserved GiB of the interval; on the CPU, which has no such counters, the process's
+peak resident set (peak_rss_gib) since it started, which only grows.
 
 W&B runs in the mode configs/runtime.py resolves (wandb.mode, else WANDB_MODE, else offline); an
 online run that has no API key or cannot reach W&B says why in one line and logs offline instead.
@@ -8,6 +10,7 @@ online run that has no API key or cannot reach W&B says why in one line and logs
 import contextlib
 import errno
 import math
+import resource
 import shlex
 import sys
 import time
@@ -47,6 +50,8 @@ class Meter:
         self.peak_flops = gpu_peak_flops(device)
         self.history: list[dict] = []
         self.peaks = {"peak_mem_alloc_gib": None, "peak_mem_reserved_gib": None}  # GPU only
+        if device.type != "cuda":
+            self.peaks["peak_rss_gib"] = None
         self.restart()
 
     def restart(self) -> None:
@@ -71,28 +76,59 @@ class Meter:
         rec = {**values, "tokens_per_s": tok_s, "tokens_per_s_per_gpu": tok_s / self.world,
                "mfu": self.flops_per_token * tok_s / (self.peak_flops * self.world) if self.peak_flops else None,
                **self._memory()}
-        for k in self.peaks:
-            if rec[k] is not None:
-                self.peaks[k] = max(self.peaks[k] or 0.0, rec[k])
-        self.history.append(rec)
+        self.restore([rec])
         self.restart()
         return rec
 
+    def restore(self, records: list[dict]) -> None:
+        """Adds logged training records to the history and the peaks (a run resumed at its end reads them back)."""
+        for rec in records:
+            for k in self.peaks:
+                if rec.get(k) is not None:
+                    self.peaks[k] = max(self.peaks[k] or 0.0, rec[k])
+            self.history.append(rec)
+
     def _memory(self) -> dict:
-        """Peak allocated/reserved GiB since the previous record (max over ranks); None on CPU."""
-        if self.device.type != "cuda":
-            return dict.fromkeys(self.peaks)
-        peaks = torch.tensor([torch.cuda.max_memory_allocated(self.device), torch.cuda.max_memory_reserved(self.device)],
-                             dtype=torch.float64, device=self.device) / 2**30
-        torch.cuda.reset_peak_memory_stats(self.device)
+        """Peak allocated/reserved GiB since the previous record, None on the CPU; there the peak
+        RSS of the process so far (max over ranks)."""
+        if self.device.type == "cuda":
+            peaks = torch.tensor([torch.cuda.max_memory_allocated(self.device),
+                                  torch.cuda.max_memory_reserved(self.device)], dtype=torch.float64, device=self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:  # ru_maxrss is in KiB on Linux
+            peaks = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024], dtype=torch.float64)
         if self.world > 1:
             dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
-        return {"peak_mem_alloc_gib": peaks[0].item(), "peak_mem_reserved_gib": peaks[1].item()}
+        gib = (peaks / 2**30).tolist()
+        if self.device.type == "cuda":
+            return {"peak_mem_alloc_gib": gib[0], "peak_mem_reserved_gib": gib[1]}
+        return {"peak_mem_alloc_gib": None, "peak_mem_reserved_gib": None, "peak_rss_gib": gib[0]}
 
     def summary(self) -> dict:
         records = steady(self.history)
+        mfus = [r["mfu"] for r in records if r["mfu"] is not None]
         return {"mean_tokens_per_s": sum(r["tokens_per_s"] for r in records) / len(records) if records else None,
-                **self.peaks}
+                "mean_mfu": sum(mfus) / len(mfus) if mfus else None, **self.peaks}
+
+
+def outcome_lines(summary: dict) -> list[str]:
+    """How a run went, in rounded numbers: its losses; its speed; its peak memory (the last two where logged)."""
+    said = [f"{summary['steps']} steps"]
+    if (val := summary["final_val_loss"]) is not None:
+        best = summary["best_val_loss"]
+        said.append(f"val loss {val:.3f}" + (f" (best {best:.3f})" if best is not None and best < val else ""))
+    if summary["final_loss"] is not None:
+        said.append(f"train loss {summary['final_loss']:.3f}")
+    lines = [f"{summary['status']}: {', '.join(said)}"]
+    if summary["mean_tokens_per_s"] is not None:
+        mfu = summary["mean_mfu"]
+        lines.append(f"speed: {summary['mean_tokens_per_s']:,.0f} tokens/s" + (f", MFU {mfu:.1%}" if mfu else ""))
+    if summary["peak_mem_alloc_gib"] is not None:
+        lines.append(f"memory: peak {summary['peak_mem_alloc_gib']:.2f} GiB allocated, "
+                     f"{summary['peak_mem_reserved_gib']:.2f} GiB reserved (GPU)")
+    elif summary.get("peak_rss_gib") is not None:
+        lines.append(f"memory: peak RSS {summary['peak_rss_gib']:.2f} GiB (CPU)")
+    return lines
 
 
 class RunLog:
@@ -122,6 +158,12 @@ class RunLog:
         numbers = {k: v for k, v in record.items() if isinstance(v, (int, float)) and math.isfinite(v)}
         self.run.log(numbers, step=record["step"])
 
+    def where(self) -> str | None:
+        """Where the W&B run went: its page, or the command that uploads it; None where W&B is disabled."""
+        if self.run.offline:
+            return f"offline; upload it with: wandb sync {shlex.quote(self.run.settings.sync_dir)}"
+        return self.run.url
+
     def finish(self, summary: dict) -> None:
         """Closes the W&B run. On a full disk W&B drops what does not fit without a word, but its own
         log file in the run dir fails to close: that is one line, and the run's end goes on."""
@@ -145,5 +187,6 @@ def open_wandb(cfg: DictConfig, run_dir: Path, **kwargs):
         print(f"wandb: {problem}; logging offline instead (upload it later: wandb sync "
               f"{shlex.quote(str(run_dir / 'wandb'))}/offline-run-*)", file=sys.stderr)
         mode = "offline"
+    # quiet: no end-of-run block of sparklines (train.py prints its own summary); the run's files are the same
     return wandb.init(project=cfg.wandb.project, entity=cfg.wandb.entity, tags=list(cfg.wandb.tags), mode=mode,
-                      dir=str(run_dir), **kwargs)
+                      dir=str(run_dir), settings=wandb.Settings(quiet=True), **kwargs)
