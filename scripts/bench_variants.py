@@ -1,0 +1,122 @@
+"""Benchmark the Hopper kernels' schedule variants against each other and the peers, in one process.
+
+Each variant is an environment variable kernels/hopper/config.py reads per call (FLASH_ATTENTION_
+FWD_ORDER, FLASH_ATTENTION_BWD_STEP); the baseline is the kernels before them ("before": the
+forward head by head, the backward waiting for each step's matmuls). Inputs as `bench_attention.py
+--layout btHd`: causal bf16, q, k, v views of one (B, T, 3, H, D) tensor as the model makes them,
+B·T = 16384, H·D = 1024. At D = 64 the backward runs in Triton unless FLASH_ATTENTION_BACKEND=gluon,
+so the Gluon backward's rows force it. Prints TFLOP/s forward and forward+backward (3.5× the
+forward's FLOPs), each row's ratio to the first row of its group, and the largest difference of
+o, dq, dk, dv to it (0 where a variant only reorders work); cuDNN and FlashAttention-4 (where
+installed) close each (D, T).
+
+    python scripts/bench_variants.py
+    python scripts/bench_variants.py --head-dims 64 --seq-lens 8192
+"""
+
+import contextlib
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/ sits beside the packages
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from triton.testing import do_bench
+
+from kernels import attention_flops, backends, flash_attention
+from kernels.hopper import config as hopper
+from model.peers import fa4_attention, fa4_unsupported
+from scripts.args import ArgumentParser, positive_ints, require_cuda
+from scripts.bench_attention import environment
+from scripts.stopping import stoppable
+
+FWD, BWD, BACKEND = hopper.FWD_ORDER_VARIABLE, hopper.BWD_STEP_VARIABLE, backends.BACKEND_VARIABLE
+BEFORE = {FWD: "heads", BWD: ""}
+# (group, label, environment); a group's first row is what its others are compared with
+VARIANTS = [("default", "before", {BACKEND: "", **BEFORE}),
+            ("default", "fwd_order=l2", {BACKEND: "", FWD: "l2"}),
+            ("gluon", "gluon before", {BACKEND: "gluon", **BEFORE}),
+            ("gluon", "gluon bwd_step=overlap", {BACKEND: "gluon", FWD: "heads", BWD: "overlap"}),
+            ("gluon", "gluon both", {BACKEND: "gluon", FWD: "l2", BWD: "overlap"})]
+GLUON_ONLY_AT = 64  # elsewhere the default runs the Gluon backward already: the gluon rows add nothing
+
+
+@contextlib.contextmanager
+def environ(values: dict):
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
+
+
+def cudnn(q, k, v):
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def peers(D: int) -> list:
+    """(group, label, environment, fn) of the peers: compared with the default's first row."""
+    rows = [("default", "cudnn", {}, cudnn)]
+    if (why := fa4_unsupported(D, torch.bfloat16, torch.device("cuda"))) is None:
+        rows += [("default", "fa4", {}, fa4_attention),
+                 ("default", "fa4 deterministic", {}, lambda q, k, v: fa4_attention(q, k, v, deterministic=True))]
+    else:
+        print(f"FlashAttention-4 skipped: {why}")
+    return rows
+
+
+def ours(q, k, v):
+    return flash_attention(q, k, v, causal=True)
+
+
+def measure(fn, qkv: torch.Tensor, dout: torch.Tensor):
+    """(fwd ms, fwd+bwd ms, (o, dq, dk, dv)) of fn on the (B, H, T, D) views of qkv (B, T, 3, H, D)."""
+    views = lambda: [x.transpose(1, 2) for x in qkv.unbind(2)]
+    q, k, v = views()
+    o = fn(q, k, v)
+    outputs = (o, *torch.autograd.grad(o, (q, k, v), dout))
+    fwd = do_bench(lambda: fn(*views()), warmup=5, rep=25, return_mode="median")
+    fwd_bwd = do_bench(lambda: fn(*views()).backward(dout), warmup=5, rep=25, grad_to_none=[qkv],
+                       return_mode="median")
+    return fwd, fwd_bwd, outputs
+
+
+def main(argv=None):
+    p = ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--head-dims", type=positive_ints, default=[64, 128], help="comma list of 64, 128")
+    p.add_argument("--seq-lens", type=positive_ints, default=[2048, 4096, 8192, 16384], help="comma list")
+    args = p.parse_args(argv)
+    if bad := [D for D in args.head_dims if D not in hopper.HEAD_DIMS]:
+        p.error(f"--head-dims {bad[0]}: the Hopper kernels take {', '.join(map(str, hopper.HEAD_DIMS))}")
+    require_cuda("bench_variants.py")
+    print(environment())
+    print(f"{'D':>4} {'T':>6} {'variant':<24} {'fwd TF/s':>9} {'x':>6} {'f+b TF/s':>9} {'x':>6}  max|diff| o dq dk dv")
+    for D in args.head_dims:
+        for T in args.seq_lens:
+            B, H = max(1, 16384 // T), 1024 // D
+            torch.manual_seed(0)
+            qkv = torch.randn(B, T, 3, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            dout = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+            flops = attention_flops(B, H, T, T, D, causal=True)
+            firsts = {}
+            rows = [(g, label, env, ours) for g, label, env in VARIANTS if g == "default" or D == GLUON_ONLY_AT]
+            for group, label, env, fn in rows + peers(D):
+                with environ(env):
+                    fwd, fwd_bwd, outputs = measure(fn, qkv, dout)
+                first = firsts.setdefault(group, (fwd, fwd_bwd, outputs))
+                diffs = " ".join(f"{(a.float() - b.float()).abs().max().item():.1e}" for a, b in zip(outputs, first[2]))
+                print(f"{D:>4} {T:>6} {label:<24} {flops / fwd * 1e-9:>9.1f} {first[0] / fwd:>6.3f} "
+                      f"{3.5 * flops / fwd_bwd * 1e-9:>9.1f} {first[1] / fwd_bwd:>6.3f}  {diffs}", flush=True)
+            del qkv, dout, firsts
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    with stoppable("bench_variants.py", lambda: "the rows above are what was measured"):
+        main()
