@@ -60,6 +60,17 @@ def test_compiles_for_sm90_without_a_gpu(variants, tmp_path):
     for line in lines:
         assert int(re.search(r"(\d+) HGMMA", line)[1]) > 0, line  # the matmuls run on Hopper's wgmma
         assert " 0 B stack" in line, line  # no register spills to local memory
+    if variants.get(hopper.FWD_OVERLAP_VARIABLE):
+        # each step's softmax (a thread's 64 exp2s of a 64 x 128 block) sits between the wait for
+        # its S, P V of the block before still in flight, and the wait for that P V: ptxas had
+        # hoisted the second wait above the exp2s, which runs the two in turn again
+        forwards = sorted(tmp_path.glob("fwd_*.sass"))
+        assert len(forwards) == 6, forwards
+        for sass in forwards:
+            steps = re.split(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1", sass.read_text())[1:]
+            assert steps, sass.name
+            for step in steps:
+                assert step.split("WARPGROUP.DEPBAR")[0].count("MUFU.EX2") >= 64, sass.name
 
 
 def test_backend_variable_is_checked(monkeypatch):
