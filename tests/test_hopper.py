@@ -351,11 +351,14 @@ def test_gluon_later_launches_use_the_new_tensors(documents, gluon):
 @pytest.mark.parametrize("variable", list(VARIANTS))
 @pytest.mark.parametrize("D", [64, 128])
 def test_gluon_schedule_variants_match_float64_reference(variable, D, gluon, monkeypatch):
-    # each variant reorders work or waits, never the arithmetic: odd T, GQA, documents and a
-    # window against float64, and a backward with the same bits every run
+    # each variant reorders work or waits, never the arithmetic: odd T, T < S and T > S (causal,
+    # bottom-right), GQA, documents and a window against float64, and a backward with the same
+    # bits every run
     monkeypatch.setenv(variable, VARIANTS[variable])
     dtype = BF16
     _check_against_float64(f"gluon-{variable}-odd-{D}", 2, 4, 2, 2049, 2049, D, True, dtype, "packed", "cuda")
+    for T, S in ((777, 1500), (1500, 777)):
+        _check_against_float64(f"gluon-{variable}-T{T}-S{S}-{D}", 1, 4, 2, T, S, D, True, dtype, "bthd", "cuda")
     _check_against_float64(f"gluon-{variable}-full-{D}", 1, 4, 1, 1000, 1000, D, False, dtype, "bthd", "cuda")
     lengths = [[1, 700, 1300, 64, 33, 1950], [4048]]
     _check_against_float64(f"gluon-{variable}-docs-{D}", 2, 4, 2, 4048, 4048, D, True, dtype, "packed", "cuda",
