@@ -39,7 +39,7 @@ def backend(request, monkeypatch):
 
 
 # the schedule variants (kernels/hopper/config.py), each the one its variable's default is not
-VARIANTS = {hopper.FWD_ORDER_VARIABLE: "heads", hopper.BWD_STEP_VARIABLE: "overlap"}
+VARIANTS = {hopper.FWD_ORDER_VARIABLE: "heads", hopper.BWD_STEP_VARIABLE: "overlap", hopper.FWD_OVERLAP_VARIABLE: "1"}
 
 
 @pytest.mark.skipif(not GLUON and not (GLUON_TRITON_DIR / "triton").is_dir(),
@@ -60,6 +60,17 @@ def test_compiles_for_sm90_without_a_gpu(variants, tmp_path):
     for line in lines:
         assert int(re.search(r"(\d+) HGMMA", line)[1]) > 0, line  # the matmuls run on Hopper's wgmma
         assert " 0 B stack" in line, line  # no register spills to local memory
+    if variants.get(hopper.FWD_OVERLAP_VARIABLE):
+        # each step's softmax (a thread's 64 exp2s of a 64 x 128 block) sits between the wait for
+        # its S, P V of the block before still in flight, and the wait for that P V: ptxas had
+        # hoisted the second wait above the exp2s, which runs the two in turn again
+        forwards = sorted(tmp_path.glob("fwd_*.sass"))
+        assert len(forwards) == 6, forwards
+        for sass in forwards:
+            steps = re.split(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1", sass.read_text())[1:]
+            assert steps, sass.name
+            for step in steps:
+                assert step.split("WARPGROUP.DEPBAR")[0].count("MUFU.EX2") >= 64, sass.name
 
 
 def test_backend_variable_is_checked(monkeypatch):
@@ -340,11 +351,14 @@ def test_gluon_later_launches_use_the_new_tensors(documents, gluon):
 @pytest.mark.parametrize("variable", list(VARIANTS))
 @pytest.mark.parametrize("D", [64, 128])
 def test_gluon_schedule_variants_match_float64_reference(variable, D, gluon, monkeypatch):
-    # each variant reorders work or waits, never the arithmetic: odd T, GQA, documents and a
-    # window against float64, and a backward with the same bits every run
+    # each variant reorders work or waits, never the arithmetic: odd T, T < S and T > S (causal,
+    # bottom-right), GQA, documents and a window against float64, and a backward with the same
+    # bits every run
     monkeypatch.setenv(variable, VARIANTS[variable])
     dtype = BF16
     _check_against_float64(f"gluon-{variable}-odd-{D}", 2, 4, 2, 2049, 2049, D, True, dtype, "packed", "cuda")
+    for T, S in ((777, 1500), (1500, 777)):
+        _check_against_float64(f"gluon-{variable}-T{T}-S{S}-{D}", 1, 4, 2, T, S, D, True, dtype, "bthd", "cuda")
     _check_against_float64(f"gluon-{variable}-full-{D}", 1, 4, 1, 1000, 1000, D, False, dtype, "bthd", "cuda")
     lengths = [[1, 700, 1300, 64, 33, 1950], [4048]]
     _check_against_float64(f"gluon-{variable}-docs-{D}", 2, 4, 2, 4048, 4048, D, True, dtype, "packed", "cuda",

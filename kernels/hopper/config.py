@@ -73,6 +73,7 @@ def bwd_maxnreg() -> int:
 
 FWD_ORDER_VARIABLE = "FLASH_ATTENTION_FWD_ORDER"  # heads: the forward's programs head by head (unset: l2)
 BWD_STEP_VARIABLE = "FLASH_ATTENTION_BWD_STEP"  # overlap: the next step's S^T, dP^T issued before this one's waits
+FWD_OVERLAP_VARIABLE = "FLASH_ATTENTION_FWD_OVERLAP"  # 1: block j-1's P V runs during block j's softmax
 L2_BYTES = 50 * 1024 * 1024  # the H100's L2: a section's K and V stay in it while its programs run
 
 
@@ -105,3 +106,10 @@ def bwd_overlap(head_dim: int) -> bool:
     step's S^T = K Q^T and dP^T = V dO^T are issued; overlap, they are issued before that wait
     (at BWD_OVERLAP_HEAD_DIMS)."""
     return _variant(BWD_STEP_VARIABLE, ("overlap",)) == "overlap" and head_dim in BWD_OVERLAP_HEAD_DIMS
+
+
+def fwd_overlap() -> bool:
+    """FLASH_ATTENTION_FWD_OVERLAP: unset, a consumer issues block j's P V after its softmax and
+    waits for it; 1, it issues block j's S then block j-1's P V, waits for S alone, and runs the
+    softmax while P V is on the tensor cores (a slot is freed one block later)."""
+    return _variant(FWD_OVERLAP_VARIABLE, ("1",)) == "1"

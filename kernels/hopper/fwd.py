@@ -6,7 +6,9 @@ K/V blocks by TMA into a STAGES-deep ring; each consumer warpgroup owns FWD_ROWS
 the online softmax over every block (S = Q K_j^T by wgmma, P straight from registers as the A
 operand of P V_j) and frees the slot when its matmuls are done. While one consumer waits on its
 matmuls the other's exp2s run: the overlap FlashAttention-3 gets from its second warpgroup,
-without a hand-written schedule. Q arrives by TMA once; O leaves by TMA through Q's buffer.
+without a hand-written schedule. FLASH_ATTENTION_FWD_OVERLAP=1 (config.fwd_overlap) adds the
+overlap it gets within a warpgroup: each block's P V is issued behind the next block's S and runs
+during that block's softmax. Q arrives by TMA once; O leaves by TMA through Q's buffer.
 Tiles, stages and registers: kernels/hopper/config.py. docs/flash-attention.md derives it.
 """
 
@@ -14,7 +16,8 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
 
 from kernels.hopper import config
 from kernels.hopper.blocks import descriptor, kv_blocks, kv_runs, visible
@@ -49,24 +52,27 @@ def _l2_order(SECTION: gl.constexpr, BLOCK_M: gl.constexpr):
 # the partitions
 
 @gluon.jit
-def _fwd_step(i, j, acc, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready, kv_empty, rows, cols, key_lo, T, S,
-              qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr):
-    """Key block j (ring slot i) of the online softmax; frees the slot when its matmuls are done."""
+def _scores(i, q_t, k_smem, k_ready, ASYNC: gl.constexpr):
+    """S = Q K^T (ROWS, BLOCK_N) of ring slot i once its K has landed: its result, or (ASYNC) in flight."""
     ROWS: gl.constexpr = q_t.type.shape[0]
     BLOCK_N: gl.constexpr = k_smem.type.shape[1]
     STAGES: gl.constexpr = k_smem.type.shape[0]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2)
     stage = i % STAGES
-    phase = (i // STAGES) & 1
-    # -- S = Q K^T --
-    mbarrier.wait(k_ready.index(stage), phase)
-    qk = warpgroup_mma(q_t, k_smem.index(stage).permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout),
-                       use_acc=False)
+    mbarrier.wait(k_ready.index(stage), (i // STAGES) & 1)
+    return warpgroup_mma(q_t, k_smem.index(stage).permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout),
+                         use_acc=False, is_async=ASYNC)
+
+
+@gluon.jit
+def _softmax(qk, j, m_i, l_i, rows, cols, key_lo, T, S, qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
+             BOUNDED: gl.constexpr):
+    """Key block j's scores qk (ROWS, BLOCK_N) through the online softmax: (P, alpha, l_i, m_new)."""
+    BLOCK_N: gl.constexpr = qk.type.shape[1]
     if MASKED:
         qk = gl.where(visible(rows, j * BLOCK_N + cols, T, S, key_lo, CAUSAL, BOUNDED), qk, float("-inf"))
-    # -- online softmax: new row max, rescale --
+    # -- new row max, rescale --
     m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
     m_sub = m_new
     if MASKED:  # a row that has seen no key yet keeps m = -inf: subtract 0 so exp2 gives 0, not NaN
@@ -74,16 +80,96 @@ def _fwd_step(i, j, acc, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready, kv_emp
     p = gl.exp2(qk * qk_scale - m_sub[:, None])
     alpha = gl.exp2(m_i - m_sub)
     l_i = l_i * alpha + gl.sum(p, 1)
-    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
+    return p, alpha, l_i, m_new
+
+
+@gluon.jit
+def _operand(p, acc, dtype: gl.constexpr):
+    """P (ROWS, BLOCK_N) fp32 as the register A operand of P V into acc."""
+    return gl.convert_layout(p.to(dtype), gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2))
+
+
+@gluon.jit
+def _rescale(acc, alpha):
+    return acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
+
+
+@gluon.jit
+def _fwd_step(i, j, acc, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready, kv_empty, rows, cols, key_lo, T, S,
+              qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr):
+    """Key block j (ring slot i) of the online softmax; frees the slot when its matmuls are done."""
+    STAGES: gl.constexpr = k_smem.type.shape[0]
+    stage = i % STAGES
+    phase = (i // STAGES) & 1
+    qk = _scores(i, q_t, k_smem, k_ready, False)
+    p, alpha, l_i, m_new = _softmax(qk, j, m_i, l_i, rows, cols, key_lo, T, S, qk_scale, MASKED, CAUSAL, BOUNDED)
+    acc = _rescale(acc, alpha)
     # -- O += P V, then the slot is free --
     mbarrier.wait(v_ready.index(stage), phase)
-    acc = warpgroup_mma(gl.convert_layout(p.to(q_t.dtype), p_layout), v_smem.index(stage), acc)
+    acc = warpgroup_mma(_operand(p, acc, q_t.dtype), v_smem.index(stage), acc)
     mbarrier.arrive(kv_empty.index(stage), count=1)
     return acc, l_i, m_new
 
 
 @gluon.jit
-def _fwd_consume(io, buffers, program, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr, C: gl.constexpr):
+def _fwd_step_overlap(i, j, acc, p_prev, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready, kv_empty, rows, cols,
+                      key_lo, T, S, qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr):
+    """Key block j (ring slot i) while block j - 1's P V (p_prev, slot i - 1, its V landed) runs
+    on the tensor cores: S of block j and that P V are issued in turn, the softmax waits for S
+    alone, and slot i - 1 is freed once its P V is done. Returns block j's P for the next step."""
+    STAGES: gl.constexpr = k_smem.type.shape[0]
+    prev = (i - 1) % STAGES
+    qk = _scores(i, q_t, k_smem, k_ready, True)
+    acc = warpgroup_mma(p_prev, v_smem.index(prev), acc, is_async=True)
+    qk = warpgroup_mma_wait(1, deps=[qk])  # wgmma groups complete in order: S, then P V
+    p, alpha, l_i, m_new = _softmax(qk, j, m_i, l_i, rows, cols, key_lo, T, S, qk_scale, MASKED, CAUSAL, BOUNDED)
+    # block j's V, for the next step's P V; its wait loop also ends ptxas's scheduling region
+    # here, which would otherwise hoist the wait below above the softmax and run both in turn
+    mbarrier.wait(v_ready.index(i % STAGES), (i // STAGES) & 1)
+    acc, _ = warpgroup_mma_wait(0, deps=[acc, p_prev])  # p_prev: read by that P V until here
+    mbarrier.arrive(kv_empty.index(prev), count=1)
+    return _rescale(acc, alpha), _operand(p, acc, q_t.dtype), l_i, m_new
+
+
+@gluon.jit
+def _fwd_blocks_overlap(acc, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready, kv_empty, rows, cols, key_lo, lo,
+                        own_lo, full_lo, n_full, n_blocks, T, S, qk_scale, CAUSAL: gl.constexpr,
+                        BOUNDED: gl.constexpr):
+    """The consumer's key blocks own_lo .. n_blocks - 1 with each P V one block late
+    (FLASH_ATTENTION_FWD_OVERLAP): the first block's S and softmax alone, then the steps, then the
+    last block's P V. Every wait drains the wgmma queue before a loop's back edge."""
+    STAGES: gl.constexpr = k_smem.type.shape[0]
+    BLOCK_N: gl.constexpr = k_smem.type.shape[1]
+    ROWS: gl.constexpr = q_t.type.shape[0]
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2)
+    p = gl.zeros([ROWS, BLOCK_N], q_t.dtype, p_layout)
+    if own_lo < n_blocks:  # masked: the first block may need it (visible is exact on a mask-free one)
+        i = own_lo - lo
+        qk = _scores(i, q_t, k_smem, k_ready, False)
+        p_first, _, l_i, m_i = _softmax(qk, own_lo, m_i, l_i, rows, cols, key_lo, T, S, qk_scale, True, CAUSAL,
+                                        BOUNDED)
+        p = _operand(p_first, acc, q_t.dtype)
+        mbarrier.wait(v_ready.index(i % STAGES), (i // STAGES) & 1)
+    start = own_lo + 1
+    for j in range(start, gl.minimum(full_lo, n_full)):
+        acc, p, l_i, m_i = _fwd_step_overlap(j - lo, j, acc, p, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready,
+                                             kv_empty, rows, cols, key_lo, T, S, qk_scale, True, CAUSAL, BOUNDED)
+    for j in range(gl.maximum(full_lo, start), n_full):
+        acc, p, l_i, m_i = _fwd_step_overlap(j - lo, j, acc, p, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready,
+                                             kv_empty, rows, cols, key_lo, T, S, qk_scale, False, CAUSAL, BOUNDED)
+    for j in range(gl.maximum(start, n_full), n_blocks):
+        acc, p, l_i, m_i = _fwd_step_overlap(j - lo, j, acc, p, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready,
+                                             kv_empty, rows, cols, key_lo, T, S, qk_scale, True, CAUSAL, BOUNDED)
+    if own_lo < n_blocks:  # the last block's P V (its V landed), and its slot
+        stage = (n_blocks - 1 - lo) % STAGES
+        acc = warpgroup_mma(p, v_smem.index(stage), acc)
+        mbarrier.arrive(kv_empty.index(stage), count=1)
+    return acc, l_i, m_i
+
+
+@gluon.jit
+def _fwd_consume(io, buffers, program, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr, OVERLAP: gl.constexpr,
+                 C: gl.constexpr):
     """Consumer warpgroup C: query rows start_m + 64 C .. + 63 against the program's key blocks."""
     q_smem, k_smem, v_smem = buffers.q_smem, buffers.k_smem, buffers.v_smem
     k_ready, v_ready, kv_empty = buffers.k_ready, buffers.v_ready, buffers.kv_empty
@@ -111,15 +197,20 @@ def _fwd_consume(io, buffers, program, CAUSAL: gl.constexpr, BOUNDED: gl.constex
     # -- the key blocks: other consumers' (passed unread), masked, mask-free, masked --
     for j in range(lo, own_lo):
         skip_slot(j - lo, k_ready, v_ready, kv_empty, STAGES)
-    for j in range(own_lo, gl.minimum(full_lo, n_full)):
-        acc, l_i, m_i = _fwd_step(j - lo, j, acc, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready, kv_empty, rows,
-                                  cols, key_lo, T, S, qk_scale, True, CAUSAL, BOUNDED)
-    for j in range(full_lo, n_full):
-        acc, l_i, m_i = _fwd_step(j - lo, j, acc, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready, kv_empty, rows,
-                                  cols, key_lo, T, S, qk_scale, False, CAUSAL, BOUNDED)
-    for j in range(gl.maximum(own_lo, n_full), n_blocks):
-        acc, l_i, m_i = _fwd_step(j - lo, j, acc, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready, kv_empty, rows,
-                                  cols, key_lo, T, S, qk_scale, True, CAUSAL, BOUNDED)
+    if OVERLAP:
+        acc, l_i, m_i = _fwd_blocks_overlap(acc, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready, kv_empty, rows, cols,
+                                            key_lo, lo, own_lo, full_lo, n_full, n_blocks, T, S, qk_scale, CAUSAL,
+                                            BOUNDED)
+    else:
+        for j in range(own_lo, gl.minimum(full_lo, n_full)):
+            acc, l_i, m_i = _fwd_step(j - lo, j, acc, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready, kv_empty, rows,
+                                      cols, key_lo, T, S, qk_scale, True, CAUSAL, BOUNDED)
+        for j in range(full_lo, n_full):
+            acc, l_i, m_i = _fwd_step(j - lo, j, acc, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready, kv_empty, rows,
+                                      cols, key_lo, T, S, qk_scale, False, CAUSAL, BOUNDED)
+        for j in range(gl.maximum(own_lo, n_full), n_blocks):
+            acc, l_i, m_i = _fwd_step(j - lo, j, acc, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready, kv_empty, rows,
+                                      cols, key_lo, T, S, qk_scale, True, CAUSAL, BOUNDED)
 
     # -- epilogue: LSE, and O through Q's buffer --
     l_safe = gl.where(l_i == 0.0, 1.0, l_i)  # rows that attend no key: O = 0, LSE = -inf
@@ -135,13 +226,13 @@ def _fwd_consume(io, buffers, program, CAUSAL: gl.constexpr, BOUNDED: gl.constex
 
 
 @gluon.jit
-def _fwd_consume_1(io, buffers, program, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr):
-    _fwd_consume(io, buffers, program, CAUSAL, BOUNDED, 1)
+def _fwd_consume_1(io, buffers, program, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr, OVERLAP: gl.constexpr):
+    _fwd_consume(io, buffers, program, CAUSAL, BOUNDED, OVERLAP, 1)
 
 
 @gluon.jit
-def _fwd_consume_2(io, buffers, program, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr):
-    _fwd_consume(io, buffers, program, CAUSAL, BOUNDED, 2)
+def _fwd_consume_2(io, buffers, program, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr, OVERLAP: gl.constexpr):
+    _fwd_consume(io, buffers, program, CAUSAL, BOUNDED, OVERLAP, 2)
 
 
 @gluon.jit
@@ -182,6 +273,7 @@ def _fwd_kernel(
     CAUSAL: gl.constexpr, BOUNDED: gl.constexpr, CONSUMERS: gl.constexpr, STAGES: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
     SECTION: gl.constexpr,  # 0, or the (batch, head) pairs per L2 section (config.fwd_section)
+    OVERLAP: gl.constexpr,  # config.fwd_overlap
 ):
     dtype: gl.constexpr = q_desc.dtype
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
@@ -217,14 +309,14 @@ def _fwd_kernel(
     program = FwdProgram(off_b, off_h, off_h // GROUP, start_m, lo, n_blocks, key_lo, H, T, S, qk_scale)
     # -- the partitions: consumer 0 in the kernel's own warps, the others and the producer beside it --
     if CONSUMERS == 2:
-        gl.warp_specialize([(_fwd_consume, (io, buffers, program, CAUSAL, BOUNDED, 0)),
-                            (_fwd_consume_1, (io, buffers, program, CAUSAL, BOUNDED)),
+        gl.warp_specialize([(_fwd_consume, (io, buffers, program, CAUSAL, BOUNDED, OVERLAP, 0)),
+                            (_fwd_consume_1, (io, buffers, program, CAUSAL, BOUNDED, OVERLAP)),
                             (_fwd_produce, (io, buffers, program))],
                            [4, 1], [CONSUMER_REGS, WORKER_REGS])
     else:
-        gl.warp_specialize([(_fwd_consume, (io, buffers, program, CAUSAL, BOUNDED, 0)),
-                            (_fwd_consume_1, (io, buffers, program, CAUSAL, BOUNDED)),
-                            (_fwd_consume_2, (io, buffers, program, CAUSAL, BOUNDED)),
+        gl.warp_specialize([(_fwd_consume, (io, buffers, program, CAUSAL, BOUNDED, OVERLAP, 0)),
+                            (_fwd_consume_1, (io, buffers, program, CAUSAL, BOUNDED, OVERLAP)),
+                            (_fwd_consume_2, (io, buffers, program, CAUSAL, BOUNDED, OVERLAP)),
                             (_fwd_produce, (io, buffers, program))],
                            [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, WORKER_REGS])
 
@@ -233,11 +325,12 @@ def _fwd_kernel(
 # launching
 
 
-def _options(causal: bool, bounded: bool, tiles: config.FwdTiles, section: int) -> dict:
-    """The kernel's constexprs and compile options for these tiles and order (config.fwd_section)."""
+def _options(causal: bool, bounded: bool, tiles: config.FwdTiles, section: int, overlap: bool) -> dict:
+    """The kernel's constexprs and compile options for these tiles, order (config.fwd_section) and
+    schedule (config.fwd_overlap)."""
     maxnreg, consumer_regs = config.fwd_registers(tiles.consumers)
     return dict(CAUSAL=causal, BOUNDED=bounded, CONSUMERS=tiles.consumers, STAGES=tiles.stages,
-                CONSUMER_REGS=consumer_regs, SECTION=section, num_warps=4, maxnreg=maxnreg)
+                CONSUMER_REGS=consumer_regs, SECTION=section, OVERLAP=overlap, num_warps=4, maxnreg=maxnreg)
 
 
 def _section(q, k) -> int:
@@ -271,15 +364,17 @@ def forward(q, k, v, o, lse, causal: bool, scale: float, key_lo: torch.Tensor | 
     bounded = key_lo is not None
     key_lo = lse if key_lo is None else key_lo  # lse stands in for absent bounds: unread
     section = _section(q, k)
+    overlap = config.fwd_overlap()
     layout = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), o.stride(), q.dtype, q.device.index, causal,
-              bounded, scale, lse.data_ptr() % 16 == 0, key_lo.data_ptr() % 16 == 0, section)
+              bounded, scale, lse.data_ptr() % 16 == 0, key_lo.data_ptr() % 16 == 0, section,
+              overlap)
     if bound := _BOUND.get(layout):
         bound(q, k, v, o, lse, key_lo)
         return
     tiles = config.fwd_tiles(q.shape[3], q.shape[2])
     args = _args(q, k, v, o, lse, key_lo, scale, tiles.block_n)
     grid = _grid(q, tiles)
-    options = _options(causal, bounded, tiles, section)
+    options = _options(causal, bounded, tiles, section, overlap)
     _BOUND[layout] = bind(_fwd_kernel, _fwd_kernel[grid](*args, **options), grid, args, options)
 
 
@@ -289,4 +384,5 @@ def compile_only(q, k, v, causal: bool, bounded: bool = False):
     tiles = config.fwd_tiles(D, T)
     args = _args(q, k, v, torch.empty_like(q), torch.empty((B, H, T), dtype=torch.float32),
                  torch.empty((B, T), dtype=torch.int32), D ** -0.5, tiles.block_n)
-    return _fwd_kernel.warmup(*args, grid=_grid(q, tiles), **_options(causal, bounded, tiles, _section(q, k)))
+    return _fwd_kernel.warmup(*args, grid=_grid(q, tiles), **_options(causal, bounded, tiles, _section(q, k),
+                                                                     config.fwd_overlap()))
