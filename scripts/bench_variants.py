@@ -1,8 +1,9 @@
 """Benchmark the Hopper kernels' schedule variants against each other and the peers, in one process.
 
 Each variant is an environment variable kernels/hopper/config.py reads per call (FLASH_ATTENTION_
-FWD_ORDER, FLASH_ATTENTION_BWD_STEP); the baseline is the kernels before them ("before": the
-forward head by head, the backward waiting for each step's matmuls). Inputs as `bench_attention.py
+FWD_ORDER, FLASH_ATTENTION_FWD_OVERLAP, FLASH_ATTENTION_BWD_STEP); the baseline is the kernels
+before them ("before": the forward head by head with each block's P V after its softmax, the
+backward waiting for each step's matmuls). Inputs as `bench_attention.py
 --layout btHd`: causal bf16, q, k, v views of one (B, T, 3, H, D) tensor as the model makes them,
 B·T = 16384, H·D = 1024. At D = 64 the backward runs in Triton unless FLASH_ATTENTION_BACKEND=gluon,
 so the Gluon backward's rows force it. Prints TFLOP/s forward and forward+backward (3.5× the
@@ -34,13 +35,15 @@ from scripts.bench_attention import environment
 from scripts.stopping import stoppable
 
 FWD, BWD, BACKEND = hopper.FWD_ORDER_VARIABLE, hopper.BWD_STEP_VARIABLE, backends.BACKEND_VARIABLE
-BEFORE = {FWD: "heads", BWD: ""}
+OVERLAP = hopper.FWD_OVERLAP_VARIABLE
+BEFORE = {FWD: "heads", BWD: "", OVERLAP: ""}
 # (group, label, environment); a group's first row is what its others are compared with
 VARIANTS = [("default", "before", {BACKEND: "", **BEFORE}),
-            ("default", "fwd_order=l2", {BACKEND: "", FWD: "l2"}),
+            ("default", "fwd_order=l2", {BACKEND: "", FWD: "l2", OVERLAP: ""}),
+            ("default", "l2 + fwd_overlap=1", {BACKEND: "", FWD: "l2", OVERLAP: "1"}),
             ("gluon", "gluon before", {BACKEND: "gluon", **BEFORE}),
-            ("gluon", "gluon bwd_step=overlap", {BACKEND: "gluon", FWD: "heads", BWD: "overlap"}),
-            ("gluon", "gluon both", {BACKEND: "gluon", FWD: "l2", BWD: "overlap"})]
+            ("gluon", "gluon bwd_step=overlap", {BACKEND: "gluon", FWD: "heads", BWD: "overlap", OVERLAP: ""}),
+            ("gluon", "gluon l2 + bwd_step=overlap", {BACKEND: "gluon", FWD: "l2", BWD: "overlap", OVERLAP: ""})]
 GLUON_ONLY_AT = 64  # elsewhere the default runs the Gluon backward already: the gluon rows add nothing
 
 
