@@ -15,8 +15,6 @@ installed) close each (D, T).
     python scripts/bench_variants.py --head-dims 64 --seq-lens 8192
 """
 
-import contextlib
-import os
 import sys
 from pathlib import Path
 
@@ -31,7 +29,7 @@ from kernels import attention_flops, backends, flash_attention
 from kernels.hopper import config as hopper
 from model.peers import fa4_attention, fa4_unsupported
 from scripts.args import ArgumentParser, positive_ints, require_cuda
-from scripts.bench_attention import environment
+from scripts.bench_attention import environ, environment
 from scripts.stopping import stoppable
 
 FWD, BWD, BACKEND = hopper.FWD_ORDER_VARIABLE, hopper.BWD_STEP_VARIABLE, backends.BACKEND_VARIABLE
@@ -45,17 +43,6 @@ VARIANTS = [("default", "before", {BACKEND: "", **BEFORE}),
             ("gluon", "gluon bwd_step=overlap", {BACKEND: "gluon", FWD: "heads", BWD: "overlap", OVERLAP: ""}),
             ("gluon", "gluon l2 + bwd_step=overlap", {BACKEND: "gluon", FWD: "l2", BWD: "overlap", OVERLAP: ""})]
 GLUON_ONLY_AT = 64  # elsewhere the default runs the Gluon backward already: the gluon rows add nothing
-
-
-@contextlib.contextmanager
-def environ(values: dict):
-    saved = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
 
 
 def cudnn(q, k, v):
