@@ -560,7 +560,8 @@ def closing_lines(run: Run, summary: dict, curves: Path | None) -> list[str]:
             if summary["status"] != "ok":
                 lines.append(f"resume: {resume_hint(run)}")
         elif summary["status"] == "ok":
-            lines.append(f"train further: {continue_command(run, 2 * run.cfg.max_steps)}")
+            if Path(sys.argv[0]).resolve() == Path(__file__).resolve():  # a script's runs are its own business
+                lines.append(f"train further: {continue_command(run, 2 * run.cfg.max_steps)}")
         else:
             lines.append(f"resume: {continue_command(run)}")
     if where := run.log.where():

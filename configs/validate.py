@@ -158,6 +158,9 @@ def _parallel(cfg: DictConfig, world: int) -> None:
     if cfg.parallel.cp_rotate is not None and method != "torch":
         _fail("parallel.cp_rotate", cfg.parallel.cp_rotate, f"is how torch's context parallelism ({torch_cp}) passes "
                                                             f"K/V; attn={cfg.attn.name} does not use it: drop it")
+    if cfg.parallel.cp_rotate is not None and cp == 1:
+        _fail("parallel.cp_rotate", cfg.parallel.cp_rotate, "is how the ranks of a split sequence pass K/V: add "
+                                                            "parallel.cp=N (N > 1), or drop it")
     if cp == 1:
         return
     if not method:

@@ -312,7 +312,7 @@ def parse_args(argv=None):
     p.add_argument("--rep", type=positive_int, default=100, help="do_bench timed repetitions, ms")
     p.add_argument("--out", type=directory, default=str(Path("bench") / f"{datetime.now():%Y-%m-%d_%H-%M-%S}"),
                    help="where CSV, PNG and Markdown go (default: a new folder under bench/; "
-                        "docs/bench holds the README's tables)")
+                        "docs/bench holds the tables of docs/results.md)")
     args = p.parse_args(argv)
     if args.quick:
         args.seq_lens = QUICK_SEQ_LENS

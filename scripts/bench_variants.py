@@ -37,8 +37,8 @@ OVERLAP = hopper.FWD_OVERLAP_VARIABLE
 BEFORE = {FWD: "heads", BWD: "", OVERLAP: ""}
 # (group, label, environment); a group's first row is what its others are compared with
 VARIANTS = [("default", "before", {BACKEND: "", **BEFORE}),
-            ("default", "fwd_order=l2", {BACKEND: "", FWD: "l2", OVERLAP: ""}),
-            ("default", "l2 + fwd_overlap=1", {BACKEND: "", FWD: "l2", OVERLAP: "1"}),
+            ("default", "fwd_order=l2", {BACKEND: "", FWD: "l2", BWD: "", OVERLAP: ""}),
+            ("default", "l2 + fwd_overlap=1", {BACKEND: "", FWD: "l2", BWD: "", OVERLAP: "1"}),
             ("gluon", "gluon before", {BACKEND: "gluon", **BEFORE}),
             ("gluon", "gluon bwd_step=overlap", {BACKEND: "gluon", FWD: "heads", BWD: "overlap", OVERLAP: ""}),
             ("gluon", "gluon l2 + bwd_step=overlap", {BACKEND: "gluon", FWD: "l2", BWD: "overlap", OVERLAP: ""})]

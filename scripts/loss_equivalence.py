@@ -1,7 +1,7 @@
 """Loss-curve equivalence: trains one model per attention from the same seed on the same batches, compares the curves.
 
     python scripts/loss_equivalence.py experiment=equivalence_cpu     # CPU, fp32, triton through the interpreter
-    python scripts/loss_equivalence.py experiment=equivalence_gpu     # GPU, bf16: the README's check
+    python scripts/loss_equivalence.py experiment=equivalence_gpu     # GPU, bf16: the check docs/results.md reports
     python scripts/loss_equivalence.py attns=[sdpa,triton] max_steps=100 seq_len=512   # any train.py override but resume
 
 Each attention in `attns` (by default sdpa, then every other attention that can train this config
@@ -12,7 +12,7 @@ first attention is the reference. The tolerance follows from the arithmetic, so 
 
 - strict (fp32 on the CPU): the attentions sum the same terms in different orders, so the curves
   differ by rounding alone, carried through the steps. Bound: |Δloss| <= 1e-4 at every step and
-  for the final val loss (measured differences: README). The bound assumes stable training: at a
+  for the final val loss (measured differences: docs/results.md). The bound assumes stable training: at a
   gradient-norm spike the same small weight differences move the loss a lot, so the check prints
   the reference's grad norm at the first step over the bound.
 - spread (bf16 or fp16 autocast, or any CUDA run, where train.py enables TF32): rounding is ~1e-3

@@ -124,6 +124,9 @@ def test_context_parallel_training_on_two_gpus_matches_one(data_root, tmp_path, 
     (["parallel.cp=2", "attn=triton", "parallel.cp_rotate=alltoall"], 2,
      r"parallel.cp_rotate=alltoall: is how torch's context parallelism \(attn=sdpa\) passes K/V; attn=triton does not "
      r"use it: drop it"),
+    (["attn=sdpa", "parallel.cp_rotate=alltoall"], 1,
+     r"parallel.cp_rotate=alltoall: is how the ranks of a split sequence pass K/V: add parallel.cp=N \(N > 1\), or "
+     r"drop it"),
     (["parallel.cp=2", "attn=triton", "seq_len=30"], 2, r"seq_len=30: must be a multiple of 2 x parallel.cp = 4"),
     (["parallel.cp=2", "attn=triton", "data.doc_mask=true"], 2, r"data.doc_mask=True: is not supported with "
                                                                 r"parallel.cp > 1"),

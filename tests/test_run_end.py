@@ -98,7 +98,8 @@ def test_a_finished_run_ends_with_curves_and_eight_short_lines(outputs):
 @pytest.mark.slow
 def test_a_stopped_run_ends_with_curves_and_its_resume_command_finishes_it(data_root, tmp_path):
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, str(REPO / "train.py"), *BASE, f"data.root={data_root}", "max_steps=12",
+    # far more steps than the stop needs: a poller held up on a busy machine still stops the run mid-way
+    cmd = [sys.executable, str(REPO / "train.py"), *BASE, f"data.root={data_root}", "max_steps=60",
            f"hydra.run.dir={run_dir}"]
     with open(tmp_path / "out", "w") as out:
         proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=out, stderr=subprocess.PIPE, text=True)
@@ -117,9 +118,9 @@ def test_a_stopped_run_ends_with_curves_and_its_resume_command_finishes_it(data_
     assert_png(run_dir / "curves.png")
     done = subprocess.run(as_run(said(block, "resume")), cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert summary_block(done.stdout)[0].startswith("ok: 12 steps")
-    assert [r["step"] for r in metrics(run_dir) if "loss" in r] == list(range(1, 13))
-    assert (run_dir / "curves.png").read_bytes() != stopped_curves  # drawn again, over all 12 steps
+    assert summary_block(done.stdout)[0].startswith("ok: 60 steps")
+    assert [r["step"] for r in metrics(run_dir) if "loss" in r] == list(range(1, 61))
+    assert (run_dir / "curves.png").read_bytes() != stopped_curves  # drawn again, over all 60 steps
     assert_png(run_dir / "curves.png")
 
 
@@ -143,8 +144,8 @@ def test_curves_that_cannot_be_written_lose_neither_summary_nor_checkpoint(data_
     assert line.startswith(f"error: {tmp_path / 'curves.png'} was not drawn (IsADirectoryError: ")
     block = summary_block(out)
     assert said(block, "run dir") == f"{tmp_path} (metrics.jsonl, summary.json)"
-    # outside train.py's own command line the resume command is what to add to it
-    assert said(block, "train further") == f"add max_steps=4 resume={tmp_path} to the same command"
+    # outside train.py's own command line (a script's runs, in its process) no command continues the run
+    assert not [line for line in block if line.startswith("train further")], block
 
 
 @pytest.mark.slow

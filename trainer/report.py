@@ -160,6 +160,8 @@ class RunLog:
 
     def where(self) -> str | None:
         """Where the W&B run went: its page, or the command that uploads it; None where W&B is disabled."""
+        if self.run.disabled:
+            return None
         if self.run.offline:
             return f"offline; upload it with: wandb sync {shlex.quote(self.run.settings.sync_dir)}"
         return self.run.url

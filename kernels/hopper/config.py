@@ -112,4 +112,4 @@ def fwd_overlap() -> bool:
     """FLASH_ATTENTION_FWD_OVERLAP: unset, a consumer issues block j's P V after its softmax and
     waits for it; 1, it issues block j's S then block j-1's P V, waits for S alone, and runs the
     softmax while P V is on the tensor cores (a slot is freed one block later)."""
-    return _variant(FWD_OVERLAP_VARIABLE, ("1",)) == "1"
+    return _variant(FWD_OVERLAP_VARIABLE, ("0", "1")) == "1"
