@@ -408,11 +408,16 @@ def sweep_command() -> str:
     return same_command(r"hydra\.(sweep\.dir|output_subdir)", override("hydra.sweep.dir", HydraConfig.get().sweep.dir))
 
 
+def started_here() -> bool:
+    """Whether this process is train.py's own command (not a script that runs train() in it)."""
+    return Path(sys.argv[0]).resolve() == Path(__file__).resolve()
+
+
 def continue_command(run: Run, max_steps: int | None = None) -> str:
     """What continues this run from its checkpoint (to max_steps, where given): train.py's own
     command with resume= where that command started this process alone, else what to add to it."""
     added = ([f"max_steps={max_steps}"] if max_steps else []) + [override("resume", shown(run.run_dir))]
-    if run.par.world == 1 and Path(sys.argv[0]).resolve() == Path(__file__).resolve():
+    if run.par.world == 1 and started_here():
         return same_command(r"hydra\.(run\.dir|output_subdir)|resume" + ("|max_steps" if max_steps else ""), *added)
     return f"add {shlex.join(added)} to the same command"
 
@@ -560,7 +565,7 @@ def closing_lines(run: Run, summary: dict, curves: Path | None) -> list[str]:
             if summary["status"] != "ok":
                 lines.append(f"resume: {resume_hint(run)}")
         elif summary["status"] == "ok":
-            if Path(sys.argv[0]).resolve() == Path(__file__).resolve():  # a script's runs are its own business
+            if started_here():  # a script's runs are its own business
                 lines.append(f"train further: {continue_command(run, 2 * run.cfg.max_steps)}")
         else:
             lines.append(f"resume: {continue_command(run)}")

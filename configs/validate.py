@@ -145,8 +145,8 @@ def _parallel(cfg: DictConfig, world: int) -> None:
         _fail("parallel.dp", "fsdp", "shards the model over torchrun's processes: launch with torchrun "
                                      "(--nproc_per_node=1 on one GPU)")
     if cfg.parallel.dp != "fsdp":  # DDP keeps fp32 weights whole; autocast casts them per use
-        for key, default in (("param_dtype", "float32"), ("reshard_after_forward", True)):
-            if cfg.parallel[key] != default:
+        for key in ("param_dtype", "reshard_after_forward"):
+            if cfg.parallel[key] != getattr(ParallelConfig(), key):
                 _fail(f"parallel.{key}", cfg.parallel[key], "sets how FSDP gathers weights: add parallel.dp=fsdp, "
                                                             "or drop it")
     cp = cfg.parallel.cp
