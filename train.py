@@ -46,7 +46,7 @@ from model import GPT, get_attention
 from model.attention import sdpa_masked
 from trainer.checkpoint import CHECKPOINT_NAME, CheckpointError, load_checkpoint, load_weights, save_checkpoint
 from trainer.metrics import json_line, read_metrics
-from trainer.parallel import Parallel
+from trainer.parallel import Parallel, ShardedAdamW
 from trainer.preflight import preflight
 from trainer.profiling import Profiler
 from trainer.curves import CURVES_NAME, write_curves
@@ -81,14 +81,15 @@ def lr_at(step: int, cfg: DictConfig) -> float:
     return o.lr * (o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def make_optimizer(model: torch.nn.Module, cfg: DictConfig) -> torch.optim.AdamW:
+def make_optimizer(model: torch.nn.Module, cfg: DictConfig, sharded: bool = False) -> torch.optim.AdamW:
     # decay matmul weights and embeddings (>= 2-D); never biases or LayerNorm gains. Fused (CPU and
-    # CUDA): one kernel, and it honours found_inf, which train_step uses to skip a non-finite update
+    # CUDA): one kernel, and it honours found_inf, which train_step uses to skip a non-finite update.
+    # sharded (FSDP): the same AdamW stepping each process's shards (trainer/parallel.py)
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.optim.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
-                             eps=cfg.optim.eps, fused=True)
+    adamw = ShardedAdamW if sharded else torch.optim.AdamW
+    return adamw(groups, lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps, fused=True)
 
 
 # -----------------------------------------------------------------------------
@@ -184,9 +185,9 @@ def setup(cfg: DictConfig, run_dir: Path, check: Callable[[], None] = lambda: No
     info = run_info(cfg, par, raw_model)
     # before the optimizer: it holds the shards
     par.shard(raw_model, fsdp_param_dtype(cfg.parallel.param_dtype, cfg.dtype, par.device),
-              cfg.parallel.reshard_after_forward)
+              cfg.parallel.reshard_after_forward, cfg.parallel.unit_params)
     run = Run(cfg=cfg, run_dir=run_dir, par=par, model=raw_model, raw_model=raw_model,
-              optimizer=make_optimizer(raw_model, cfg), scaler=grad_scaler(cfg.dtype, par.device),
+              optimizer=make_optimizer(raw_model, cfg, par.sharded), scaler=grad_scaler(cfg.dtype, par.device),
               train_loader=train_loader, val_loader=val_loader,
               val_start=val_loader.state_dict() if val_loader else {}, info=info,
               meter=Meter(info["tokens_per_step"], raw_model.flops_per_token(cfg.seq_len), par.device, par.world),

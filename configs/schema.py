@@ -112,6 +112,10 @@ class ParallelConfig:  # under torchrun: processes = data-parallel ranks x cp
     # dp=fsdp: free each block's gathered weights after its forward and gather them again for its
     # backward; false keeps them (one all-gather per step, the memory of the whole gathered model)
     reshard_after_forward: bool = True
+    # dp=fsdp: consecutive blocks are gathered, resharded and reduced together in units of at least
+    # this many parameters (1: a unit per block): each unit costs the host time of its hooks every
+    # step, which a small model's blocks do not cover (docs/several-gpus.md)
+    unit_params: int = 100_000_000
     cp_rotate: Optional[CpRotate] = None  # attn=sdpa with cp > 1; null: torch's default, allgather
 
 

@@ -145,10 +145,12 @@ def _parallel(cfg: DictConfig, world: int) -> None:
         _fail("parallel.dp", "fsdp", "shards the model over torchrun's processes: launch with torchrun "
                                      "(--nproc_per_node=1 on one GPU)")
     if cfg.parallel.dp != "fsdp":  # DDP keeps fp32 weights whole; autocast casts them per use
-        for key in ("param_dtype", "reshard_after_forward"):
+        for key in ("param_dtype", "reshard_after_forward", "unit_params"):
             if cfg.parallel[key] != getattr(ParallelConfig(), key):
                 _fail(f"parallel.{key}", cfg.parallel[key], "sets how FSDP gathers weights: add parallel.dp=fsdp, "
                                                             "or drop it")
+    if cfg.parallel.unit_params < 1:
+        _fail("parallel.unit_params", cfg.parallel.unit_params, "must be at least 1 (1: each block its own FSDP unit)")
     cp = cfg.parallel.cp
     if world % cp:
         _fail("parallel.cp", cp, f"must divide the number of processes, {world}: run under torchrun "
@@ -208,8 +210,8 @@ RESUMABLE = frozenset({
     # the same function on the same batches, computed elsewhere or otherwise: other kernels, other rounding
     # (data.cycle changes only windows longer than their split, which fail without it)
     "device", "compile", "compile_mode", "ac", "attn.name", "attn.sdpa_backend", "model.loss", "model.loss_chunk",
-    "model.mlp_chunk", "parallel.cp", "parallel.param_dtype", "parallel.reshard_after_forward", "parallel.cp_rotate",
-    "data.root", "data.cycle",
+    "model.mlp_chunk", "parallel.cp", "parallel.param_dtype", "parallel.reshard_after_forward", "parallel.unit_params",
+    "parallel.cp_rotate", "data.root", "data.cycle",
     # the lr schedule, which depends on max_steps anyway
     "optim.lr", "optim.min_lr_ratio", "optim.warmup_steps", "optim.grad_clip"})
 

@@ -7,6 +7,7 @@ of a single process that trains on the same global batch.
 """
 
 import json
+import math
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ import torch
 import train as train_module
 from configs.validate import ConfigError, batch_size_per_process, validate
 from trainer.checkpoint import CHECKPOINT_NAME, load_checkpoint
+from trainer.parallel import fsdp_units
 from tests.helpers import REPO, TINY, compose, metrics, torchrun
 
 
@@ -63,9 +65,10 @@ FSDP_RUN = TINY + ["attn=triton", "model.n_layer=2", "batch_tokens=128", "log_in
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("extra", [[], ["parallel.cp=2"], ["ac=offload", "model.mlp_chunk=5"],
-                                   ["parallel.reshard_after_forward=false", "grad_accum=2"]],
-                         ids=["fsdp", "fsdp-cp2", "fsdp-offload-tiled-mlp", "fsdp-kept-weights-accumulated"])
+@pytest.mark.parametrize("extra", [[], ["parallel.cp=2", "parallel.unit_params=1"], ["ac=offload", "model.mlp_chunk=5"],
+                                   ["parallel.reshard_after_forward=false", "grad_accum=2", "parallel.unit_params=1"]],
+                         ids=["fsdp", "fsdp-cp2-unit-per-block", "fsdp-offload-tiled-mlp",
+                              "fsdp-kept-weights-accumulated-unit-per-block"])
 def test_sharded_runs_match_one_process_and_resume_exactly(data_root, tmp_path, extra):
     common = FSDP_RUN + [f"data.root={data_root}"] + extra
     torchrun(2, [str(REPO / "train.py"), *common, "max_steps=5", f"hydra.run.dir={tmp_path / 'whole'}"], tmp_path, timeout=600)
@@ -85,6 +88,33 @@ def test_sharded_runs_match_one_process_and_resume_exactly(data_root, tmp_path, 
         for key, rel in (("loss", 1e-5), ("val_loss", 1e-5), ("grad_norm", 1e-3)):
             if key in a:
                 assert b[key] == pytest.approx(a[key], rel=rel, abs=0), (a["step"], key)
+
+
+def test_fsdp_units_are_consecutive_blocks_of_at_least_the_asked_parameters():
+    blocks = [torch.nn.Linear(10, 10) for _ in range(5)]  # 110 parameters each
+    ids = lambda units: [[blocks.index(b) for b in unit] for unit in units]
+    assert ids(fsdp_units(blocks, 1)) == [[0], [1], [2], [3], [4]]
+    assert ids(fsdp_units(blocks, 200)) == [[0, 1], [2, 3], [4]]
+    assert ids(fsdp_units(blocks, 220)) == [[0, 1], [2, 3], [4]]
+    assert ids(fsdp_units(blocks, 221)) == [[0, 1, 2], [3, 4]]
+    assert ids(fsdp_units(blocks, 10**8)) == [[0, 1, 2, 3, 4]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("max_norm", "unit_params"), [(math.inf, 1), (0.05, 10**8)], ids=["unclipped", "clipped"])
+def test_sharded_adamw_and_clipping_on_local_shards_equal_torchs_over_dtensors(tmp_path, max_norm, unit_params):
+    # 3 processes: no tensor of the model splits evenly
+    torchrun(3, [str(REPO / "tests" / "shard_worker.py"), str(tmp_path), str(max_norm), str(unit_params)], tmp_path)
+    got = torch.load(tmp_path / "rank0.pt")
+    (torch_norms, our_norms), (torch_weights, our_weights) = got["norms"], got["weights"]
+    for a, b in zip(torch_norms, our_norms, strict=True):  # one fp32 sum in another order
+        assert b.item() == pytest.approx(a.item(), rel=1e-6)
+    assert max_norm == math.inf or all(n.item() > max_norm for n in torch_norms)  # clipping happened
+    for name, a in torch_weights.items():
+        if max_norm == math.inf:  # the same fused kernel on the same elements
+            assert torch.equal(our_weights[name], a), name
+        else:  # gradients scaled by coefficients a rounding apart
+            torch.testing.assert_close(our_weights[name], a, rtol=1e-5, atol=1e-7, msg=name)
 
 
 @pytest.mark.gpu

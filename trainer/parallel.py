@@ -4,7 +4,7 @@ Under torchrun every process drives one GPU (or the CPU, through gloo). The proc
 (world / cp) x cp grid: the cp ranks of a row split each of its sequences (context parallelism,
 ring attention), the rows are data-parallel, each drawing its own slice of the global batch.
 Gradients are averaged over all processes: by DDP, which keeps the whole model and AdamW state on
-every process, or by FSDP2 (fully_shard per block and on the rest), which shards weights, gradients
+every process, or by FSDP2 (fully_shard on units of blocks and on the rest), which shards weights, gradients
 and optimizer state. Checkpoints hold whole tensors either way (state_dict / load_state_dict).
 
 Context parallelism, zigzag: the T tokens of a window are cut into 2N chunks and rank r of the N
@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import context_parallel
 from torch.distributed.tensor.experimental._attention import set_rotate_method  # torch documents it here
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.optim.adamw import adamw
 
 from kernels.ring_attention import ring_attention
 from model.attention import Attention
@@ -65,6 +66,51 @@ class ContextParallel:
     def positions(self, seq_len: int, device: torch.device) -> torch.Tensor:
         """(seq_len / N,) int64: the global positions of this rank's tokens."""
         return self.shard(torch.arange(seq_len, device=device), dim=0)
+
+
+def fsdp_units(blocks: list[nn.Module], min_params: int) -> list[list[nn.Module]]:
+    """The blocks in runs of consecutive blocks of at least min_params parameters each; the last run
+    takes what is left (and may hold fewer)."""
+    units: list[list[nn.Module]] = [[]]
+    size = 0
+    for block in blocks:
+        if size >= min_params:
+            units.append([])
+            size = 0
+        units[-1].append(block)
+        size += sum(p.numel() for p in block.parameters())
+    return units
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This process's shard of a DTensor (FSDP's parameters, gradients and AdamW state); t itself otherwise."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+class ShardedAdamW(torch.optim.AdamW):
+    """AdamW over FSDP's parameters that steps their local shards.
+
+    Each element's update reads that element alone, so stepping every shard is stepping the whole
+    tensor, as AdamW over the DTensors does; what that costs is DTensor's dispatch of the fused step
+    over every parameter, gradient and moment (host time a small model's step does not cover). The
+    first step, which makes the state, is AdamW's own: the state (and the checkpoints) are AdamW's."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("ShardedAdamW.step takes no closure")
+        stepped = [[p for p in group["params"] if p.grad is not None] for group in self.param_groups]
+        if not all(self.state[p] for params in stepped for p in params):
+            return super().step()
+        for group, params in zip(self.param_groups, stepped):
+            state = [self.state[p] for p in params]
+            beta1, beta2 = group["betas"]
+            adamw([local(p) for p in params], [local(p.grad) for p in params], [local(s["exp_avg"]) for s in state],
+                  [local(s["exp_avg_sq"]) for s in state], [], [local(s["step"]) for s in state], fused=True,
+                  grad_scale=getattr(self, "grad_scale", None), found_inf=getattr(self, "found_inf", None),
+                  amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
+                  eps=group["eps"], maximize=group["maximize"])
+        return None
 
 
 def unshard(shards: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
@@ -123,10 +169,11 @@ class Parallel:
                                    saved_ops=())
 
     def shard(self, model: nn.Module, param_dtype: torch.dtype | None = None,
-              reshard_after_forward: bool = True) -> None:
-        """FSDP2 in place (before the optimizer is made: it holds the shards): each block, then the
-        rest (embedding, tied head, final norm); a block's weights are gathered for its forward and
-        backward, its gradients reduce-scattered (averaged over all processes, as DDP does).
+              reshard_after_forward: bool = True, unit_params: int = 1) -> None:
+        """FSDP2 in place (before the optimizer is made: it holds the shards): the blocks in units of
+        consecutive blocks, then the rest (embedding, tied head, final norm); a unit's weights are
+        gathered for its forward and backward, its gradients reduce-scattered (averaged over all
+        processes, as DDP does).
 
         param_dtype: what the blocks' weights are gathered in (None: fp32, as stored). Under
         autocast each matmul casts its weights to that dtype anyway: a block computes what it does
@@ -134,24 +181,29 @@ class Parallel:
         Shards, optimizer state and checkpoints stay fp32; gradients are reduced, and accumulated,
         in fp32. Inputs are not cast, so the residual stream stays fp32 as under autocast; the rest
         (embedding, tied head, final norm) stays fp32: the embedding starts that stream.
-        reshard_after_forward: False keeps every block's gathered weights to its backward (one
-        all-gather per step, not two, for the memory of the gathered model); the last block keeps
-        them either way: its backward comes at once."""
+        reshard_after_forward: False keeps every unit's gathered weights to its backward (one
+        all-gather per step, not two, for the memory of the gathered model); the last unit keeps
+        them either way: its backward comes at once.
+        unit_params: each unit holds consecutive blocks of at least this many parameters (the last
+        what is left; 1: a block per unit). A unit's hooks cost host time every step whatever its
+        size: fewer, larger units for a model whose blocks are small against that."""
         if not self.sharded:
             return
         mesh = init_device_mesh(self.device.type, (self.world,))
         policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
-        blocks = list(model.blocks)
-        for i, block in enumerate(blocks):
-            fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward
-                        and i < len(blocks) - 1)
+        units = fsdp_units(list(model.blocks), unit_params)
+        for i, unit in enumerate(units):
+            fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh, mp_policy=policy,
+                        reshard_after_forward=reshard_after_forward and i < len(units) - 1)
         fully_shard(model, mesh=mesh)
-        # all-gathers one block ahead, issued before the current block's compute (not when the
-        # host reaches the next block, which a host slower than the GPU reaches late)
-        for i, block in enumerate(blocks):
-            block.set_modules_to_forward_prefetch(blocks[i + 1:i + 2])
-            block.set_modules_to_backward_prefetch(blocks[i - 1:i] if i else [])
-        model.set_modules_to_forward_prefetch(blocks[:1])
+        # all-gathers one unit ahead, issued before the current unit's compute (not when the host
+        # reaches the next unit, which a host slower than the GPU reaches late); a unit's first
+        # block stands for it
+        firsts = [unit[0] for unit in units]
+        for i, first in enumerate(firsts):
+            first.set_modules_to_forward_prefetch(firsts[i + 1:i + 2])
+            first.set_modules_to_backward_prefetch(firsts[i - 1:i] if i else [])
+        model.set_modules_to_forward_prefetch(firsts[:1])
 
     def wrap(self, model: nn.Module, compile: bool, mode: str = "default") -> nn.Module:
         """What the loop calls: compiled (in torch.compile's `mode`) and/or in DDP. The ring
@@ -198,8 +250,19 @@ class Parallel:
             model.require_backward_grad_sync = now
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-        return norm.full_tensor() if isinstance(norm, DTensor) else norm  # sharded: the norm over all shards
+        """The gradients' norm over the whole model, and the gradients scaled to at most max_norm."""
+        if not self.sharded:
+            return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        # sharded: each process's shards, their squares summed over the processes. On the local
+        # tensors: DTensor's dispatch of each op over every gradient costs more host time than the
+        # kernels do on a small model
+        grads = [local(p.grad) for p in model.parameters() if p.grad is not None]
+        squares = torch.nn.utils.get_total_norm(grads, foreach=True).square()
+        if self.world > 1:
+            dist.all_reduce(squares)
+        norm = squares.sqrt()
+        torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0))  # as clip_grad_norm_ scales
+        return norm
 
     def mean(self, t: torch.Tensor) -> torch.Tensor:
         """t averaged over the processes, in place (each computed it on its own slice)."""
