@@ -1,7 +1,7 @@
 """Benchmark the Hopper kernels' schedule variants against each other and the peers, in one process.
 
 Each variant is an environment variable kernels/hopper/config.py reads per call (FLASH_ATTENTION_
-FWD_ORDER, FLASH_ATTENTION_FWD_OVERLAP, FLASH_ATTENTION_BWD_STEP); the baseline is the kernels
+FWD_ORDER, FLASH_ATTENTION_FWD_OVERLAP, FLASH_ATTENTION_FWD_STAGES, FLASH_ATTENTION_BWD_STEP); the baseline is the kernels
 before them ("before": the forward head by head with each block's P V after its softmax, the
 backward waiting for each step's matmuls). Inputs as `bench_attention.py
 --layout btHd`: causal bf16, q, k, v views of one (B, T, 3, H, D) tensor as the model makes them,
@@ -33,15 +33,20 @@ from scripts.bench_attention import environ, environment
 from scripts.stopping import stoppable
 
 FWD, BWD, BACKEND = hopper.FWD_ORDER_VARIABLE, hopper.BWD_STEP_VARIABLE, backends.BACKEND_VARIABLE
-OVERLAP = hopper.FWD_OVERLAP_VARIABLE
-BEFORE = {FWD: "heads", BWD: "", OVERLAP: ""}
+OVERLAP, STAGES = hopper.FWD_OVERLAP_VARIABLE, hopper.FWD_STAGES_VARIABLE
+BEFORE = {FWD: "heads", BWD: "", OVERLAP: "", STAGES: ""}
 # (group, label, environment); a group's first row is what its others are compared with
 VARIANTS = [("default", "before", {BACKEND: "", **BEFORE}),
-            ("default", "fwd_order=l2", {BACKEND: "", FWD: "l2", BWD: "", OVERLAP: ""}),
-            ("default", "l2 + fwd_overlap=1", {BACKEND: "", FWD: "l2", BWD: "", OVERLAP: "1"}),
+            ("default", "fwd_order=l2", {BACKEND: "", FWD: "l2", BWD: "", OVERLAP: "", STAGES: ""}),
+            ("default", "l2 + fwd_overlap=1", {BACKEND: "", FWD: "l2", BWD: "", OVERLAP: "1", STAGES: ""}),
+            ("default", "l2 + fwd_stages=3", {BACKEND: "", FWD: "l2", BWD: "", OVERLAP: "", STAGES: "3"}),
+            ("default", "l2 + fwd_overlap=1 + fwd_stages=3", {BACKEND: "", FWD: "l2", BWD: "", OVERLAP: "1",
+                                                             STAGES: "3"}),
             ("gluon", "gluon before", {BACKEND: "gluon", **BEFORE}),
-            ("gluon", "gluon bwd_step=overlap", {BACKEND: "gluon", FWD: "heads", BWD: "overlap", OVERLAP: ""}),
-            ("gluon", "gluon l2 + bwd_step=overlap", {BACKEND: "gluon", FWD: "l2", BWD: "overlap", OVERLAP: ""})]
+            ("gluon", "gluon bwd_step=overlap", {BACKEND: "gluon", FWD: "heads", BWD: "overlap", OVERLAP: "",
+                                                 STAGES: ""}),
+            ("gluon", "gluon l2 + bwd_step=overlap", {BACKEND: "gluon", FWD: "l2", BWD: "overlap", OVERLAP: "",
+                                                      STAGES: ""})]
 GLUON_ONLY_AT = 64  # elsewhere the default runs the Gluon backward already: the gluon rows add nothing
 
 

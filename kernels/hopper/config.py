@@ -52,7 +52,11 @@ WORKER_REGS = 24
 
 
 def fwd_tiles(head_dim: int, seq_len: int) -> FwdTiles:
-    return FWD_TILES[head_dim][seq_len >= FWD_LONG]
+    """The forward's tiles; FLASH_ATTENTION_FWD_STAGES (2-4) sets the K/V ring's depth instead of
+    the table's (4 does not fit shared memory at D = 128)."""
+    tiles = FWD_TILES[head_dim][seq_len >= FWD_LONG]
+    stages = _variant(FWD_STAGES_VARIABLE, ("2", "3", "4"))
+    return tiles._replace(stages=int(stages)) if stages else tiles
 
 
 def fwd_registers(consumers: int) -> tuple[int, int]:
@@ -74,6 +78,7 @@ def bwd_maxnreg() -> int:
 FWD_ORDER_VARIABLE = "FLASH_ATTENTION_FWD_ORDER"  # heads: the forward's programs head by head (unset: l2)
 BWD_STEP_VARIABLE = "FLASH_ATTENTION_BWD_STEP"  # overlap: the next step's S^T, dP^T issued before this one's waits
 FWD_OVERLAP_VARIABLE = "FLASH_ATTENTION_FWD_OVERLAP"  # 1: block j-1's P V runs during block j's softmax
+FWD_STAGES_VARIABLE = "FLASH_ATTENTION_FWD_STAGES"  # the forward's K/V ring depth (unset: FWD_TILES')
 L2_BYTES = 50 * 1024 * 1024  # the H100's L2: a section's K and V stay in it while its programs run
 
 

@@ -365,13 +365,13 @@ def forward(q, k, v, o, lse, causal: bool, scale: float, key_lo: torch.Tensor | 
     key_lo = lse if key_lo is None else key_lo  # lse stands in for absent bounds: unread
     section = _section(q, k)
     overlap = config.fwd_overlap()
+    tiles = config.fwd_tiles(q.shape[3], q.shape[2])
     layout = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), o.stride(), q.dtype, q.device.index, causal,
               bounded, scale, lse.data_ptr() % 16 == 0, key_lo.data_ptr() % 16 == 0, section,
-              overlap)
+              overlap, tiles)
     if bound := _BOUND.get(layout):
         bound(q, k, v, o, lse, key_lo)
         return
-    tiles = config.fwd_tiles(q.shape[3], q.shape[2])
     args = _args(q, k, v, o, lse, key_lo, scale, tiles.block_n)
     grid = _grid(q, tiles)
     options = _options(causal, bounded, tiles, section, overlap)
