@@ -105,11 +105,11 @@ class ParallelConfig:  # under torchrun: processes = data-parallel ranks x cp
     # ours, attn=sdpa torch's)
     cp: int = 1
     dp: DataParallel = DataParallel.ddp  # how every process keeps the weights (with cp > 1 too)
-    # dp=fsdp: the dtype each block's weights are gathered in (shards and checkpoints stay fp32);
-    # fp32 by default: bf16 gathers half the bytes, yet trained gpt2_small 11% slower on 2 GPUs
-    # (485,765 against 547,667 tokens/s, docs/several-gpus.md)
-    param_dtype: ParamDtype = ParamDtype.float32
-    # dp=fsdp: free each block's gathered weights after its forward and gather them again for its
+    # dp=fsdp: the dtype each unit's weights are gathered in (shards and checkpoints stay fp32);
+    # auto, the autocast dtype: half the bytes, and faster and smaller than float32 on 2 GPUs
+    # (docs/several-gpus.md); only the LayerNorm gains differ from DDP's, used rounded
+    param_dtype: ParamDtype = ParamDtype.auto
+    # dp=fsdp: free each unit's gathered weights after its forward and gather them again for its
     # backward; false keeps them (one all-gather per step, the memory of the whole gathered model)
     reshard_after_forward: bool = True
     # dp=fsdp: consecutive blocks are gathered, resharded and reduced together in units of at least

@@ -40,7 +40,7 @@ VARIANTS = [("default", "before", {BACKEND: "", **BEFORE}),
             ("default", "fwd_order=l2", {BACKEND: "", FWD: "l2", BWD: "", OVERLAP: "", STAGES: ""}),
             ("default", "l2 + fwd_overlap=1", {BACKEND: "", FWD: "l2", BWD: "", OVERLAP: "1", STAGES: ""}),
             ("default", "l2 + fwd_stages=3", {BACKEND: "", FWD: "l2", BWD: "", OVERLAP: "", STAGES: "3"}),
-            ("default", "l2 + fwd_overlap=1 + fwd_stages=3", {BACKEND: "", FWD: "l2", BWD: "", OVERLAP: "1",
+            ("default", "l2 + overlap=1 + stages=3", {BACKEND: "", FWD: "l2", BWD: "", OVERLAP: "1",
                                                              STAGES: "3"}),
             ("gluon", "gluon before", {BACKEND: "gluon", **BEFORE}),
             ("gluon", "gluon bwd_step=overlap", {BACKEND: "gluon", FWD: "heads", BWD: "overlap", OVERLAP: "",
@@ -91,7 +91,7 @@ def main(argv=None):
         p.error(f"--head-dims {bad[0]}: the Hopper kernels take {', '.join(map(str, hopper.HEAD_DIMS))}")
     require_cuda("bench_variants.py")
     print(environment())
-    print(f"{'D':>4} {'T':>6} {'variant':<24} {'fwd TF/s':>9} {'x':>6} {'f+b TF/s':>9} {'x':>6}  max|diff| o dq dk dv")
+    print(f"{'D':>4} {'T':>6} {'variant':<28} {'fwd TF/s':>9} {'x':>6} {'f+b TF/s':>9} {'x':>6}  max|diff| o dq dk dv")
     for D in args.head_dims:
         for T in args.seq_lens:
             B, H = max(1, 16384 // T), 1024 // D
@@ -106,7 +106,7 @@ def main(argv=None):
                     fwd, fwd_bwd, outputs = measure(fn, qkv, dout)
                 first = firsts.setdefault(group, (fwd, fwd_bwd, outputs))
                 diffs = " ".join(f"{(a.float() - b.float()).abs().max().item():.1e}" for a, b in zip(outputs, first[2]))
-                print(f"{D:>4} {T:>6} {label:<24} {flops / fwd * 1e-9:>9.1f} {first[0] / fwd:>6.3f} "
+                print(f"{D:>4} {T:>6} {label:<28} {flops / fwd * 1e-9:>9.1f} {first[0] / fwd:>6.3f} "
                       f"{3.5 * flops / fwd_bwd * 1e-9:>9.1f} {first[1] / fwd_bwd:>6.3f}  {diffs}", flush=True)
             del qkv, dout, firsts
             torch.cuda.empty_cache()

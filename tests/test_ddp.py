@@ -134,7 +134,7 @@ def test_sharded_run_on_one_gpu_trains(data_root, tmp_path):
 def test_sharded_run_on_two_gpus_gathers_bf16_tracks_ddp_and_resumes_exactly(data_root, tmp_path):
     common = TINY[:-1] + ["attn=triton", "model.n_layer=2", "batch_tokens=128", "log_interval=1", "eval_interval=2",
                           "wandb.mode=disabled", "ckpt_interval=3", "sample_tokens=0", f"data.root={data_root}"]
-    sharded = common + ["parallel.dp=fsdp", "parallel.param_dtype=auto"]
+    sharded = common + ["parallel.dp=fsdp"]  # param_dtype=auto: bf16 gathers
     run = lambda args, steps, name: torchrun(2, [str(REPO / "train.py"), *args, f"max_steps={steps}",
                                                  f"hydra.run.dir={tmp_path / name}"], tmp_path, timeout=600)
     run(sharded, 5, "whole")
@@ -155,12 +155,19 @@ def test_sharded_run_on_two_gpus_gathers_bf16_tracks_ddp_and_resumes_exactly(dat
                 assert b[key] == pytest.approx(a[key], rel=2e-2), (a["step"], key)
 
 
-@pytest.mark.parametrize(("override", "said"), [("parallel.param_dtype=auto", "parallel.param_dtype=auto"),
+@pytest.mark.parametrize(("override", "said"), [("parallel.param_dtype=float32", "parallel.param_dtype=float32"),
                                                ("parallel.reshard_after_forward=false",
-                                                "parallel.reshard_after_forward=False")])
+                                                "parallel.reshard_after_forward=False"),
+                                               ("parallel.unit_params=1", "parallel.unit_params=1")])
 def test_fsdp_settings_need_fsdp(override, said):
     with pytest.raises(ConfigError, match=f"{said}: sets how FSDP gathers weights: add parallel.dp=fsdp, or drop it"):
         validate(compose(TINY + [override]))
+
+
+def test_fsdp_units_hold_at_least_one_parameter(monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ConfigError, match=r"parallel.unit_params=0: must be at least 1 \(1: each block its own FSDP unit\)"):
+        validate(compose(TINY + ["parallel.dp=fsdp", "parallel.unit_params=0"]))
 
 
 def test_sharding_needs_torchrun(monkeypatch):
