@@ -1,9 +1,9 @@
 """Benchmark the Hopper kernels' schedule variants against each other and the peers, in one process.
 
 Each variant is an environment variable kernels/hopper/config.py reads per call (FLASH_ATTENTION_
-FWD_ORDER, FLASH_ATTENTION_FWD_OVERLAP, FLASH_ATTENTION_FWD_STAGES, FLASH_ATTENTION_BWD_STEP); the baseline is the kernels
-before them ("before": the forward head by head with each block's P V after its softmax, the
-backward waiting for each step's matmuls). Inputs as `bench_attention.py
+FWD_ORDER, _FWD_OVERLAP, _FWD_STAGES, _BWD_STEP); the baseline is the kernels before them
+("before": the forward head by head with each block's P V after its softmax and a 2-deep K/V ring
+at D = 128, the backward waiting for each step's matmuls). Inputs as `bench_attention.py
 --layout btHd`: causal bf16, q, k, v views of one (B, T, 3, H, D) tensor as the model makes them,
 B·T = 16384, H·D = 1024. At D = 64 the backward runs in Triton unless FLASH_ATTENTION_BACKEND=gluon,
 so the Gluon backward's rows force it. Prints TFLOP/s forward and forward+backward (3.5× the
@@ -34,19 +34,18 @@ from scripts.stopping import stoppable
 
 FWD, BWD, BACKEND = hopper.FWD_ORDER_VARIABLE, hopper.BWD_STEP_VARIABLE, backends.BACKEND_VARIABLE
 OVERLAP, STAGES = hopper.FWD_OVERLAP_VARIABLE, hopper.FWD_STAGES_VARIABLE
-BEFORE = {FWD: "heads", BWD: "", OVERLAP: "", STAGES: ""}
+# the ring's depth before v17 (3 at D 64, 2 at D 128), and a row's value per head dim where it differs
+RING = {64: "3", 128: "2"}
+BEFORE = {FWD: "heads", BWD: "", OVERLAP: "0", STAGES: RING}
 # (group, label, environment); a group's first row is what its others are compared with
 VARIANTS = [("default", "before", {BACKEND: "", **BEFORE}),
-            ("default", "fwd_order=l2", {BACKEND: "", FWD: "l2", BWD: "", OVERLAP: "", STAGES: ""}),
-            ("default", "l2 + fwd_overlap=1", {BACKEND: "", FWD: "l2", BWD: "", OVERLAP: "1", STAGES: ""}),
-            ("default", "l2 + fwd_stages=3", {BACKEND: "", FWD: "l2", BWD: "", OVERLAP: "", STAGES: "3"}),
-            ("default", "l2 + overlap=1 + stages=3", {BACKEND: "", FWD: "l2", BWD: "", OVERLAP: "1",
-                                                             STAGES: "3"}),
+            ("default", "fwd_order=l2", {BACKEND: "", **BEFORE, FWD: "l2"}),
+            ("default", "l2 + fwd_overlap=1", {BACKEND: "", **BEFORE, FWD: "l2", OVERLAP: "1"}),
+            ("default", "l2 + fwd_stages=3", {BACKEND: "", **BEFORE, FWD: "l2", STAGES: "3"}),
+            ("default", "l2 + overlap=1 + stages=3", {BACKEND: "", **BEFORE, FWD: "l2", OVERLAP: "1", STAGES: "3"}),
             ("gluon", "gluon before", {BACKEND: "gluon", **BEFORE}),
-            ("gluon", "gluon bwd_step=overlap", {BACKEND: "gluon", FWD: "heads", BWD: "overlap", OVERLAP: "",
-                                                 STAGES: ""}),
-            ("gluon", "gluon l2 + bwd_step=overlap", {BACKEND: "gluon", FWD: "l2", BWD: "overlap", OVERLAP: "",
-                                                      STAGES: ""})]
+            ("gluon", "gluon bwd_step=overlap", {BACKEND: "gluon", **BEFORE, BWD: "overlap"}),
+            ("gluon", "gluon l2 + bwd_step=overlap", {BACKEND: "gluon", **BEFORE, FWD: "l2", BWD: "overlap"})]
 GLUON_ONLY_AT = 64  # elsewhere the default runs the Gluon backward already: the gluon rows add nothing
 
 
@@ -102,7 +101,7 @@ def main(argv=None):
             firsts = {}
             rows = [(g, label, env, ours) for g, label, env in VARIANTS if g == "default" or D == GLUON_ONLY_AT]
             for group, label, env, fn in rows + peers(D):
-                with environ(env):
+                with environ({key: v[D] if isinstance(v, dict) else v for key, v in env.items()}):
                     fwd, fwd_bwd, outputs = measure(fn, qkv, dout)
                 first = firsts.setdefault(group, (fwd, fwd_bwd, outputs))
                 diffs = " ".join(f"{(a.float() - b.float()).abs().max().item():.1e}" for a, b in zip(outputs, first[2]))

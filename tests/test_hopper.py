@@ -38,10 +38,17 @@ def backend(request, monkeypatch):
     return request.param
 
 
-# the schedule variants (kernels/hopper/config.py), each the one its variable's default is not
-# (the forward's ring one slot deeper: at D = 128, 3 slots of K and V fill shared memory)
+# the schedule variants (kernels/hopper/config.py), each the value its variable's default is not
+# (the forward's ring one slot shallower; its overlap is the default at FWD_OVERLAP_HEAD_DIMS, so
+# there its variant is 0: `variant`)
 VARIANTS = {hopper.FWD_ORDER_VARIABLE: "heads", hopper.BWD_STEP_VARIABLE: "overlap", hopper.FWD_OVERLAP_VARIABLE: "1",
-            hopper.FWD_STAGES_VARIABLE: "3"}
+            hopper.FWD_STAGES_VARIABLE: "2"}
+
+
+def variant(variable: str, head_dim: int) -> str:
+    if variable == hopper.FWD_OVERLAP_VARIABLE and head_dim in hopper.FWD_OVERLAP_HEAD_DIMS:
+        return "0"
+    return VARIANTS[variable]
 
 
 @pytest.mark.skipif(not GLUON and not (GLUON_TRITON_DIR / "triton").is_dir(),
@@ -62,17 +69,18 @@ def test_compiles_for_sm90_without_a_gpu(variants, tmp_path):
     for line in lines:
         assert int(re.search(r"(\d+) HGMMA", line)[1]) > 0, line  # the matmuls run on Hopper's wgmma
         assert " 0 B stack" in line, line  # no register spills to local memory
-    if variants.get(hopper.FWD_OVERLAP_VARIABLE):
-        # each step's softmax (a thread's 64 exp2s of a 64 x 128 block) sits between the wait for
-        # its S, P V of the block before still in flight, and the wait for that P V: ptxas had
-        # hoisted the second wait above the exp2s, which runs the two in turn again
-        forwards = sorted(tmp_path.glob("fwd_*.sass"))
-        assert len(forwards) == 6, forwards
-        for sass in forwards:
-            steps = re.split(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1", sass.read_text())[1:]
-            assert steps, sass.name
-            for step in steps:
-                assert step.split("WARPGROUP.DEPBAR")[0].count("MUFU.EX2") >= 64, sass.name
+    # where the forward overlaps (every head dim with the variant's 1), each step's softmax (a
+    # thread's 64 exp2s of a 64 x 128 block) sits between the wait for its S, P V of the block
+    # before still in flight, and the wait for that P V: ptxas had hoisted the second wait above
+    # the exp2s, which runs the two in turn again
+    dims = hopper.HEAD_DIMS if variants.get(hopper.FWD_OVERLAP_VARIABLE) == "1" else hopper.FWD_OVERLAP_HEAD_DIMS
+    forwards = sorted(sass for D in dims for sass in tmp_path.glob(f"fwd_d{D}_*.sass"))
+    assert len(forwards) == 3 * len(dims), forwards
+    for sass in forwards:
+        steps = re.split(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1", sass.read_text())[1:]
+        assert steps, sass.name
+        for step in steps:
+            assert step.split("WARPGROUP.DEPBAR")[0].count("MUFU.EX2") >= 64, sass.name
 
 
 def test_backend_variable_is_checked(monkeypatch):
@@ -356,7 +364,7 @@ def test_gluon_schedule_variants_match_float64_reference(variable, D, gluon, mon
     # each variant reorders work or waits, never the arithmetic: odd T, T < S and T > S (causal,
     # bottom-right), GQA, documents and a window against float64, and a backward with the same
     # bits every run
-    monkeypatch.setenv(variable, VARIANTS[variable])
+    monkeypatch.setenv(variable, variant(variable, D))
     dtype = BF16
     _check_against_float64(f"gluon-{variable}-odd-{D}", 2, 4, 2, 2049, 2049, D, True, dtype, "packed", "cuda")
     for T, S in ((777, 1500), (1500, 777)):

@@ -39,7 +39,7 @@ FWD_ROWS = 64  # query rows per consumer warpgroup: one wgmma M
 # rows are many enough that its 64 extra masked rows per program do not (v11)
 FWD_LONG = 2048
 FWD_TILES = {64: (FwdTiles(2, 128, 3), FwdTiles(3, 128, 3)),
-             128: (FwdTiles(2, 128, 2), FwdTiles(2, 128, 2))}
+             128: (FwdTiles(2, 128, 3), FwdTiles(2, 128, 3))}
 BWD_TILES = {64: BwdTiles(64, 128, 3), 128: BwdTiles(64, 128, 2)}
 HEAD_DIMS = tuple(FWD_TILES)
 BWD_WARPS = 8  # the backward's matmul warps: two warpgroups, one wgmma M of BLOCK_N keys
@@ -77,7 +77,7 @@ def bwd_maxnreg() -> int:
 
 FWD_ORDER_VARIABLE = "FLASH_ATTENTION_FWD_ORDER"  # heads: the forward's programs head by head (unset: l2)
 BWD_STEP_VARIABLE = "FLASH_ATTENTION_BWD_STEP"  # overlap: the next step's S^T, dP^T issued before this one's waits
-FWD_OVERLAP_VARIABLE = "FLASH_ATTENTION_FWD_OVERLAP"  # 1: block j-1's P V runs during block j's softmax
+FWD_OVERLAP_VARIABLE = "FLASH_ATTENTION_FWD_OVERLAP"  # 1 / 0: block j-1's P V during block j's softmax, or not
 FWD_STAGES_VARIABLE = "FLASH_ATTENTION_FWD_STAGES"  # the forward's K/V ring depth (unset: FWD_TILES')
 L2_BYTES = 50 * 1024 * 1024  # the H100's L2: a section's K and V stay in it while its programs run
 
@@ -113,8 +113,16 @@ def bwd_overlap(head_dim: int) -> bool:
     return _variant(BWD_STEP_VARIABLE, ("overlap",)) == "overlap" and head_dim in BWD_OVERLAP_HEAD_DIMS
 
 
-def fwd_overlap() -> bool:
-    """FLASH_ATTENTION_FWD_OVERLAP: unset, a consumer issues block j's P V after its softmax and
-    waits for it; 1, it issues block j's S then block j-1's P V, waits for S alone, and runs the
-    softmax while P V is on the tensor cores (a slot is freed one block later)."""
-    return _variant(FWD_OVERLAP_VARIABLE, ("0", "1")) == "1"
+# the head dims where the forward overlaps P V with the next block's softmax unless
+# FLASH_ATTENTION_FWD_OVERLAP=0: 1.06-1.09x the forward at D = 128 from T = 4096 with a 3-slot ring
+# (perf-notes v17); at 64, 0.95-1.04x
+FWD_OVERLAP_HEAD_DIMS = (128,)
+
+
+def fwd_overlap(head_dim: int) -> bool:
+    """FLASH_ATTENTION_FWD_OVERLAP: 0, a consumer issues block j's P V after its softmax and waits
+    for it; 1, it issues block j's S then block j-1's P V, waits for S alone, and runs the softmax
+    while P V is on the tensor cores (a slot is freed one block later); unset, 1 at
+    FWD_OVERLAP_HEAD_DIMS."""
+    choice = _variant(FWD_OVERLAP_VARIABLE, ("0", "1"))
+    return choice == "1" if choice else head_dim in FWD_OVERLAP_HEAD_DIMS

@@ -6,9 +6,10 @@ K/V blocks by TMA into a STAGES-deep ring; each consumer warpgroup owns FWD_ROWS
 the online softmax over every block (S = Q K_j^T by wgmma, P straight from registers as the A
 operand of P V_j) and frees the slot when its matmuls are done. While one consumer waits on its
 matmuls the other's exp2s run: the overlap FlashAttention-3 gets from its second warpgroup,
-without a hand-written schedule. FLASH_ATTENTION_FWD_OVERLAP=1 (config.fwd_overlap) adds the
-overlap it gets within a warpgroup: each block's P V is issued behind the next block's S and runs
-during that block's softmax. Q arrives by TMA once; O leaves by TMA through Q's buffer.
+without a hand-written schedule. At D = 128 (config.fwd_overlap; FLASH_ATTENTION_FWD_OVERLAP=0
+or 1 chooses) it adds the overlap FlashAttention-3 gets within a warpgroup: each block's P V is
+issued behind the next block's S and runs during that block's softmax. Q arrives by TMA once; O
+leaves by TMA through Q's buffer.
 Tiles, stages and registers: kernels/hopper/config.py. docs/flash-attention.md derives it.
 """
 
@@ -364,7 +365,7 @@ def forward(q, k, v, o, lse, causal: bool, scale: float, key_lo: torch.Tensor | 
     bounded = key_lo is not None
     key_lo = lse if key_lo is None else key_lo  # lse stands in for absent bounds: unread
     section = _section(q, k)
-    overlap = config.fwd_overlap()
+    overlap = config.fwd_overlap(q.shape[3])
     tiles = config.fwd_tiles(q.shape[3], q.shape[2])
     layout = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), o.stride(), q.dtype, q.device.index, causal,
               bounded, scale, lse.data_ptr() % 16 == 0, key_lo.data_ptr() % 16 == 0, section,
@@ -385,4 +386,4 @@ def compile_only(q, k, v, causal: bool, bounded: bool = False):
     args = _args(q, k, v, torch.empty_like(q), torch.empty((B, H, T), dtype=torch.float32),
                  torch.empty((B, T), dtype=torch.int32), D ** -0.5, tiles.block_n)
     return _fwd_kernel.warmup(*args, grid=_grid(q, tiles), **_options(causal, bounded, tiles, _section(q, k),
-                                                                     config.fwd_overlap()))
+                                                                     config.fwd_overlap(D)))
