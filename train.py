@@ -184,8 +184,9 @@ def setup(cfg: DictConfig, run_dir: Path, check: Callable[[], None] = lambda: No
     raw_model = build_model(cfg, par)
     info = run_info(cfg, par, raw_model)
     # before the optimizer: it holds the shards
-    par.shard(raw_model, fsdp_param_dtype(cfg.parallel.param_dtype, cfg.dtype, par.device),
-              cfg.parallel.reshard_after_forward, cfg.parallel.unit_params)
+    if units := par.shard(raw_model, fsdp_param_dtype(cfg.parallel.param_dtype, cfg.dtype, par.device),
+                          cfg.parallel.reshard_after_forward, cfg.parallel.unit_params):
+        info["fsdp_blocks_per_unit"] = units
     run = Run(cfg=cfg, run_dir=run_dir, par=par, model=raw_model, raw_model=raw_model,
               optimizer=make_optimizer(raw_model, cfg, par.sharded), scaler=grad_scaler(cfg.dtype, par.device),
               train_loader=train_loader, val_loader=val_loader,

@@ -75,7 +75,10 @@ def test_sharded_runs_match_one_process_and_resume_exactly(data_root, tmp_path, 
     torchrun(2, [str(REPO / "train.py"), *common, "max_steps=3", f"hydra.run.dir={tmp_path / 'cut'}"], tmp_path, timeout=600)
     torchrun(2, [str(REPO / "train.py"), *common, "max_steps=5", f"resume={tmp_path / 'cut'}"], tmp_path, timeout=600)
     whole, resumed = metrics(tmp_path / "whole"), metrics(tmp_path / "cut")
-    assert json.loads((tmp_path / "whole" / "summary.json").read_text())["sample"]  # every rank sampled
+    summary = json.loads((tmp_path / "whole" / "summary.json").read_text())
+    assert summary["sample"]  # every rank sampled
+    # the 2 tiny blocks: one unit of both, unless each is asked to be its own
+    assert summary["fsdp_blocks_per_unit"] == ([1, 1] if "parallel.unit_params=1" in extra else [2])
     # the checkpoint gathers whole tensors and every rank keeps its shard again: the same run, bit for bit
     values = lambda records: [(r["step"], r.get("loss"), r.get("grad_norm"), r.get("val_loss")) for r in records
                               if r["step"] > 3]

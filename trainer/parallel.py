@@ -169,7 +169,7 @@ class Parallel:
                                    saved_ops=())
 
     def shard(self, model: nn.Module, param_dtype: torch.dtype | None = None,
-              reshard_after_forward: bool = True, unit_params: int = 1) -> None:
+              reshard_after_forward: bool = True, unit_params: int = 1) -> list[int]:
         """FSDP2 in place (before the optimizer is made: it holds the shards): the blocks in units of
         consecutive blocks, then the rest (embedding, tied head, final norm); a unit's weights are
         gathered for its forward and backward, its gradients reduce-scattered (averaged over all
@@ -186,9 +186,10 @@ class Parallel:
         them either way: its backward comes at once.
         unit_params: each unit holds consecutive blocks of at least this many parameters (the last
         what is left; 1: a block per unit). A unit's hooks cost host time every step whatever its
-        size: fewer, larger units for a model whose blocks are small against that."""
+        size: fewer, larger units for a model whose blocks are small against that.
+        Returns each unit's number of blocks (none unless sharded)."""
         if not self.sharded:
-            return
+            return []
         mesh = init_device_mesh(self.device.type, (self.world,))
         policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
         units = fsdp_units(list(model.blocks), unit_params)
@@ -204,6 +205,7 @@ class Parallel:
             first.set_modules_to_forward_prefetch(firsts[i + 1:i + 2])
             first.set_modules_to_backward_prefetch(firsts[i - 1:i] if i else [])
         model.set_modules_to_forward_prefetch(firsts[:1])
+        return [len(unit) for unit in units]
 
     def wrap(self, model: nn.Module, compile: bool, mode: str = "default") -> nn.Module:
         """What the loop calls: compiled (in torch.compile's `mode`) and/or in DDP. The ring
