@@ -110,7 +110,8 @@ class ParallelConfig:  # under torchrun: processes = data-parallel ranks x cp
     # (docs/several-gpus.md); only the LayerNorm gains differ from DDP's, used rounded
     param_dtype: ParamDtype = ParamDtype.auto
     # dp=fsdp: free each unit's gathered weights after its forward and gather them again for its
-    # backward; false keeps them (one all-gather per step, the memory of the whole gathered model)
+    # backward; false keeps them (one all-gather per step, the memory of the whole gathered model).
+    # The last unit keeps them either way: with one unit (gpt2_small's default) it changes nothing
     reshard_after_forward: bool = True
     # dp=fsdp: consecutive blocks are gathered, resharded and reduced together in units of at least
     # this many parameters (1: a unit per block): each unit costs the host time of its hooks every

@@ -145,10 +145,10 @@ def _parallel(cfg: DictConfig, world: int) -> None:
         _fail("parallel.dp", "fsdp", "shards the model over torchrun's processes: launch with torchrun "
                                      "(--nproc_per_node=1 on one GPU)")
     if cfg.parallel.dp != "fsdp":  # DDP keeps fp32 weights whole; autocast casts them per use
-        for key in ("param_dtype", "reshard_after_forward", "unit_params"):
-            if cfg.parallel[key] != getattr(ParallelConfig(), key):
-                _fail(f"parallel.{key}", cfg.parallel[key], "sets how FSDP gathers weights: add parallel.dp=fsdp, "
-                                                            "or drop it")
+        for key in FSDP_ONLY:
+            name = key.removeprefix("parallel.")
+            if cfg.parallel[name] != getattr(ParallelConfig(), name):
+                _fail(key, cfg.parallel[name], "sets how FSDP gathers weights: add parallel.dp=fsdp, or drop it")
     if cfg.parallel.unit_params < 1:
         _fail("parallel.unit_params", cfg.parallel.unit_params, "must be at least 1 (1: each block its own FSDP unit)")
     cp = cfg.parallel.cp
@@ -226,6 +226,13 @@ def _flat(d: dict, prefix: str = "") -> dict:
     return out
 
 
+# how FSDP gathers weights: refused without parallel.dp=fsdp, and no change to a DDP run
+FSDP_ONLY = ("parallel.param_dtype", "parallel.reshard_after_forward", "parallel.unit_params")
+# what a run ran with before its key existed, where the key's default is otherwise: FSDP gathered
+# each block alone before parallel.unit_params
+_BEFORE_THE_KEY = {"parallel.unit_params": 1}
+
+
 def _schema_defaults() -> dict:
     """Every key's default, flat: what a checkpoint written before the key existed ran with."""
     groups = {"attn": AttnConfig, "model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "wandb": WandbConfig,
@@ -242,7 +249,7 @@ def _schema_defaults() -> dict:
 def check_resume(ckpt: dict, now: dict, dp: int, path) -> str:
     """The settings that differ between a checkpoint and this run (dp data-parallel processes), as
     'key old -> new, ...' (empty if none); ConfigError if one of them would not continue the same run."""
-    before, after = {**_schema_defaults(), **_flat(ckpt["config"])}, _flat(now)
+    before, after = {**_schema_defaults(), **_BEFORE_THE_KEY, **_flat(ckpt["config"])}, _flat(now)
     # the batch is global: batch_size is per data-parallel process, batch_tokens a way to set it
     for flat, ranks in ((before, ckpt.get("data_parallel", ckpt["world_size"])), (after, dp)):
         flat["global batch_size"] = flat.pop("batch_size") * ranks
@@ -251,7 +258,8 @@ def check_resume(ckpt: dict, now: dict, dp: int, path) -> str:
     if unknown:
         raise ConfigError(f"resume={path}: the checkpoint's config has keys this version does not know "
                           f"({', '.join(unknown[:3])}): resume it with the version of flash-gpt that wrote it")
-    changed = {k: (before.get(k), after[k]) for k in sorted(after) if before.get(k) != after[k]}
+    changed = {k: (before.get(k), after[k]) for k in sorted(after) if before.get(k) != after[k]
+               and (k not in FSDP_ONLY or str(after["parallel.dp"]) == "fsdp")}
     refused = {k: v for k, v in changed.items() if k not in RESUMABLE}
     text = lambda d: ", ".join(f"{k} {old} -> {new}" for k, (old, new) in d.items())
     if refused:

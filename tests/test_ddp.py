@@ -106,7 +106,7 @@ def test_fsdp_units_are_consecutive_blocks_of_at_least_the_asked_parameters():
 @pytest.mark.slow
 @pytest.mark.parametrize(("max_norm", "unit_params"), [(math.inf, 1), (0.05, 10**8)], ids=["unclipped", "clipped"])
 def test_sharded_adamw_and_clipping_on_local_shards_equal_torchs_over_dtensors(tmp_path, max_norm, unit_params):
-    # 3 processes: no tensor of the model splits evenly
+    # 3 processes: shards of unequal sizes
     torchrun(3, [str(REPO / "tests" / "shard_worker.py"), str(tmp_path), str(max_norm), str(unit_params)], tmp_path)
     got = torch.load(tmp_path / "rank0.pt")
     (torch_norms, our_norms), (torch_weights, our_weights) = got["norms"], got["weights"]
@@ -116,8 +116,9 @@ def test_sharded_adamw_and_clipping_on_local_shards_equal_torchs_over_dtensors(t
     for name, a in torch_weights.items():
         if max_norm == math.inf:  # the same fused kernel on the same elements
             assert torch.equal(our_weights[name], a), name
-        else:  # gradients scaled by coefficients a rounding apart
-            torch.testing.assert_close(our_weights[name], a, rtol=1e-5, atol=1e-7, msg=name)
+        else:  # gradients scaled by coefficients an fp32 rounding apart, which AdamW's moments can
+            # amplify where a gradient changes sign: a thousandth of one step (lr 1e-2) at most
+            torch.testing.assert_close(our_weights[name], a, rtol=0, atol=1e-5, msg=name)
 
 
 @pytest.mark.gpu

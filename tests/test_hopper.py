@@ -53,7 +53,8 @@ def variant(variable: str, head_dim: int) -> str:
 
 @pytest.mark.skipif(not GLUON and not (GLUON_TRITON_DIR / "triton").is_dir(),
                     reason=f"the kernel is written in triton {hopper.TRITON}x's Gluon: `make test` installs it")
-@pytest.mark.parametrize("variants", [{}, VARIANTS], ids=["defaults", "variants"])
+@pytest.mark.parametrize("variants", [{}, VARIANTS, {hopper.FWD_OVERLAP_VARIABLE: "0"}],
+                         ids=["defaults", "variants", "no-forward-overlap"])
 def test_compiles_for_sm90_without_a_gpu(variants, tmp_path):
     # a fresh process: the stand-in driver replaces Triton's for the process, and Gluon must not
     # see TRITON_INTERPRET (it has no interpreter)
@@ -69,11 +70,13 @@ def test_compiles_for_sm90_without_a_gpu(variants, tmp_path):
     for line in lines:
         assert int(re.search(r"(\d+) HGMMA", line)[1]) > 0, line  # the matmuls run on Hopper's wgmma
         assert " 0 B stack" in line, line  # no register spills to local memory
+        assert int(re.search(r"(\d+) B shared", line)[1]) <= 232448, line  # an sm_90 block's most
     # where the forward overlaps (every head dim with the variant's 1), each step's softmax (a
     # thread's 64 exp2s of a 64 x 128 block) sits between the wait for its S, P V of the block
     # before still in flight, and the wait for that P V: ptxas had hoisted the second wait above
     # the exp2s, which runs the two in turn again
-    dims = hopper.HEAD_DIMS if variants.get(hopper.FWD_OVERLAP_VARIABLE) == "1" else hopper.FWD_OVERLAP_HEAD_DIMS
+    overlap = variants.get(hopper.FWD_OVERLAP_VARIABLE)
+    dims = {"1": hopper.HEAD_DIMS, "0": ()}.get(overlap, hopper.FWD_OVERLAP_HEAD_DIMS)
     forwards = sorted(sass for D in dims for sass in tmp_path.glob(f"fwd_d{D}_*.sass"))
     assert len(forwards) == 3 * len(dims), forwards
     for sass in forwards:
@@ -81,6 +84,16 @@ def test_compiles_for_sm90_without_a_gpu(variants, tmp_path):
         assert steps, sass.name
         for step in steps:
             assert step.split("WARPGROUP.DEPBAR")[0].count("MUFU.EX2") >= 64, sass.name
+
+
+def test_forward_ring_depth_is_checked_against_shared_memory(monkeypatch):
+    monkeypatch.setenv(hopper.FWD_STAGES_VARIABLE, "4")
+    assert hopper.fwd_tiles(64, 4096).stages == 4
+    with pytest.raises(ValueError, match="FLASH_ATTENTION_FWD_STAGES=4: at head dim 128 the ring holds at most 3"):
+        hopper.fwd_tiles(128, 4096)
+    monkeypatch.setenv(hopper.FWD_STAGES_VARIABLE, "5")
+    with pytest.raises(ValueError, match="FLASH_ATTENTION_FWD_STAGES=5: use 2 or 3 or 4"):
+        hopper.fwd_tiles(64, 4096)
 
 
 def test_backend_variable_is_checked(monkeypatch):

@@ -15,7 +15,7 @@ import pytest
 
 import train as train_module
 from configs.schema import plain
-from configs.validate import ConfigError, check_resume
+from configs.validate import FSDP_ONLY, ConfigError, check_resume
 from tests.helpers import TINY, compose, metrics
 
 # how long it runs, what it reports and samples (model.name labels the shape)
@@ -87,8 +87,19 @@ def test_a_resume_that_changes_a_key_is_refused_unless_it_keeps_the_run(key):
         message = str(refused.value)
         assert "\n" not in message and f"resume=run: {shown} {old} -> " in message
         assert "would not continue the same run" in message
-    else:
-        assert check_resume(ckpt, now, 1, "run") == ("" if key == "resume" else f"{shown} {old} -> {new}")
+    else:  # how FSDP would gather weights is no change to this (DDP) run
+        quiet = key == "resume" or key in FSDP_ONLY
+        assert check_resume(ckpt, now, 1, "run") == ("" if quiet else f"{shown} {old} -> {new}")
+
+
+def test_a_sharded_resume_lists_fsdp_settings_and_an_older_checkpoint_gathered_each_block_alone():
+    older = with_key(CONFIG, "parallel.param_dtype", "float32")  # the default then
+    del older["parallel"]["unit_params"]  # written before the key existed
+    now = with_key(CONFIG, "parallel.dp", "fsdp")
+    ckpt = {"config": with_key(older, "parallel.dp", "fsdp"), "world_size": 2, "data_parallel": 2}
+    assert check_resume(ckpt, now, 2, "run") == "parallel.param_dtype float32 -> auto, parallel.unit_params 1 -> 100000000"
+    # a DDP run never gathers: nothing to say
+    assert check_resume({"config": older, "world_size": 1, "data_parallel": 1}, CONFIG, 1, "run") == ""
 
 
 @pytest.fixture(scope="module")

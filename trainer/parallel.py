@@ -93,14 +93,21 @@ class ShardedAdamW(torch.optim.AdamW):
     Each element's update reads that element alone, so stepping every shard is stepping the whole
     tensor, as AdamW over the DTensors does; what that costs is DTensor's dispatch of the fused step
     over every parameter, gradient and moment (host time a small model's step does not cover). The
-    first step, which makes the state, is AdamW's own: the state (and the checkpoints) are AdamW's."""
+    first step, which makes the state, is AdamW's own: the state (and the checkpoints) are AdamW's.
+    Fused only (the kernel it calls), without amsgrad, capturable or differentiable."""
+
+    def __init__(self, params, **kwargs):
+        super().__init__(params, **kwargs)
+        for key, want in (("fused", True), ("amsgrad", False), ("capturable", False), ("differentiable", False)):
+            if any(bool(group[key]) != want for group in self.param_groups):
+                raise ValueError(f"ShardedAdamW steps with fused AdamW's kernel alone: {key} must be {want}")
 
     @torch.no_grad()
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("ShardedAdamW.step takes no closure")
         stepped = [[p for p in group["params"] if p.grad is not None] for group in self.param_groups]
-        if not all(self.state[p] for params in stepped for p in params):
+        if not all(self.state.get(p) for params in stepped for p in params):
             return super().step()
         for group, params in zip(self.param_groups, stepped):
             state = [self.state[p] for p in params]
@@ -258,8 +265,10 @@ class Parallel:
         # sharded: each process's shards, their squares summed over the processes. On the local
         # tensors: DTensor's dispatch of each op over every gradient costs more host time than the
         # kernels do on a small model
+        # (FSDP's mesh is every process: the sum runs over the default group)
         grads = [local(p.grad) for p in model.parameters() if p.grad is not None]
-        squares = torch.nn.utils.get_total_norm(grads, foreach=True).square()
+        squares = (torch.nn.utils.get_total_norm(grads, foreach=True) if grads
+                   else torch.zeros((), device=self.device)).square()
         if self.world > 1:
             dist.all_reduce(squares)
         norm = squares.sqrt()
@@ -273,7 +282,7 @@ class Parallel:
         return t
 
     def after_forward_only(self, raw_model: nn.Module) -> None:
-        """A forward without backward (evaluation) leaves the weights of FSDP's root and last block
+        """A forward without backward (evaluation) leaves the weights of FSDP's root and last unit
         gathered: reshard them."""
         if self.sharded:
             for module in raw_model.modules():

@@ -1,6 +1,6 @@
 """The Hopper kernels' table (sm_90, Gluon): where they run, their tiles and register budgets.
 
-Every number was measured best on the H100 (docs/perf-notes.md v10-v13). Adding a head dim is a
+Every number was measured best on the H100 (docs/perf-notes.md v10-v13, v16-v17). Adding a head dim is a
 row in FWD_TILES and BWD_TILES; kernels/backends.py reads the rest to say where they run.
 Plain Python, importable with any triton: Gluon's API is imported only by the kernels' files.
 The schedule variants are switched per call by environment variables read here (unset: the
@@ -51,11 +51,18 @@ REGISTERS = 65536
 WORKER_REGS = 24
 
 
+# the deepest K/V ring that fits an sm_90 block's 232,448 B of shared memory beside Q's tiles
+FWD_MAX_STAGES = {64: 4, 128: 3}
+
+
 def fwd_tiles(head_dim: int, seq_len: int) -> FwdTiles:
-    """The forward's tiles; FLASH_ATTENTION_FWD_STAGES (2-4) sets the K/V ring's depth instead of
-    the table's (4 does not fit shared memory at D = 128)."""
+    """The forward's tiles; FLASH_ATTENTION_FWD_STAGES sets the K/V ring's depth instead of the
+    table's (2 up to FWD_MAX_STAGES)."""
     tiles = FWD_TILES[head_dim][seq_len >= FWD_LONG]
     stages = _variant(FWD_STAGES_VARIABLE, ("2", "3", "4"))
+    if stages and int(stages) > FWD_MAX_STAGES[head_dim]:
+        raise ValueError(f"{FWD_STAGES_VARIABLE}={stages}: at head dim {head_dim} the ring holds at most "
+                         f"{FWD_MAX_STAGES[head_dim]} slots in shared memory")
     return tiles._replace(stages=int(stages)) if stages else tiles
 
 
