@@ -4,8 +4,8 @@ Under torchrun every process drives one GPU (or the CPU, through gloo). The proc
 (world / cp) x cp grid: the cp ranks of a row split each of its sequences (context parallelism,
 ring attention), the rows are data-parallel, each drawing its own slice of the global batch.
 Gradients are averaged over all processes: by DDP, which keeps the whole model and AdamW state on
-every process, or by FSDP2 (fully_shard on units of blocks and on the rest), which shards weights, gradients
-and optimizer state. Checkpoints hold whole tensors either way (state_dict / load_state_dict).
+every process, or by FSDP2 (fully_shard on units of blocks and on the rest), which shards weights,
+gradients and optimizer state. Checkpoints hold whole tensors either way (state_dict / load_state_dict).
 
 Context parallelism, zigzag: the T tokens of a window are cut into 2N chunks and rank r of the N
 keeps chunks r and 2N-1-r, so every rank has the same causal attention work
@@ -262,13 +262,13 @@ class Parallel:
         """The gradients' norm over the whole model, and the gradients scaled to at most max_norm."""
         if not self.sharded:
             return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-        # sharded: each process's shards, their squares summed over the processes. On the local
-        # tensors: DTensor's dispatch of each op over every gradient costs more host time than the
-        # kernels do on a small model
-        # (FSDP's mesh is every process: the sum runs over the default group)
+        # sharded: each process's shards, their squares summed over the processes (FSDP's mesh is
+        # every process: the default group). On the local tensors: DTensor's dispatch of each op
+        # over every gradient costs more host time than the kernels do on a small model
         grads = [local(p.grad) for p in model.parameters() if p.grad is not None]
-        squares = (torch.nn.utils.get_total_norm(grads, foreach=True) if grads
-                   else torch.zeros((), device=self.device)).square()
+        if not grads:
+            return torch.zeros((), device=self.device)
+        squares = torch.nn.utils.get_total_norm(grads, foreach=True).square()
         if self.world > 1:
             dist.all_reduce(squares)
         norm = squares.sqrt()
