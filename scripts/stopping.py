@@ -36,17 +36,40 @@ class Stop(BaseException):
         self.signum = signum
 
 
-def _stopper(pid: int) -> Callable:
-    """The handler that raises Stop in process `pid`. A process forked from it (a pool's worker)
-    inherits the handler: there the signal ends it as it would without one, never raising into the
-    worker's queue handling (which would hang the pool's terminate())."""
+# Python can lose an exception a signal handler raises: one raised while a __hash__ or __eq__ runs
+# for C code that clears its errors (a dict lookup) vanishes without a word, and the script runs
+# on. So a stop is raised again every RETRY_S until stoppable has it.
+RETRY_S = 1.0
+
+
+class _Pending:
+    signum = 0  # the stop signal that arrived, 0 before one did
+
+
+def _stopper(pid: int, pending: _Pending) -> Callable:
+    """The handler that raises Stop in process `pid`, and raises it again (SIGALRM, _again) until
+    stoppable has it. A process forked from it (a pool's worker) inherits the handler: there the
+    signal ends it as it would without one, never raising into the worker's queue handling (which
+    would hang the pool's terminate())."""
     def stop(signum: int, frame) -> None:
         if os.getpid() != pid:
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
+        if not pending.signum:
+            pending.signum = signum
+            signal.setitimer(signal.ITIMER_REAL, RETRY_S, RETRY_S)
         raise Stop(signum)
     return stop
+
+
+def _again(pending: _Pending) -> Callable:
+    """SIGALRM's handler while a stop is pending: Stop again, unless an exception is on its way out
+    (the stop itself, or what it broke: stoppable sees the pending signal either way)."""
+    def again(signum: int, frame) -> None:
+        if sys.exc_info()[1] is None:
+            raise Stop(pending.signum)
+    return again
 
 
 def _set(handlers: dict) -> None:
@@ -59,18 +82,24 @@ def stoppable(script: str, kept: Callable[[], str]) -> Iterator[None]:
     """Inside, a stop signal ends the script: one line naming the signal and kept() (what the
     stop leaves: the files written so far, or that there is no result), exit 128 + signum; a file
     that cannot be written ends it with one line too, exit 1."""
-    stop = _stopper(os.getpid())
-    previous = {sig: signal.signal(sig, stop) for sig in SIGNALS}
+    pending = _Pending()
+    previous = {sig: signal.signal(sig, _stopper(os.getpid(), pending)) for sig in SIGNALS}
+    previous[signal.SIGALRM] = signal.signal(signal.SIGALRM, _again(pending))
     try:
         yield
-    except Stop as e:
-        _set(dict.fromkeys(SIGNALS, signal.SIG_DFL))  # a second signal ends the process at once
-        print(f"{script}: stopped by {signal.Signals(e.signum).name}; {kept()}", file=sys.stderr)
-        sys.exit(128 + e.signum)
-    except WriteError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
+    except BaseException as e:  # a stop (raised here or by the handler), or what a stop broke
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signum = e.signum if isinstance(e, Stop) else pending.signum
+        if signum:
+            _set(dict.fromkeys(SIGNALS, signal.SIG_DFL))  # a second signal ends the process at once
+            print(f"{script}: stopped by {signal.Signals(signum).name}; {kept()}", file=sys.stderr)
+            sys.exit(128 + signum)
+        if isinstance(e, WriteError):
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(1)
+        raise
     finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
         _set(previous)
 
 
