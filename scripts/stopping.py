@@ -5,7 +5,8 @@ raise Stop wherever the script is inside `stoppable` (around its main, once its 
 a signal during those ends it as Python does); stoppable ends the script with one line on stderr,
 `<script>: stopped by SIGTERM; <what is kept>`, and exit code 128 + the signal's number (130 for
 Ctrl-C): no traceback, and no verdict, table or plot of work cut short. Stop is no Exception, so
-a script's `except Exception` around one cell or rung does not swallow it. A script writes its
+a script's `except Exception` around one cell or rung does not swallow it; one that Python loses
+(raised where C code drops errors) is raised again each second until it lands. A script writes its
 files whole or not at all (scripts/outputs.py), so a stop leaves the previous file, never half of
 one, and a file that cannot be written (disk full, read-only) ends it inside stoppable in one
 line too, with exit code 1. Inside train.train() the scheduler's signals
