@@ -67,8 +67,8 @@ def _backward(do, q, k, v, o, lse, causal, scale, bounds):
                  os.environ.get(backends.BACKEND_VARIABLE), os.environ.get(backends.DETERMINISTIC_VARIABLE))
     if backends.kernels_for("backward", signature, (q, k, v, do)) == "gluon":
         with on_device(q):
-            _hopper("backward").backward(do, q, k, v, o, lse, dq, dk, dv, causal, scale,
-                                         None if bounds is None else bounds.row_hi, backends.deterministic())
+            _hopper("backward").backward(do, q, k, v, o, lse, dq, dk, dv, causal, scale, bounds,
+                                         backends.deterministic())
     else:
         bwd.backward(do, q, k, v, o, lse, dq, dk, dv, causal, scale, bounds, signature)
     return dq, dk, dv

@@ -2,9 +2,8 @@
 in Gluon (kernels/hopper/), per direction, from the inputs, the card and two environment variables;
 and why a kernel cannot run (unsupported, the one place that says so).
 
-FLASH_ATTENTION_BACKEND: unset, per direction, head dim and length, the faster kernels measured on
-the H100 (kernels/hopper/config.py: MIN_SEQ, BACKWARD_HEAD_DIMS); triton, the portable kernels
-only; gluon, the Hopper kernels both ways, or a ValueError saying why not.
+FLASH_ATTENTION_BACKEND: unset, by length, the faster kernels measured on the H100 (the Hopper
+kernels from kernels/hopper/config.py's MIN_SEQ queries on); triton, the portable kernels only; gluon, the Hopper kernels both ways, or a ValueError saying why not.
 FLASH_ATTENTION_DETERMINISTIC: "1" (unset) or "0": whether the Gluon backward adds dQ's shares in
 a fixed order (the same bits every run) or as they come (not reproducible, and no faster:
 docs/perf-notes.md v13); the Triton backward has no atomics to order.
@@ -83,12 +82,10 @@ def deterministic() -> bool:
     return choice == "1"
 
 
-def _gluon_wanted(direction: str, head_dim: int, seq_len: int) -> bool:
-    """Whether the backend choice sends this direction to Gluon where it can run."""
+def _gluon_wanted(seq_len: int) -> bool:
+    """Whether the backend choice sends a call of seq_len queries to Gluon where it can run."""
     choice = backend()
-    if choice == "" and seq_len >= hopper.MIN_SEQ:
-        return direction == "forward" or head_dim in hopper.BACKWARD_HEAD_DIMS
-    return choice == "gluon"
+    return choice == "gluon" or (choice == "" and seq_len >= hopper.MIN_SEQ)
 
 
 def kernels_for(direction: str, signature: tuple, streamed: tuple) -> str:
@@ -101,7 +98,7 @@ def kernels_for(direction: str, signature: tuple, streamed: tuple) -> str:
         q = streamed[0]
         T, D = q.shape[2:]
         chosen = "triton"
-        if _gluon_wanted(direction, D, T):
+        if _gluon_wanted(T):
             why = unsupported(D, q.dtype, q.device, "gluon")
             if why is None and not inputs.uses_tma(*streamed):
                 why = "the inputs need a contiguous head dim and 16-byte aligned strides (TMA)"
@@ -123,5 +120,5 @@ def backends(head_dim: int, dtype: torch.dtype, device: torch.device, seq_len: i
     why = unsupported(head_dim, dtype, device, "gluon")
     if why and backend() == "gluon":
         raise ValueError(f"{BACKEND_VARIABLE}=gluon: the Hopper kernels cannot run this model's attention: {why}")
-    return {direction: "gluon" if why is None and _gluon_wanted(direction, head_dim, seq_len) else "triton"
+    return {direction: "gluon" if why is None and _gluon_wanted(seq_len) else "triton"
             for direction in ("forward", "backward")}

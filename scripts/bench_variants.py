@@ -1,18 +1,17 @@
 """Benchmark the Hopper kernels' schedule variants against each other and the peers, in one process.
 
 Each variant is an environment variable kernels/hopper/config.py reads per call (FLASH_ATTENTION_
-FWD_ORDER, _FWD_OVERLAP, _FWD_STAGES, _BWD_STEP); the baseline is the kernels before them
-("before": the forward head by head with each block's P V after its softmax and a 2-deep K/V ring
-at D = 128, the backward waiting for each step's matmuls). Inputs as `bench_attention.py
---layout btHd`: causal bf16, q, k, v views of one (B, T, 3, H, D) tensor as the model makes them,
-B·T = 16384, H·D = 1024. At D = 64 the backward runs in Triton unless FLASH_ATTENTION_BACKEND=gluon,
-so the Gluon backward's rows force it. Prints TFLOP/s forward and forward+backward (3.5× the
+FWD_ORDER, _FWD_OVERLAP, _FWD_STAGES, _BWD_BLOCK_M). The forward's baseline is the kernel before
+them ("before": head by head, each block's P V after its softmax, a 2-deep K/V ring at D = 128);
+the backward's (at D = 64, where it has two forms) is its form before v18, by keys. Inputs as
+`bench_attention.py --layout btHd`: causal bf16, q, k, v views of one (B, T, 3, H, D) tensor as the
+model makes them, B·T = 16384, H·D = 1024. Prints TFLOP/s forward and forward+backward (3.5× the
 forward's FLOPs), each row's ratio to the first row of its group, and the largest difference of
 o, dq, dk, dv to it (0 where a variant only reorders work); cuDNN and FlashAttention-4 (where
 installed) close each (D, T).
 
     python scripts/bench_variants.py
-    python scripts/bench_variants.py --head-dims 64 --seq-lens 8192
+    python scripts/bench_variants.py --head-dims 64 --seq-lens 8192 --groups backward
 """
 
 import sys
@@ -32,21 +31,21 @@ from scripts.args import ArgumentParser, positive_ints, require_cuda
 from scripts.bench_attention import environ, environment
 from scripts.stopping import stoppable
 
-FWD, BWD, BACKEND = hopper.FWD_ORDER_VARIABLE, hopper.BWD_STEP_VARIABLE, backends.BACKEND_VARIABLE
+FWD, BACKEND, BLOCK_M = hopper.FWD_ORDER_VARIABLE, backends.BACKEND_VARIABLE, hopper.BWD_BLOCK_M_VARIABLE
 OVERLAP, STAGES = hopper.FWD_OVERLAP_VARIABLE, hopper.FWD_STAGES_VARIABLE
 # the ring's depth before v17 (3 at D 64, 2 at D 128), and a row's value per head dim where it differs
 RING = {64: "3", 128: "2"}
-BEFORE = {FWD: "heads", BWD: "", OVERLAP: "0", STAGES: RING}
+BEFORE = {BACKEND: "", FWD: "heads", OVERLAP: "0", STAGES: RING, BLOCK_M: ""}
 # (group, label, environment); a group's first row is what its others are compared with
-VARIANTS = [("default", "before", {BACKEND: "", **BEFORE}),
-            ("default", "fwd_order=l2", {BACKEND: "", **BEFORE, FWD: "l2"}),
-            ("default", "l2 + fwd_overlap=1", {BACKEND: "", **BEFORE, FWD: "l2", OVERLAP: "1"}),
-            ("default", "l2 + fwd_stages=3", {BACKEND: "", **BEFORE, FWD: "l2", STAGES: "3"}),
-            ("default", "l2 + overlap=1 + stages=3", {BACKEND: "", **BEFORE, FWD: "l2", OVERLAP: "1", STAGES: "3"}),
-            ("gluon", "gluon before", {BACKEND: "gluon", **BEFORE}),
-            ("gluon", "gluon bwd_step=overlap", {BACKEND: "gluon", **BEFORE, BWD: "overlap"}),
-            ("gluon", "gluon l2 + bwd_step=overlap", {BACKEND: "gluon", **BEFORE, FWD: "l2", BWD: "overlap"})]
-GLUON_ONLY_AT = 64  # elsewhere the default runs the Gluon backward already: the gluon rows add nothing
+VARIANTS = [("default", "before", BEFORE),
+            ("default", "fwd_order=l2", {**BEFORE, FWD: "l2"}),
+            ("default", "l2 + fwd_overlap=1", {**BEFORE, FWD: "l2", OVERLAP: "1"}),
+            ("default", "l2 + fwd_stages=3", {**BEFORE, FWD: "l2", STAGES: "3"}),
+            ("default", "l2 + overlap=1 + stages=3", {**BEFORE, FWD: "l2", OVERLAP: "1", STAGES: "3"}),
+            ("backward", "bwd_block_m=64 (by keys)", {BACKEND: "", BLOCK_M: "64"}),
+            ("backward", "by rows (the default)", {BACKEND: ""}),
+            ("backward", "triton (portable) both ways", {BACKEND: "triton"})]
+BACKWARD_AT = tuple(hopper.BWD_BY_KEYS)  # elsewhere the backward has one form: its rows add nothing
 
 
 def cudnn(q, k, v):
@@ -54,12 +53,12 @@ def cudnn(q, k, v):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
-def peers(D: int) -> list:
-    """(group, label, environment, fn) of the peers: compared with the default's first row."""
-    rows = [("default", "cudnn", {}, cudnn)]
+def peers(D: int, group: str) -> list:
+    """(group, label, environment, fn) of the peers: compared with that group's first row."""
+    rows = [(group, "cudnn", {}, cudnn)]
     if (why := fa4_unsupported(D, torch.bfloat16, torch.device("cuda"))) is None:
-        rows += [("default", "fa4", {}, fa4_attention),
-                 ("default", "fa4 deterministic", {}, lambda q, k, v: fa4_attention(q, k, v, deterministic=True))]
+        rows += [(group, "fa4", {}, fa4_attention),
+                 (group, "fa4 deterministic", {}, lambda q, k, v: fa4_attention(q, k, v, deterministic=True))]
     else:
         print(f"FlashAttention-4 skipped: {why}")
     return rows
@@ -85,13 +84,22 @@ def main(argv=None):
     p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--head-dims", type=positive_ints, default=[64, 128], help="comma list of 64, 128")
     p.add_argument("--seq-lens", type=positive_ints, default=[2048, 4096, 8192, 16384], help="comma list")
+    p.add_argument("--groups", default="default,backward", help="comma list of the groups to time: default, backward")
     args = p.parse_args(argv)
     if bad := [D for D in args.head_dims if D not in hopper.HEAD_DIMS]:
         p.error(f"--head-dims {bad[0]}: the Hopper kernels take {', '.join(map(str, hopper.HEAD_DIMS))}")
+    groups = args.groups.split(",")
+    if bad := sorted(set(groups) - {g for g, _, _ in VARIANTS}):
+        p.error(f"--groups {bad[0]}: use default or backward")
     require_cuda("bench_variants.py")
     print(environment())
     print(f"{'D':>4} {'T':>6} {'variant':<28} {'fwd TF/s':>9} {'x':>6} {'f+b TF/s':>9} {'x':>6}  max|diff| o dq dk dv")
     for D in args.head_dims:
+        rows = [(g, label, env, ours) for g, label, env in VARIANTS
+                if g in groups and (g == "default" or D in BACKWARD_AT)]
+        if not rows:
+            print(f"D = {D}: the backward has one form at this head dim; no rows of {', '.join(groups)}")
+            continue
         for T in args.seq_lens:
             B, H = max(1, 16384 // T), 1024 // D
             torch.manual_seed(0)
@@ -99,8 +107,7 @@ def main(argv=None):
             dout = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
             flops = attention_flops(B, H, T, T, D, causal=True)
             firsts = {}
-            rows = [(g, label, env, ours) for g, label, env in VARIANTS if g == "default" or D == GLUON_ONLY_AT]
-            for group, label, env, fn in rows + peers(D):
+            for group, label, env, fn in rows + peers(D, rows[-1][0]):
                 with environ({key: v[D] if isinstance(v, dict) else v for key, v in env.items()}):
                     fwd, fwd_bwd, outputs = measure(fn, qkv, dout)
                 first = firsts.setdefault(group, (fwd, fwd_bwd, outputs))

@@ -20,7 +20,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_init, warpgroup_mma_wait)
 
 from kernels.hopper import config
-from kernels.hopper.blocks import descriptor, dq_layout, last_kv_block, q_blocks, tile_masked, visible_t
+from kernels.hopper.blocks import descriptor, dq_layout, last_kv_block, q_blocks, tile_masked, visible, visible_t
+from kernels.masking import Bounds
 from kernels.hopper.pipeline import BwdBuffers, BwdIO, BwdProgram, bulk_done, load_acquire, tma_add
 from kernels.runtime.launch import Bound, bind
 from kernels.triton.blocks import LOG2E
@@ -84,12 +85,6 @@ def _landed(j, q_smem, do_smem, ready):
 
 
 @gluon.jit
-def _scores_t(kv_smem, tile, zero_t):
-    """S^T = K Q^T (kv_smem K, tile Q) or dP^T = V dO^T (V, dO), in flight."""
-    return warpgroup_mma(kv_smem, tile.permute((1, 0)), zero_t, use_acc=False, is_async=True)
-
-
-@gluon.jit
 def _bwd_write_dq(io, buffers, program, SEM, CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr):
     """The dQ writer warp: adds each step's dQ share into the fp32 accumulator by one TMA
     reduce-add, in key-block order (the last key block first), or (not DETERMINISTIC) as soon as
@@ -123,19 +118,16 @@ def _bwd_write_dq(io, buffers, program, SEM, CAUSAL: gl.constexpr, DETERMINISTIC
 
 @gluon.jit
 def _bwd_consume(io, buffers, program, outs, row_bounds, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr,
-                 OVERLAP: gl.constexpr, NUM_WARPS: gl.constexpr):
-    """The matmul warps (two warpgroups, one wgmma M of BLOCK_N keys): the five products of every
-    step, dK and dV kept in registers and written at the end, each dQ share handed to the writer.
-    OVERLAP (config.bwd_overlap): a step issues the next step's S^T and dP^T behind its own dV, dK
-    and dQ, so that the tensor cores have them while it waits, releases its ring slot and hands its
-    dQ share over."""
+                 NUM_WARPS: gl.constexpr):
+    """The matmul warps with S^T by keys (two warpgroups, one wgmma M of BLOCK_N keys; BLOCK_M = 64
+    at D = 128): the five products of every step, P^T and dS^T kept in registers as dV's and dK's
+    A operands, dK and dV in registers to the end, each dQ share handed to the writer."""
     k_smem, v_smem, q_smem, do_smem = buffers.k_smem, buffers.v_smem, buffers.q_smem, buffers.do_smem
-    lse_smem, delta_smem, ds_smem, dq_smem = buffers.lse_smem, buffers.delta_smem, buffers.ds_smem, buffers.dq_smem
-    ready, empty, dq_full, dq_empty = buffers.ready, buffers.empty, buffers.dq_full, buffers.dq_empty
-    off_b, off_hkv, n, m_lo, steps = program.off_b, program.off_hkv, program.n, program.m_lo, program.steps
+    lse_smem, delta_smem, ds_smem = buffers.lse_smem, buffers.delta_smem, buffers.ds_smem
+    n, m_lo, steps = program.n, program.m_lo, program.steps
     GROUP, T, S = program.GROUP, program.T, program.S
-    DK, DV, dk_strides, dv_strides, sm_scale, qk_scale = outs  # dK, dV and their (batch, head, key) strides
-    ROW_HI, full_hi = row_bounds  # the batch row's row_hi; the first key's, from which rows need the mask
+    qk_scale = outs[5]  # outs: dK, dV, their (batch, head, key) strides, softmax_scale, its * log2(e)
+    ROW_HI, full_hi, _ = row_bounds  # the batch row's row_hi; the first key's, from which rows need the mask
     dtype: gl.constexpr = q_smem.dtype
     STAGES: gl.constexpr = q_smem.type.shape[0]
     BLOCK_M: gl.constexpr = q_smem.type.shape[1]
@@ -167,35 +159,17 @@ def _bwd_consume(io, buffers, program, outs, row_bounds, CAUSAL: gl.constexpr, B
     if BOUNDED:
         row_hi = gl.load(ROW_HI + cols_t, mask=cols_t < S, other=0)
     mbarrier.wait(buffers.kv_bar, 0)
-    n_steps = steps * GROUP
-    if OVERLAP:  # step 0's S^T and dP^T go in flight here, each later step's from the step before
-        st_next = warpgroup_mma_init(zero_t)
-        dpt_next = warpgroup_mma_init(zero_t)
-        if n_steps > 0:
-            q_t, do_t = _landed(0, q_smem, do_smem, ready)
-            st_next = _scores_t(k_smem, q_t, zero_t)
-            dpt_next = _scores_t(v_smem, do_t, zero_t)
-    for j in range(n_steps):
-        off_h, start_m = _bwd_step_rows(j, steps, m_lo, off_hkv, GROUP, BLOCK_M)
+    for j in range(steps * GROUP):
+        off_h, start_m = _bwd_step_rows(j, steps, m_lo, program.off_hkv, GROUP, BLOCK_M)
         stage = j % STAGES
         # -- S^T = K Q^T and dP^T = V dO^T, both in flight --
-        if OVERLAP:
-            q_t = q_smem.index(stage)
-            do_t = do_smem.index(stage)
-            st = st_next
-            dpt = dpt_next
-        else:
-            q_t, do_t = _landed(j, q_smem, do_smem, ready)
-            st = _scores_t(k_smem, q_t, zero_t)
-            dpt = _scores_t(v_smem, do_t, zero_t)
+        q_t, do_t = _landed(j, q_smem, do_smem, buffers.ready)
+        st = warpgroup_mma(k_smem, q_t.permute((1, 0)), zero_t, use_acc=False, is_async=True)
+        dpt = warpgroup_mma(v_smem, do_t.permute((1, 0)), zero_t, use_acc=False, is_async=True)
         # -- P^T from LSE --
         # rows past T arrive as zero Q and dO with LSE = delta = 0: P = 1 there but dP = dS = 0, dO = 0
         lse = lse_smem.index(stage).reshape([BLOCK_M]).load(row_layout)
-        if OVERLAP:  # both queued a step ago: a wait that left dP^T in flight across the loop's
-            # back edge would make ptxas serialize every wgmma of the kernel
-            st, dpt = warpgroup_mma_wait(0, deps=[st, dpt])
-        else:
-            st = warpgroup_mma_wait(1, deps=[st])
+        st = warpgroup_mma_wait(1, deps=[st])
         pt = gl.exp2(st * qk_scale - lse[None, :])
         # selected after exp2: a row with LSE = -inf (it sees no key) is dropped, never NaN
         if tile_masked(start_m, start_n, past_s, full_hi, T, S, CAUSAL, BOUNDED, BLOCK_M, BLOCK_N):
@@ -203,8 +177,7 @@ def _bwd_consume(io, buffers, program, outs, row_bounds, CAUSAL: gl.constexpr, B
         # -- dV += P^T dO; dS^T = P^T (dP^T - delta); dK += dS^T Q --
         dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do_t, dv, is_async=True)
         delta = delta_smem.index(stage).reshape([BLOCK_M]).load(row_layout)
-        if not OVERLAP:
-            dpt = warpgroup_mma_wait(1, deps=[dpt])
+        dpt = warpgroup_mma_wait(1, deps=[dpt])
         ds_lo = (pt * (dpt - delta[None, :])).to(dtype)
         dk = warpgroup_mma(gl.convert_layout(ds_lo, a_layout), q_t, dk, is_async=True)
         # -- dQ's share dS K, handed to the writer --
@@ -213,39 +186,127 @@ def _bwd_consume(io, buffers, program, outs, row_bounds, CAUSAL: gl.constexpr, B
         fence_async_shared()
         gl.thread_barrier()
         dq = warpgroup_mma(ds_buf.permute((1, 0)), k_smem, zero_q, use_acc=False, is_async=True)
-        if OVERLAP:
-            # the next step's S^T and dP^T queue behind dV, dK and dQ; the last step issues its
-            # own again (its tiles stay: no step follows to refill them), so that every step waits
-            # the same way and ptxas sees no path where dQ may still be in flight
-            q_next, do_next = _landed(gl.minimum(j + 1, n_steps - 1), q_smem, do_smem, ready)
-            st_next = _scores_t(k_smem, q_next, zero_t)
-            dpt_next = _scores_t(v_smem, do_next, zero_t)
-            dv, dk, dq = warpgroup_mma_wait(2, deps=[dv, dk, dq])
-        else:
-            dv, dk, dq = warpgroup_mma_wait(0, deps=[dv, dk, dq])
-        mbarrier.arrive(empty.index(stage), count=1)  # Q and dO are read: the producer may refill
+        dv, dk, dq = warpgroup_mma_wait(0, deps=[dv, dk, dq])
+        mbarrier.arrive(buffers.empty.index(stage), count=1)  # Q and dO are read: the producer may refill
+        _hand_dq(j, dq, buffers.dq_smem, buffers.dq_full, buffers.dq_empty)
+    _store_dkv(dk, dv, outs, program.off_b, program.off_hkv, start_n, S)
 
-        buf = j % 2
-        mbarrier.wait(dq_empty.index(buf), ((j // 2) & 1) ^ 1)  # the writer has added its last share
-        dq_smem.index(buf).reshape([BLOCK_M, HEAD_DIM]).store(dq)
-        fence_async_shared()  # the writer's TMA reads what these threads wrote
-        gl.thread_barrier()
-        mbarrier.arrive(dq_full.index(buf), count=1)
 
-    if OVERLAP:  # the last step's spare S^T and dP^T are done before dK and dV leave (a wait on
-        # them alone, its results unused, would be dropped)
-        dv, dk = warpgroup_mma_wait(0, deps=[dv, dk])
-    # -- epilogue: dK and dV --
+@gluon.jit
+def _hand_dq(j, dq, dq_smem, dq_full, dq_empty):
+    """Step j's dQ share (BLOCK_M, D) into the writer's buffer j % 2, once the writer has added
+    what that buffer last held."""
+    BLOCK_M: gl.constexpr = dq.type.shape[0]
+    HEAD_DIM: gl.constexpr = dq.type.shape[1]
+    buf = j % 2
+    mbarrier.wait(dq_empty.index(buf), ((j // 2) & 1) ^ 1)
+    dq_smem.index(buf).reshape([BLOCK_M, HEAD_DIM]).store(dq)
+    fence_async_shared()  # the writer's TMA reads what these threads wrote
+    gl.thread_barrier()  # every warp's part is written (and, by rows, every warp's reads of P and dS done)
+    mbarrier.arrive(dq_full.index(buf), count=1)
+
+
+@gluon.jit
+def _store_dkv(dk, dv, outs, off_b, off_hkv, start_n, S):
+    """The epilogue: dK * scale and dV, (BLOCK_N, D) each, to the program's keys below S."""
+    DK, DV, dk_strides, dv_strides, sm_scale, _ = outs
+    BLOCK_N: gl.constexpr = dk.type.shape[0]
+    HEAD_DIM: gl.constexpr = dk.type.shape[1]
+    kv_layout: gl.constexpr = dk.type.layout
     offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, kv_layout))
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
     key_ok = offs_n[:, None] < S
     kv_rows = offs_n[:, None].to(gl.int64)
     stride_dkb, stride_dkh, stride_dkn = dk_strides
     dk_ptrs = DK + off_b.to(gl.int64) * stride_dkb + off_hkv.to(gl.int64) * stride_dkh + kv_rows * stride_dkn
-    gl.store(dk_ptrs + offs_d[None, :], (dk * sm_scale).to(dtype), mask=key_ok)
+    gl.store(dk_ptrs + offs_d[None, :], (dk * sm_scale).to(DK.dtype.element_ty), mask=key_ok)
     stride_dvb, stride_dvh, stride_dvn = dv_strides
     dv_ptrs = DV + off_b.to(gl.int64) * stride_dvb + off_hkv.to(gl.int64) * stride_dvh + kv_rows * stride_dvn
-    gl.store(dv_ptrs + offs_d[None, :], dv.to(dtype), mask=key_ok)
+    gl.store(dv_ptrs + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=key_ok)
+
+
+@gluon.jit
+def _bwd_consume_rows(io, buffers, program, outs, row_bounds, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr,
+                      NUM_WARPS: gl.constexpr):
+    """The matmul warps with S by query rows (128 x 128 tiles at D = 64): each warpgroup computes S =
+    Q K^T and dP = dO V^T for 64 of the step's query rows against all BLOCK_N keys. dV += P^T dO
+    and dK += dS^T Q need P and dS transposed, so they go to shared memory; the dQ share dS K takes
+    this warpgroup's own rows of dS from registers. Twice _bwd_consume's rows a step in the same
+    registers: no P^T or dS^T held for the tensor cores, and LSE and delta are per row, 2 values a
+    thread instead of 32. Each product is issued as soon as its operands are ready: dV while dS
+    is made, dK while the dQ share is handed over."""
+    k_smem, v_smem, q_smem, do_smem = buffers.k_smem, buffers.v_smem, buffers.q_smem, buffers.do_smem
+    lse_smem, delta_smem = buffers.lse_smem, buffers.delta_smem
+    p_smem, ds_smem = buffers.ds_smem.index(0), buffers.ds_smem.index(1)  # (BLOCK_M, BLOCK_N) each
+    n, m_lo, steps = program.n, program.m_lo, program.steps
+    GROUP, T, S = program.GROUP, program.T, program.S
+    qk_scale = outs[5]
+    _, full_hi, KEY_LO = row_bounds  # as _bwd_consume's; the batch row's key_lo
+    dtype: gl.constexpr = q_smem.dtype
+    STAGES: gl.constexpr = q_smem.type.shape[0]
+    BLOCK_M: gl.constexpr = q_smem.type.shape[1]
+    BLOCK_N: gl.constexpr = k_smem.type.shape[0]
+    HEAD_DIM: gl.constexpr = k_smem.type.shape[1]
+    start_n = n * BLOCK_N
+
+    # wgmma accumulators: (BLOCK_M, BLOCK_N) for S and dP, (BLOCK_N, D) for dK and dV, (BLOCK_M, D)
+    # for a dQ share, whose A operand dS is laid out as the forward's P for P V
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                        instr_shape=[16, HEAD_DIM, 16])
+    acc_layout: gl.constexpr = dq_layout(BLOCK_M, HEAD_DIM, NUM_WARPS)
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)  # a vector over S's rows: queries
+
+    offs_m = gl.arange(0, BLOCK_M, layout=row_layout)
+    zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    zero_q = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, acc_layout)
+    dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
+    dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
+    past_s = start_n + BLOCK_N > S  # as in _bwd_consume
+    mbarrier.wait(buffers.kv_bar, 0)
+    for j in range(steps * GROUP):
+        off_h, start_m = _bwd_step_rows(j, steps, m_lo, program.off_hkv, GROUP, BLOCK_M)
+        stage = j % STAGES
+        # -- S = Q K^T and dP = dO V^T, both in flight --
+        q_t, do_t = _landed(j, q_smem, do_smem, buffers.ready)
+        st = warpgroup_mma(q_t, k_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        dp = warpgroup_mma(do_t, v_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        # -- P from LSE (rows past T: as in _bwd_consume), to shared memory --
+        lse = lse_smem.index(stage).reshape([BLOCK_M]).load(row_layout)
+        st = warpgroup_mma_wait(1, deps=[st])
+        p = gl.exp2(st * qk_scale - lse[:, None])
+        if tile_masked(start_m, start_n, past_s, full_hi, T, S, CAUSAL, BOUNDED, BLOCK_M, BLOCK_N):
+            # masked as the forward masks, by each row's first key: 2 a thread, where each key's
+            # row_hi would be 32; the keys are made here from start_m (plus its zero), since held
+            # across the loop they would spill
+            rows = start_m + offs_m
+            key_lo = rows
+            if BOUNDED:
+                key_lo = gl.load(KEY_LO + rows, mask=rows < T, other=0)
+            cols = (start_n + gl.minimum(start_m, 0)) + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            p = gl.where(visible(rows, cols, T, S, key_lo, CAUSAL, BOUNDED), p, 0.0)
+        p_smem.store(p.to(dtype))
+        fence_async_shared()  # the wgmmas read what every warp wrote (and the barrier: the last
+        gl.thread_barrier()  # step's dK has read dS in both warpgroups)
+        # -- dV += P^T dO, in flight while dS is made --
+        dv = warpgroup_mma(p_smem.permute((1, 0)), do_t, dv, is_async=True)
+        # -- dS = P (dP - delta): the dQ share dS K from registers; dK += dS^T Q from shared memory --
+        delta = delta_smem.index(stage).reshape([BLOCK_M]).load(row_layout)
+        dp = warpgroup_mma_wait(1, deps=[dp])
+        ds = (p * (dp - delta[:, None])).to(dtype)
+        dq = warpgroup_mma(gl.convert_layout(ds, a_layout), k_smem, zero_q, use_acc=False, is_async=True)
+        ds_smem.store(ds)
+        fence_async_shared()
+        gl.thread_barrier()
+        dk = warpgroup_mma(ds_smem.permute((1, 0)), q_t, dk, is_async=True)
+        # -- the dQ share to the writer while dK runs --
+        dv, dq = warpgroup_mma_wait(1, deps=[dv, dq])
+        _hand_dq(j, dq, buffers.dq_smem, buffers.dq_full, buffers.dq_empty)  # its barrier: P is read
+        dk = warpgroup_mma_wait(0, deps=[dk])
+        mbarrier.arrive(buffers.empty.index(stage), count=1)  # Q and dO are read: the producer may refill
+    _store_dkv(dk, dv, outs, program.off_b, program.off_hkv, start_n, S)
 
 
 @gluon.jit
@@ -254,13 +315,14 @@ def _bwd_kernel(
     aux_desc,  # of (B, H, 2, T_pad) fp32: LSE * log2(e) and delta = rowsum(dO * O), zero past T
     dqacc_desc,  # of (B, H, T, D) fp32, zeroed: the dQ shares added so far
     SEM,  # (B, H, cdiv(T, BLOCK_M)) int32, zeroed: how many writer lanes have released a share per Q block
-    ROW_HI,  # (B, S) int32: one past the last query that sees each key (BOUNDED: documents, a window)
+    ROW_HI, KEY_LO,  # (B, S), (B, T) int32 (BOUNDED: documents, a window): one past the last query that
+    # sees each key; each query's first key
     DK, DV,  # outputs, (B, H_kv, S, D) with these strides (head dim contiguous)
     dk_strides, dv_strides,  # each (batch, head, key)
     H, GROUP, T, S,
     sm_scale, qk_scale,  # softmax_scale, and softmax_scale * log2(e)
     CAUSAL: gl.constexpr, BOUNDED: gl.constexpr, DETERMINISTIC: gl.constexpr, BLOCK_M: gl.constexpr,
-    STAGES: gl.constexpr, OVERLAP: gl.constexpr, WORKER_REGS: gl.constexpr, num_warps: gl.constexpr,
+    STAGES: gl.constexpr, BY_ROWS: gl.constexpr, WORKER_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
     dtype: gl.constexpr = q_desc.dtype
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
@@ -271,18 +333,21 @@ def _bwd_kernel(
     off_b = gl.program_id(2)
     # the Q blocks that see this key block, per query head: m_lo .. m_hi - 1
     m_lo, m_hi, row_hi, full_hi = q_blocks(ROW_HI, off_b, n, T, S, CAUSAL, BOUNDED, BLOCK_M, BLOCK_N)
+    key_lo = KEY_LO + off_b.to(gl.int64) * T
     steps = m_hi - m_lo
 
     m_tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
     n_tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
-    ds_tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
+    # two tiles: by rows P and dS, (BLOCK_M, BLOCK_N); by keys dS^T, (BLOCK_N, BLOCK_M), twice
+    ds_shape: gl.constexpr = [BLOCK_M, BLOCK_N] if BY_ROWS else [BLOCK_N, BLOCK_M]
+    ds_tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for(ds_shape, dtype)
     k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], n_tile)
     v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], n_tile)
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], m_tile)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], m_tile)
     lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, 1, 1, BLOCK_M], aux_desc.layout)
     delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, 1, 1, BLOCK_M], aux_desc.layout)
-    ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_tile)
+    ds_smem = gl.allocate_shared_memory(dtype, [2] + ds_shape, ds_tile)
     dq_smem = gl.allocate_shared_memory(gl.float32, [2, 1, 1, BLOCK_M, HEAD_DIM], dqacc_desc.layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -303,11 +368,18 @@ def _bwd_kernel(
     program = BwdProgram(off_b, off_hkv, n, n_blocks, m_lo, steps, H, GROUP, T, S)
     outs = (DK, DV, dk_strides, dv_strides, sm_scale, qk_scale)
     # -- the partitions: the matmul warpgroups in the kernel's own warps, the producer and the dQ writer beside --
-    gl.warp_specialize([(_bwd_consume, (io, buffers, program, outs, (row_hi, full_hi), CAUSAL, BOUNDED, OVERLAP,
-                                         num_warps)),
-                        (_bwd_produce, (io, buffers, program)),
-                        (_bwd_write_dq, (io, buffers, program, SEM, CAUSAL, DETERMINISTIC))],
-                       [1, 1], [WORKER_REGS, WORKER_REGS])
+    if BY_ROWS:
+        gl.warp_specialize([(_bwd_consume_rows, (io, buffers, program, outs, (row_hi, full_hi, key_lo), CAUSAL, BOUNDED,
+                                                 num_warps)),
+                            (_bwd_produce, (io, buffers, program)),
+                            (_bwd_write_dq, (io, buffers, program, SEM, CAUSAL, DETERMINISTIC))],
+                           [1, 1], [WORKER_REGS, WORKER_REGS])
+    else:
+        gl.warp_specialize([(_bwd_consume, (io, buffers, program, outs, (row_hi, full_hi, key_lo), CAUSAL, BOUNDED,
+                                            num_warps)),
+                            (_bwd_produce, (io, buffers, program)),
+                            (_bwd_write_dq, (io, buffers, program, SEM, CAUSAL, DETERMINISTIC))],
+                           [1, 1], [WORKER_REGS, WORKER_REGS])
 
 
 # --------------------------------------------------------------------------------------------
@@ -352,28 +424,31 @@ def _buffers(q, block_m: int, device) -> tuple:
     return aux, dq_acc, zeroed[n_acc:].view(torch.int32).view(B, H, m_blocks)
 
 
-def _launch(do, q, k, v, o, lse, dk, dv, row_hi: torch.Tensor | None, causal: bool, scale: float,
-            deterministic: bool = True, overlap: bool = False, warmup: bool = False):
+def _bound_tensors(bounds: Bounds | None, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row_hi, key_lo) for the kernel: lse stands in for both where there are no bounds (unread)."""
+    return (lse, lse) if bounds is None else (bounds.row_hi, bounds.key_lo)
+
+
+def _launch(do, q, k, v, o, lse, dk, dv, bounds: Bounds | None, causal: bool, scale: float,
+            deterministic: bool = True, warmup: bool = False):
     """Launches the backward (its LSE and delta pass first) through Triton's front door; returns
     the fp32 dQ accumulator, unscaled, and the two launches bound for later calls of this layout
-    (or, with warmup, only compiles the backward kernel and returns it). row_hi: as backward's;
-    overlap: config.bwd_overlap's."""
+    (or, with warmup, only compiles the backward kernel and returns it). bounds: as backward's."""
     (B, H, T, D), (H_kv, S) = q.shape, k.shape[1:3]
-    tiles = config.BWD_TILES[D]
+    tiles = config.bwd_tiles(D)
     aux, dq_acc, sem = _buffers(q, tiles.block_m, "cpu" if warmup else q.device)
     t_pad = aux.shape[3]
     aux_grid = (triton.cdiv(t_pad, 64), H, B)
     aux_args = (o, do, lse, aux, o.stride()[:3], do.stride()[:3], H, T, t_pad, D, 64)  # ..., HEAD_DIM, BLOCK
     if not warmup:
         aux_bound = bind(_lse_delta_kernel, _lse_delta_kernel[aux_grid](*aux_args), aux_grid, aux_args, {})
-    bounded = row_hi is not None
-    row_hi = lse if row_hi is None else row_hi  # lse stands in for absent bounds: unread
+    row_hi, key_lo = _bound_tensors(bounds, lse)
     args = (descriptor(q, [1, 1, tiles.block_m, D]), descriptor(k, [1, 1, tiles.block_n, D]),
             descriptor(v, [1, 1, tiles.block_n, D]), descriptor(do, [1, 1, tiles.block_m, D]),
-            descriptor(aux, [1, 1, 1, tiles.block_m]), descriptor(dq_acc, [1, 1, tiles.block_m, D]), sem, row_hi,
+            descriptor(aux, [1, 1, 1, tiles.block_m]), descriptor(dq_acc, [1, 1, tiles.block_m, D]), sem, row_hi, key_lo,
             dk, dv, dk.stride()[:3], dv.stride()[:3], H, H // H_kv, T, S, scale, scale * LOG2E.value)
-    options = dict(CAUSAL=causal, BOUNDED=bounded, DETERMINISTIC=deterministic, BLOCK_M=tiles.block_m,
-                   STAGES=tiles.stages, OVERLAP=overlap, WORKER_REGS=config.WORKER_REGS,
+    options = dict(CAUSAL=causal, BOUNDED=bounds is not None, DETERMINISTIC=deterministic, BLOCK_M=tiles.block_m,
+                   STAGES=tiles.stages, BY_ROWS=tiles.by_rows, WORKER_REGS=config.WORKER_REGS,
                    num_warps=config.BWD_WARPS,
                    maxnreg=config.bwd_maxnreg())
     grid = (triton.cdiv(S, tiles.block_n), H_kv, B)
@@ -386,32 +461,31 @@ def _launch(do, q, k, v, o, lse, dk, dv, row_hi: torch.Tensor | None, causal: bo
 _BOUND: dict[tuple, tuple[Bound, Bound]] = {}
 
 
-def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, row_hi: torch.Tensor | None = None,
+def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, bounds: Bounds | None = None,
              deterministic: bool = True) -> None:
     """Writes dq, dk, dv (shaped like q, k, v; head dim contiguous) from the forward's o and lse
-    ((B, H, T) fp32, contiguous). row_hi: None, or (B, S) int32 contiguous (causal only), one past
-    the last query that sees each key, to attend within documents or a window (kernels/masking.py's
-    Bounds.row_hi). deterministic: dQ's shares added in a fixed order (the same bits every run), or
+    ((B, H, T) fp32, contiguous). bounds: None, or (causal only) kernels/masking.py's Bounds, to
+    attend within documents or a window. deterministic: dQ's shares added in a fixed order (the same bits every run), or
     in the order they come (not)."""
     # the LSE-delta kernel is compiled for o, do and lse as aligned (or not) as the first call's
-    overlap = config.bwd_overlap(q.shape[3])
-    layout = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), do.stride(), o.stride(), dk.stride(), dv.stride(),
-              q.dtype, q.device.index, causal, row_hi is None, deterministic, overlap, scale,
-              *(t.data_ptr() % 16 == 0 for t in (o, do, lse, lse if row_hi is None else row_hi)))
+    tiles = config.bwd_tiles(q.shape[3])
+    layout = (tiles, q.shape, q.stride(), k.shape, k.stride(), v.stride(), do.stride(), o.stride(), dk.stride(), dv.stride(),
+              q.dtype, q.device.index, causal, bounds is None, deterministic, scale,
+              *(t.data_ptr() % 16 == 0 for t in (o, do, lse, *_bound_tensors(bounds, lse))))
     if bound := _BOUND.get(layout):
         aux_bound, bwd_bound = bound
-        aux, dq_acc, sem = _buffers(q, config.BWD_TILES[q.shape[3]].block_m, q.device)
+        aux, dq_acc, sem = _buffers(q, tiles.block_m, q.device)
         aux_bound(o, do, lse, aux)
-        bwd_bound(q, k, v, do, aux, dq_acc, sem, lse if row_hi is None else row_hi, dk, dv)
+        bwd_bound(q, k, v, do, aux, dq_acc, sem, *_bound_tensors(bounds, lse), dk, dv)
     else:
-        dq_acc, _BOUND[layout] = _launch(do, q, k, v, o, lse, dk, dv, row_hi, causal, scale, deterministic, overlap)
+        dq_acc, _BOUND[layout] = _launch(do, q, k, v, o, lse, dk, dv, bounds, causal, scale, deterministic)
     torch.mul(dq_acc, scale, out=dq)  # rows that see no key (causal, T > S) got no share: zero
 
 
 def compile_only(do, q, k, v, causal: bool, bounded: bool = False):
     """The compiled kernel for these inputs' layout, without launching it (kernels/runtime/sm90.py)."""
-    B, H, T, _ = q.shape
+    (B, H, T, _), S = q.shape, k.shape[2]
     lse = torch.empty((B, H, T), dtype=torch.float32)
-    row_hi = torch.empty((B, k.shape[2]), dtype=torch.int32) if bounded else None
+    bounds = Bounds(torch.empty((B, T), dtype=torch.int32), torch.empty((B, S), dtype=torch.int32)) if bounded else None
     return _launch(do, q, k, v, torch.empty_like(q), lse, torch.empty_like(k), torch.empty_like(v),
-                   row_hi, causal, q.shape[3] ** -0.5, overlap=config.bwd_overlap(q.shape[3]), warmup=True)
+                   bounds, causal, q.shape[3] ** -0.5, warmup=True)

@@ -15,11 +15,9 @@ import torch
 TRITON = "3.6."  # the triton release whose Gluon the kernels are written in
 CAPABILITY = (9, 0)  # sm_90: H100, H200 (wgmma, TMA, warp specialization)
 DTYPES = (torch.float16, torch.bfloat16)
-# unset FLASH_ATTENTION_BACKEND: from MIN_SEQ queries on, the forward runs here wherever it can,
-# and the backward at the head dims where it is the faster (the Triton backward at 64); below
-# MIN_SEQ, where host time per call decides, the portable kernels
+# unset FLASH_ATTENTION_BACKEND: from MIN_SEQ queries on, both directions run here wherever they
+# can; below MIN_SEQ, where host time per call decides, the portable kernels
 MIN_SEQ = 2048
-BACKWARD_HEAD_DIMS = (128,)
 
 
 class FwdTiles(NamedTuple):
@@ -32,6 +30,8 @@ class BwdTiles(NamedTuple):
     block_m: int  # query rows per step
     block_n: int  # keys per program
     stages: int  # depth of the Q/dO ring
+    by_rows: bool = False  # S = Q K^T by query rows, P and dS through shared memory; else S^T =
+    # K Q^T by keys, P^T and dS^T kept in registers as dV's and dK's A operands (64 rows at most)
 
 
 FWD_ROWS = 64  # query rows per consumer warpgroup: one wgmma M
@@ -40,9 +40,12 @@ FWD_ROWS = 64  # query rows per consumer warpgroup: one wgmma M
 FWD_LONG = 2048
 FWD_TILES = {64: (FwdTiles(2, 128, 3), FwdTiles(3, 128, 3)),
              128: (FwdTiles(2, 128, 3), FwdTiles(2, 128, 3))}
-BWD_TILES = {64: BwdTiles(64, 128, 3), 128: BwdTiles(64, 128, 2)}
+# by rows at D = 64 (1.04-1.14x the by-keys tiles, perf-notes v18); at 128, 128-row tiles by rows
+# would not fit shared memory
+BWD_TILES = {64: BwdTiles(128, 128, 2, by_rows=True), 128: BwdTiles(64, 128, 2)}
+BWD_BY_KEYS = {64: BwdTiles(64, 128, 3)}  # FLASH_ATTENTION_BWD_BLOCK_M=64: the tiles before v18
 HEAD_DIMS = tuple(FWD_TILES)
-BWD_WARPS = 8  # the backward's matmul warps: two warpgroups, one wgmma M of BLOCK_N keys
+BWD_WARPS = 8  # the backward's matmul warps: two warpgroups
 
 # Registers are shared out per warpgroup, 64K in all. The 1-warp workers (the forward's producer;
 # the backward's producer and dQ writer, together in one warpgroup) only issue TMA copies, wait
@@ -66,6 +69,19 @@ def fwd_tiles(head_dim: int, seq_len: int) -> FwdTiles:
     return tiles._replace(stages=int(stages)) if stages else tiles
 
 
+def bwd_tiles(head_dim: int) -> BwdTiles:
+    """The backward's tiles: BWD_TILES', or with FLASH_ATTENTION_BWD_BLOCK_M=64 at BWD_BY_KEYS' head
+    dims, 64 query rows a step by keys."""
+    tiles = BWD_TILES[head_dim]
+    block_m = _variant(BWD_BLOCK_M_VARIABLE, ("64", "128"))
+    if block_m and int(block_m) != tiles.block_m:
+        if head_dim not in BWD_BY_KEYS:
+            raise ValueError(f"{BWD_BLOCK_M_VARIABLE}={block_m}: at head dim {head_dim} the backward takes "
+                             f"{tiles.block_m} query rows a step")
+        tiles = BWD_BY_KEYS[head_dim]
+    return tiles
+
+
 def fwd_registers(consumers: int) -> tuple[int, int]:
     """(maxnreg, consumer registers) of the forward: the producer's warp takes a warpgroup slot at
     WORKER_REGS; the consumers split the rest, the default partition (consumer 0) getting what
@@ -83,9 +99,9 @@ def bwd_maxnreg() -> int:
 # schedule variants, read per call
 
 FWD_ORDER_VARIABLE = "FLASH_ATTENTION_FWD_ORDER"  # heads: the forward's programs head by head (unset: l2)
-BWD_STEP_VARIABLE = "FLASH_ATTENTION_BWD_STEP"  # overlap: the next step's S^T, dP^T issued before this one's waits
 FWD_OVERLAP_VARIABLE = "FLASH_ATTENTION_FWD_OVERLAP"  # 1 / 0: block j-1's P V during block j's softmax, or not
 FWD_STAGES_VARIABLE = "FLASH_ATTENTION_FWD_STAGES"  # the forward's K/V ring depth (unset: FWD_TILES')
+BWD_BLOCK_M_VARIABLE = "FLASH_ATTENTION_BWD_BLOCK_M"  # 64 at D = 64: the backward by keys (unset: by rows)
 L2_BYTES = 50 * 1024 * 1024  # the H100's L2: a section's K and V stay in it while its programs run
 
 
@@ -105,19 +121,6 @@ def fwd_section(heads: int, group: int, seq_k: int, head_dim: int, itemsize: int
         return 0
     kv_heads = max(1, L2_BYTES // (2 * seq_k * head_dim * itemsize))
     return min(kv_heads * group, heads)
-
-
-# the head dims where FLASH_ATTENTION_BWD_STEP=overlap applies: at 128 the next step's S^T and
-# dP^T in flight beside dK, dV and dQ would need 224 of the 240 accumulator registers, and ptxas
-# serializes every wgmma for want of registers (with S^T alone too)
-BWD_OVERLAP_HEAD_DIMS = (64,)
-
-
-def bwd_overlap(head_dim: int) -> bool:
-    """FLASH_ATTENTION_BWD_STEP: unset, a step waits for its own dV, dK and dQ before the next
-    step's S^T = K Q^T and dP^T = V dO^T are issued; overlap, they are issued before that wait
-    (at BWD_OVERLAP_HEAD_DIMS)."""
-    return _variant(BWD_STEP_VARIABLE, ("overlap",)) == "overlap" and head_dim in BWD_OVERLAP_HEAD_DIMS
 
 
 # the head dims where the forward overlaps P V with the next block's softmax unless
