@@ -3,7 +3,8 @@ in Gluon (kernels/hopper/), per direction, from the inputs, the card and two env
 and why a kernel cannot run (unsupported, the one place that says so).
 
 FLASH_ATTENTION_BACKEND: unset, by length, the faster kernels measured on the H100 (the Hopper
-kernels from kernels/hopper/config.py's MIN_SEQ queries on); triton, the portable kernels only; gluon, the Hopper kernels both ways, or a ValueError saying why not.
+kernels from kernels/hopper/config.py's MIN_SEQ queries on); triton, the portable kernels only;
+gluon, the Hopper kernels both ways, or a ValueError saying why not.
 FLASH_ATTENTION_DETERMINISTIC: "1" (unset) or "0": whether the Gluon backward adds dQ's shares in
 a fixed order (the same bits every run) or as they come (not reproducible, and no faster:
 docs/perf-notes.md v13); the Triton backward has no atomics to order.
@@ -118,6 +119,8 @@ def backends(head_dim: int, dtype: torch.dtype, device: torch.device, seq_len: i
     FLASH_ATTENTION_DETERMINISTIC value it cannot take, or gluon where it cannot run."""
     deterministic()  # a bad value fails here, before training starts
     why = unsupported(head_dim, dtype, device, "gluon")
+    if why is None:
+        hopper.bwd_tiles(head_dim)  # and a backward tile choice this head dim does not have
     if why and backend() == "gluon":
         raise ValueError(f"{BACKEND_VARIABLE}=gluon: the Hopper kernels cannot run this model's attention: {why}")
     return {direction: "gluon" if why is None and _gluon_wanted(seq_len) else "triton"

@@ -35,16 +35,18 @@ FWD, BACKEND, BLOCK_M = hopper.FWD_ORDER_VARIABLE, backends.BACKEND_VARIABLE, ho
 OVERLAP, STAGES = hopper.FWD_OVERLAP_VARIABLE, hopper.FWD_STAGES_VARIABLE
 # the ring's depth before v17 (3 at D 64, 2 at D 128), and a row's value per head dim where it differs
 RING = {64: "3", 128: "2"}
-BEFORE = {BACKEND: "", FWD: "heads", OVERLAP: "0", STAGES: RING, BLOCK_M: ""}
-# (group, label, environment); a group's first row is what its others are compared with
+UNSET = {BACKEND: "", FWD: "", OVERLAP: "", STAGES: "", BLOCK_M: ""}  # every row sets every variable
+BEFORE = {**UNSET, FWD: "heads", OVERLAP: "0", STAGES: RING}
+# (group, label, environment); a group's first row is what its others are compared with; the
+# backward's rows force the Hopper kernels (unset, shorter sequences than MIN_SEQ run Triton's)
 VARIANTS = [("default", "before", BEFORE),
             ("default", "fwd_order=l2", {**BEFORE, FWD: "l2"}),
             ("default", "l2 + fwd_overlap=1", {**BEFORE, FWD: "l2", OVERLAP: "1"}),
             ("default", "l2 + fwd_stages=3", {**BEFORE, FWD: "l2", STAGES: "3"}),
             ("default", "l2 + overlap=1 + stages=3", {**BEFORE, FWD: "l2", OVERLAP: "1", STAGES: "3"}),
-            ("backward", "bwd_block_m=64 (by keys)", {BACKEND: "", BLOCK_M: "64"}),
-            ("backward", "by rows (the default)", {BACKEND: ""}),
-            ("backward", "triton (portable) both ways", {BACKEND: "triton"})]
+            ("backward", "bwd_block_m=64 (by keys)", {**UNSET, BACKEND: "gluon", BLOCK_M: "64"}),
+            ("backward", "by rows (the default)", {**UNSET, BACKEND: "gluon"}),
+            ("backward", "triton (portable) both ways", {**UNSET, BACKEND: "triton"})]
 BACKWARD_AT = tuple(hopper.BWD_BY_KEYS)  # elsewhere the backward has one form: its rows add nothing
 
 
@@ -54,7 +56,8 @@ def cudnn(q, k, v):
 
 
 def peers(D: int, group: str) -> list:
-    """(group, label, environment, fn) of the peers: compared with that group's first row."""
+    """(group, label, environment, fn) of the peers: compared with that group's first row (the
+    last group timed at D: the backward's at BACKWARD_AT)."""
     rows = [(group, "cudnn", {}, cudnn)]
     if (why := fa4_unsupported(D, torch.bfloat16, torch.device("cuda"))) is None:
         rows += [(group, "fa4", {}, fa4_attention),
@@ -88,7 +91,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     if bad := [D for D in args.head_dims if D not in hopper.HEAD_DIMS]:
         p.error(f"--head-dims {bad[0]}: the Hopper kernels take {', '.join(map(str, hopper.HEAD_DIMS))}")
-    groups = args.groups.split(",")
+    groups = [g.strip() for g in args.groups.split(",")]
     if bad := sorted(set(groups) - {g for g, _, _ in VARIANTS}):
         p.error(f"--groups {bad[0]}: use default or backward")
     require_cuda("bench_variants.py")

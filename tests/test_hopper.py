@@ -122,12 +122,11 @@ def test_backends_say_which_kernels_run(monkeypatch):
     assert "CUDA GPUs only" in backends.unsupported(64, BF16, cpu, "gluon")
     if SM90 and GLUON:
         gpu = torch.device("cuda")
-        # unset: from MIN_SEQ queries on, the Gluon forward where it covers the inputs, the
-        # Gluon backward at head dim 128 and the Triton backward at 64, the faster of each;
-        # the Triton kernels below it, where host time decides
+        # unset: from MIN_SEQ queries on, the Gluon kernels where they cover the inputs, the
+        # faster; the Triton kernels below it, where host time decides
         long, short = hopper.MIN_SEQ, hopper.MIN_SEQ - 1
         assert backends.backends(128, BF16, gpu, long) == {"forward": "gluon", "backward": "gluon"}
-        assert backends.backends(64, BF16, gpu, long) == {"forward": "gluon", "backward": "triton"}
+        assert backends.backends(64, BF16, gpu, long) == {"forward": "gluon", "backward": "gluon"}
         assert backends.backends(128, BF16, gpu, short) == {"forward": "triton", "backward": "triton"}
         assert backends.backends(80, BF16, gpu, long) == {"forward": "triton", "backward": "triton"}
         monkeypatch.setenv(backends.BACKEND_VARIABLE, "triton")
@@ -288,9 +287,11 @@ def test_gluon_forward_never_reads_keys_past_its_rows(D, monkeypatch):
 @pytest.mark.gpu
 @sm90
 @pytest.mark.parametrize("mask", ["causal", "full", "documents", "window"])
-def test_gluon_backward_is_bit_identical_over_100_runs(mask, gluon):
+@pytest.mark.parametrize("D", [64, 128])
+def test_gluon_backward_is_bit_identical_over_100_runs(D, mask, gluon):
     # the dQ shares are added in a fixed order; unordered atomics would differ within a few runs
-    q, k, v, do = _make_inputs(f"gluon-determinism-{mask}", 2, 8, 2, 2048, 2048, 128, BF16, "packed", "cuda")
+    q, k, v, do = _make_inputs(f"gluon-determinism-{mask}-{D}", 2, 1024 // D, 2, 2048, 2048, D, BF16, "packed",
+                               "cuda")
     doc_ids = _doc_ids([[300, 1, 900, 847], [2048]], "cuda") if mask == "documents" else None
     o = flash_attention(q, k, v, causal=mask != "full", doc_ids=doc_ids, window=700 if mask == "window" else 0)
     first = torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
@@ -348,11 +349,12 @@ def test_gluon_under_inductor_fullgraph(backend):
 @pytest.mark.gpu
 @sm90
 @pytest.mark.parametrize("documents", [False, True], ids=["causal", "documents"])
-def test_gluon_later_launches_use_the_new_tensors(documents, gluon):
+@pytest.mark.parametrize("D", [64, 128])
+def test_gluon_later_launches_use_the_new_tensors(D, documents, gluon):
     # the first call per layout goes through Triton's front door; later calls launch the compiled
     # kernels with descriptors rebuilt from the new tensors' addresses (and the new documents')
     from kernels.hopper import bwd, fwd
-    a, b = (_make_inputs(f"gluon-rebind-{name}", 1, 4, 2, 1000, 1000, 128, BF16, "bthd", "cuda") for name in "ab")
+    a, b = (_make_inputs(f"gluon-rebind-{name}-{D}", 1, 4, 2, 1000, 1000, D, BF16, "bthd", "cuda") for name in "ab")
     doc_ids = _doc_ids([[300, 1, 699]], "cuda") if documents else None
 
     def run(q, k, v, do):

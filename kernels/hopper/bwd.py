@@ -3,10 +3,12 @@ kernel of 5 matmuls per tile pair (the portable kernels/triton/bwd.py runs 7, in
 
 One program owns a K/V block (BLOCK_N keys of one kv head) and streams every Q/dO block that
 sees it, of every query head of its group: a producer warp issues the TMA copies into a
-STAGES-deep ring, two matmul warpgroups compute S^T = K Q^T, P^T from the forward's LSE,
-dP^T = V dO^T, dV += P^T dO, dK += dS^T Q and a dQ share dS K, and a dQ-writer warp adds each
+STAGES-deep ring, two matmul warpgroups compute S = Q K^T, P from the forward's LSE,
+dP = dO V^T, dV += P^T dO, dK += dS^T Q and a dQ share dS K, and a dQ-writer warp adds each
 share to an fp32 accumulator with one TMA reduce-add: in a fixed order, so that dQ has the same
 bits every run (deterministic), or as the shares come. dK and dV stay in registers to the end.
+The matmul warpgroups hold a step one of two ways round (config.BwdTiles.by_rows): by rows
+(_bwd_consume_rows, D = 64) or by keys, transposed (_bwd_consume, D = 128).
 A Triton pass first lays out LSE * log2(e) and delta = rowsum(dO * O) for TMA; a last one scales
 dQ. docs/flash-attention.md derives the products and the order; tiles: kernels/hopper/config.py.
 """
@@ -117,7 +119,7 @@ def _bwd_write_dq(io, buffers, program, SEM, CAUSAL: gl.constexpr, DETERMINISTIC
 
 
 @gluon.jit
-def _bwd_consume(io, buffers, program, outs, row_bounds, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr,
+def _bwd_consume(buffers, program, outs, row_bounds, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr,
                  NUM_WARPS: gl.constexpr):
     """The matmul warps with S^T by keys (two warpgroups, one wgmma M of BLOCK_N keys; BLOCK_M = 64
     at D = 128): the five products of every step, P^T and dS^T kept in registers as dV's and dK's
@@ -202,7 +204,7 @@ def _hand_dq(j, dq, dq_smem, dq_full, dq_empty):
     mbarrier.wait(dq_empty.index(buf), ((j // 2) & 1) ^ 1)
     dq_smem.index(buf).reshape([BLOCK_M, HEAD_DIM]).store(dq)
     fence_async_shared()  # the writer's TMA reads what these threads wrote
-    gl.thread_barrier()  # every warp's part is written (and, by rows, every warp's reads of P and dS done)
+    gl.thread_barrier()  # every warp's part is written (and, by rows, every warp's dV is done: P is read)
     mbarrier.arrive(dq_full.index(buf), count=1)
 
 
@@ -226,7 +228,7 @@ def _store_dkv(dk, dv, outs, off_b, off_hkv, start_n, S):
 
 
 @gluon.jit
-def _bwd_consume_rows(io, buffers, program, outs, row_bounds, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr,
+def _bwd_consume_rows(buffers, program, outs, row_bounds, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr,
                       NUM_WARPS: gl.constexpr):
     """The matmul warps with S by query rows (128 x 128 tiles at D = 64): each warpgroup computes S =
     Q K^T and dP = dO V^T for 64 of the step's query rows against all BLOCK_N keys. dV += P^T dO
@@ -279,8 +281,8 @@ def _bwd_consume_rows(io, buffers, program, outs, row_bounds, CAUSAL: gl.constex
         p = gl.exp2(st * qk_scale - lse[:, None])
         if tile_masked(start_m, start_n, past_s, full_hi, T, S, CAUSAL, BOUNDED, BLOCK_M, BLOCK_N):
             # masked as the forward masks, by each row's first key: 2 a thread, where each key's
-            # row_hi would be 32; the keys are made here from start_m (plus its zero), since held
-            # across the loop they would spill
+            # row_hi would be 32. The keys are rebuilt each step from gl.minimum(start_m, 0), which
+            # is 0 but ties them to the loop: hoisted out of it, 32 a thread, they would spill
             rows = start_m + offs_m
             key_lo = rows
             if BOUNDED:
@@ -367,15 +369,16 @@ def _bwd_kernel(
                          dq_full, dq_empty)
     program = BwdProgram(off_b, off_hkv, n, n_blocks, m_lo, steps, H, GROUP, T, S)
     outs = (DK, DV, dk_strides, dv_strides, sm_scale, qk_scale)
-    # -- the partitions: the matmul warpgroups in the kernel's own warps, the producer and the dQ writer beside --
+    # -- the partitions: the matmul warpgroups in the kernel's own warps, the producer and the dQ writer beside
+    # (twice: warp_specialize takes a function by name, not one chosen at compile time) --
     if BY_ROWS:
-        gl.warp_specialize([(_bwd_consume_rows, (io, buffers, program, outs, (row_hi, full_hi, key_lo), CAUSAL, BOUNDED,
+        gl.warp_specialize([(_bwd_consume_rows, (buffers, program, outs, (row_hi, full_hi, key_lo), CAUSAL, BOUNDED,
                                                  num_warps)),
                             (_bwd_produce, (io, buffers, program)),
                             (_bwd_write_dq, (io, buffers, program, SEM, CAUSAL, DETERMINISTIC))],
                            [1, 1], [WORKER_REGS, WORKER_REGS])
     else:
-        gl.warp_specialize([(_bwd_consume, (io, buffers, program, outs, (row_hi, full_hi, key_lo), CAUSAL, BOUNDED,
+        gl.warp_specialize([(_bwd_consume, (buffers, program, outs, (row_hi, full_hi, key_lo), CAUSAL, BOUNDED,
                                             num_warps)),
                             (_bwd_produce, (io, buffers, program)),
                             (_bwd_write_dq, (io, buffers, program, SEM, CAUSAL, DETERMINISTIC))],
@@ -445,8 +448,8 @@ def _launch(do, q, k, v, o, lse, dk, dv, bounds: Bounds | None, causal: bool, sc
     row_hi, key_lo = _bound_tensors(bounds, lse)
     args = (descriptor(q, [1, 1, tiles.block_m, D]), descriptor(k, [1, 1, tiles.block_n, D]),
             descriptor(v, [1, 1, tiles.block_n, D]), descriptor(do, [1, 1, tiles.block_m, D]),
-            descriptor(aux, [1, 1, 1, tiles.block_m]), descriptor(dq_acc, [1, 1, tiles.block_m, D]), sem, row_hi, key_lo,
-            dk, dv, dk.stride()[:3], dv.stride()[:3], H, H // H_kv, T, S, scale, scale * LOG2E.value)
+            descriptor(aux, [1, 1, 1, tiles.block_m]), descriptor(dq_acc, [1, 1, tiles.block_m, D]), sem, row_hi,
+            key_lo, dk, dv, dk.stride()[:3], dv.stride()[:3], H, H // H_kv, T, S, scale, scale * LOG2E.value)
     options = dict(CAUSAL=causal, BOUNDED=bounds is not None, DETERMINISTIC=deterministic, BLOCK_M=tiles.block_m,
                    STAGES=tiles.stages, BY_ROWS=tiles.by_rows, WORKER_REGS=config.WORKER_REGS,
                    num_warps=config.BWD_WARPS,
@@ -469,8 +472,8 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, bounds
     in the order they come (not)."""
     # the LSE-delta kernel is compiled for o, do and lse as aligned (or not) as the first call's
     tiles = config.bwd_tiles(q.shape[3])
-    layout = (tiles, q.shape, q.stride(), k.shape, k.stride(), v.stride(), do.stride(), o.stride(), dk.stride(), dv.stride(),
-              q.dtype, q.device.index, causal, bounds is None, deterministic, scale,
+    layout = (tiles, q.shape, q.stride(), k.shape, k.stride(), v.stride(), do.stride(), o.stride(), dk.stride(),
+              dv.stride(), q.dtype, q.device.index, causal, bounds is None, deterministic, scale,
               *(t.data_ptr() % 16 == 0 for t in (o, do, lse, *_bound_tensors(bounds, lse))))
     if bound := _BOUND.get(layout):
         aux_bound, bwd_bound = bound

@@ -102,8 +102,8 @@ class BwdIO:
 @aggregate
 class BwdBuffers:
     """Shared memory and its barriers: the program's K and V (kv_bar: loaded); the STAGES-deep ring
-    of Q, dO, LSE and delta (ready, empty); dS^T, twice; the dQ shares on their way to the writer
-    (dq_full, dq_empty), twice."""
+    of Q, dO, LSE and delta (ready, empty); ds_smem, two tiles: by keys dS^T, twice, by rows P and
+    dS; the dQ shares on their way to the writer (dq_full, dq_empty), twice."""
     k_smem: gl.shared_memory_descriptor
     v_smem: gl.shared_memory_descriptor
     q_smem: gl.shared_memory_descriptor
