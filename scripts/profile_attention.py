@@ -66,7 +66,8 @@ def main() -> None:
     require_divisors(p, "--head-dims", args.head_dims, args.width, "--width", "H·D")
     require_divisors(p, "--seq-lens", args.seq_lens, args.tokens, "--tokens", "B·T")
     require_cuda("profile_attention.py")
-    print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | us of GPU time per forward+backward step")
+    print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | us of GPU time per forward+backward step",
+          flush=True)  # each row as it comes, not when the buffer fills
     attentions = ATTENTIONS if fa4_skipped(args.head_dims) else {**ATTENTIONS, "fa4": TRAINED["fa4"].fn}
     for D in args.head_dims:
         for T in args.seq_lens:
@@ -76,11 +77,11 @@ def main() -> None:
             for name, attn in attentions.items():
                 times = kernel_us(attn, *inputs, args.steps)
                 totals[name] = sum(times.values())
-                print(f"\nD = {D}, T = {T} (B = {B}, H = {H}), {name}: {totals[name]:,.0f} us")
+                print(f"\nD = {D}, T = {T} (B = {B}, H = {H}), {name}: {totals[name]:,.0f} us", flush=True)
                 for kernel, us in times.items():
-                    print(f"  {us:9,.0f}  {kernel[:100]}")
+                    print(f"  {us:9,.0f}  {kernel[:100]}", flush=True)
             print(f"\nD = {D}, T = {T}: " + ", ".join(f"ours / {name} GPU time {totals['ours'] / totals[name]:.3f}"
-                                                    for name in totals if name != "ours"))
+                                                    for name in totals if name != "ours"), flush=True)
 
 
 if __name__ == "__main__":
