@@ -19,12 +19,12 @@ import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                              warpgroup_mma_init, warpgroup_mma_wait)
+                                                              warpgroup_mma_wait)
 
 from kernels.hopper import config
 from kernels.hopper.blocks import descriptor, dq_layout, last_kv_block, q_blocks, tile_masked, visible, visible_t
-from kernels.masking import Bounds
 from kernels.hopper.pipeline import BwdBuffers, BwdIO, BwdProgram, bulk_done, load_acquire, tma_add
+from kernels.masking import Bounds
 from kernels.runtime.launch import Bound, bind
 from kernels.triton.blocks import LOG2E
 # --------------------------------------------------------------------------------------------
