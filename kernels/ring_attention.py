@@ -1,14 +1,15 @@
 """Ring attention: causal attention over one sequence split across the ranks of a process group.
 
-Each of the N ranks holds T/N tokens of q, k and v, never the whole sequence; the K/V shards travel around the ring (rank r sends to r + 1, receives from r - 1) while each rank runs
-our FlashAttention kernels on the block in hand, and the next transfer is in flight during that
+Each of the N ranks holds T/N tokens of q, k and v, never the whole sequence; the K/V shards
+travel around the ring (rank r sends to r + 1, receives from r - 1) while each rank runs our
+FlashAttention kernels on the block in hand, and the next transfer is in flight during that
 compute. Partial outputs are merged in fp32 from their LSEs (the forward returns
 LSE = log sum exp, so softmax over the union of two key sets is a weighted sum of the two
 partial outputs). The backward runs the ring again: with the final O and LSE every block's
 gradients are exact pieces of the whole (P = exp(s - LSE) and delta = rowsum(dO · O) are the
 global ones); dQ stays home, dK/dV accumulate in fp32 and travel with their K/V back to the
-rank that owns them. Every sum is taken in a fixed order: the backward is bit-identical run to
-run, like the kernels'.
+rank that owns them (the last hop, complete, in K/V's dtype). Every sum is taken in a fixed
+order: the backward is bit-identical run to run, like the kernels'.
 
 Layout, zigzag (load-balanced, as in ring-flash-attention and torchtitan's context parallel):
 the T tokens are cut into 2N chunks of c = T / (2N); rank r holds chunks r and 2N-1-r, in that
@@ -109,17 +110,20 @@ def _ring_backward(do, q, k, v, o, lse, scale, ring):
         dq_b, dk_b, dv_b = flash_attn_backward(do[:, :, rows], q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys],
                                                o[:, :, rows], lse_of[rows.start], causal=causal, softmax_scale=scale)
         dq[:, :, rows] += dq_b
-        if step == 0:
-            dkv = [torch.zeros_like(t, dtype=torch.float32) for t in kv]
+        if step == 0:  # own K/V, every key: the sums start here, dense as P2P sends them
+            dkv = [torch.empty_like(t, dtype=torch.float32, memory_format=torch.contiguous_format).copy_(t)
+                   for t in (dk_b, dv_b)]
         else:
             dkv = passing.wait()  # sent by the previous rank after its last step: overlapped with ours
-        dkv[0][:, :, keys] += dk_b
-        dkv[1][:, :, keys] += dv_b
+            dkv[0][:, :, keys] += dk_b
+            dkv[1][:, :, keys] += dv_b
+        if step == ring.size - 1:  # complete: the owner would only round it, so round before the one
+            dkv = [dkv[0].to(k.dtype), dkv[1].to(v.dtype)]  # hop no compute hides, at half the bytes
         passing = ring.shift(*dkv)  # on to the next holder; after the last step, to the owner
         if step < ring.size - 1:
             kv = tuple(incoming.wait())
-    dkv = passing.wait()
-    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+    dk, dv = passing.wait()
+    return dq.to(q.dtype), dk, dv
 
 
 class RingAttentionFunction(torch.autograd.Function):

@@ -100,11 +100,13 @@ def test_context_parallel_training_matches_one_process(data_root, tmp_path, n, c
 @pytest.mark.gpu
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL: one rank per GPU)")
-@pytest.mark.parametrize("attn", ["triton", "sdpa"])  # our ring; torch's
-def test_context_parallel_training_on_two_gpus_matches_one(data_root, tmp_path, attn):
+@pytest.mark.parametrize(("attn", "extra"), [("triton", []), ("sdpa", []), ("triton", ["model.n_kv_head=1"]),
+                                             ("sdpa", ["model.n_kv_head=1"])],
+                         ids=["ours", "torch", "ours-mqa", "torch-mqa"])  # our ring; torch's
+def test_context_parallel_training_on_two_gpus_matches_one(data_root, tmp_path, attn, extra):
     common = TINY[:-1] + [f"attn={attn}", "model.pos_emb=rope", "seq_len=512", "model.max_seq_len=512",
                           "batch_tokens=2048", "max_steps=3", "log_interval=1", "eval_interval=0",
-                          "wandb.mode=disabled", "ckpt_interval=-1", f"data.root={data_root}"]
+                          "wandb.mode=disabled", "ckpt_interval=-1", f"data.root={data_root}", *extra]
     torchrun(2, [str(REPO / "train.py"), *common, "parallel.cp=2", f"hydra.run.dir={tmp_path / 'cp'}"], tmp_path)
     train_module.train(compose(common), tmp_path / "single")
     single, split = metrics(tmp_path / "single"), metrics(tmp_path / "cp")
