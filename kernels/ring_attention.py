@@ -102,7 +102,7 @@ def _ring_backward(do, q, k, v, o, lse, scale, ring):
     lse_of = {None: lse, c: lse[:, :, c:].contiguous()}
     dq = torch.zeros_like(q, dtype=torch.float32)
     kv = (k.contiguous(), v.contiguous())
-    dkv = passing = None  # the fp32 dK/dV of the K/V in hand, as accumulated by the ranks before
+    dkv = passing = None  # dK/dV of the K/V in hand as the ranks before summed them (fp32 until the last step)
     for step in range(ring.size):
         if step < ring.size - 1:
             incoming = ring.shift(*kv)
@@ -110,15 +110,17 @@ def _ring_backward(do, q, k, v, o, lse, scale, ring):
         dq_b, dk_b, dv_b = flash_attn_backward(do[:, :, rows], q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys],
                                                o[:, :, rows], lse_of[rows.start], causal=causal, softmax_scale=scale)
         dq[:, :, rows] += dq_b
-        if step == 0:  # own K/V, every key: the sums start here, dense as P2P sends them
+        if step == 0:  # own K/V, every key (_block): the sums start here, dense as P2P sends them
             dkv = [torch.empty_like(t, dtype=torch.float32, memory_format=torch.contiguous_format).copy_(t)
                    for t in (dk_b, dv_b)]
         else:
             dkv = passing.wait()  # sent by the previous rank after its last step: overlapped with ours
             dkv[0][:, :, keys] += dk_b
             dkv[1][:, :, keys] += dv_b
-        if step == ring.size - 1:  # complete: the owner would only round it, so round before the one
-            dkv = [dkv[0].to(k.dtype), dkv[1].to(v.dtype)]  # hop no compute hides, at half the bytes
+        if step == ring.size - 1:
+            # the sums are complete and the owner only rounds them: rounded here, the last hop (the
+            # one no compute hides) carries the same values at half the bytes
+            dkv = [dkv[0].to(k.dtype), dkv[1].to(v.dtype)]
         passing = ring.shift(*dkv)  # on to the next holder; after the last step, to the owner
         if step < ring.size - 1:
             kv = tuple(incoming.wait())

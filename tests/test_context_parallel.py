@@ -102,7 +102,7 @@ def test_context_parallel_training_matches_one_process(data_root, tmp_path, n, c
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL: one rank per GPU)")
 @pytest.mark.parametrize(("attn", "extra"), [("triton", []), ("sdpa", []), ("triton", ["model.n_kv_head=1"]),
                                              ("sdpa", ["model.n_kv_head=1"])],
-                         ids=["ours", "torch", "ours-mqa", "torch-mqa"])  # our ring; torch's
+                         ids=["ours", "torch", "ours-mqa", "torch-mqa"])
 def test_context_parallel_training_on_two_gpus_matches_one(data_root, tmp_path, attn, extra):
     common = TINY[:-1] + [f"attn={attn}", "model.pos_emb=rope", "seq_len=512", "model.max_seq_len=512",
                           "batch_tokens=2048", "max_steps=3", "log_interval=1", "eval_interval=0",
