@@ -7,8 +7,9 @@ only what Gluon and Triton name alike: here they run in Triton's interpreter wit
 `tl`, beside the Triton helpers, on every query block and key block of causal, full, document,
 window and T != S masks, for one and three consumer warpgroups. Proves that (1) the two agree on
 each range, (2) every tile holding a score some query sees is visited, (3) every tile visited
-without the mask has all its scores seen, and (4) the element masks equal the dense mask of
-kernels/reference/flash_ref.py: attention_probs. Seconds on a CPU:
+without the mask has all its scores seen, (4) the element masks equal the dense mask of
+kernels/reference/flash_ref.py: attention_probs, and (5) the Gluon backward's dQ writers take
+their turns on each Q block in launch order, once each. Seconds on a CPU:
 
     .venv/bin/python -m pytest tests/test_blocks.py -q
 """
@@ -29,10 +30,11 @@ from kernels.runtime.interpreter import interpreted, interpreting
 from kernels.triton.blocks import kv_ranges, q_ranges, visible, visible_t
 
 
-def _in_triton(helper) -> InterpretedFunction:
-    """A Gluon helper run by Triton's interpreter, its `gl` read as `tl`."""
+def _in_triton(helper, **helpers) -> InterpretedFunction:
+    """A Gluon helper run by Triton's interpreter, its `gl` read as `tl` (and the Gluon helpers it
+    calls as the `helpers` given)."""
     fn = helper.fn
-    return InterpretedFunction(types.FunctionType(fn.__code__, {**fn.__globals__, "gl": tl}, fn.__name__,
+    return InterpretedFunction(types.FunctionType(fn.__code__, {**fn.__globals__, "gl": tl, **helpers}, fn.__name__,
                                                   fn.__defaults__, fn.__closure__))
 
 
@@ -42,6 +44,7 @@ gluon_q_blocks = _in_triton(gluon_blocks.q_blocks)
 gluon_tile_masked = _in_triton(gluon_blocks.tile_masked)
 gluon_visible = _in_triton(gluon_blocks.visible)
 gluon_visible_t = _in_triton(gluon_blocks.visible_t)
+gluon_dq_turn = _in_triton(gluon_blocks.dq_turn, last_kv_block=_in_triton(gluon_blocks.last_kv_block))
 
 
 @triton.jit
@@ -83,6 +86,16 @@ def _q_side(ROW_HI, OUT, MASKED, T, S, CAUSAL: tl.constexpr, BOUNDED: tl.constex
         masked = gluon_tile_masked(m * BLOCK_M, start_n, start_n + BLOCK_N > S, full_hi, T, S, CAUSAL, BOUNDED,
                                    BLOCK_M, BLOCK_N)
         tl.store(MASKED + n * M_BLOCKS + m, masked.to(tl.int32))
+
+
+@triton.jit
+def _dq_turns(KEY_LO, OUT, T, S, CAUSAL: tl.constexpr, BOUNDED: tl.constexpr, LONGEST_FIRST: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Per (key block, Q block): the dQ writer's turn, in key blocks."""
+    n, m = tl.program_id(0), tl.program_id(1)
+    turn = gluon_dq_turn(KEY_LO, m * BLOCK_M, n, tl.num_programs(0), T, S, CAUSAL, BOUNDED, LONGEST_FIRST, BLOCK_M,
+                         BLOCK_N)
+    tl.store(OUT + n * tl.num_programs(1) + m, turn)
 
 
 @triton.jit
@@ -220,6 +233,25 @@ def test_backward_query_blocks_agree(setting):
             whole = _tiles_whole(seen, row_range, keys)
             assert masked[n, m] or whole, (n, m)  # (3), Gluon
             assert m * block_m not in triton_free or whole, (n, m)  # (3), Triton
+
+
+@pytest.mark.parametrize("longest_first", [False, True], ids=["shortest-first", "longest-first"])
+def test_dq_turns_order_the_programs_of_each_q_block(setting, longest_first):
+    # the key blocks whose programs visit a Q block take the turns 0, 1, ... once each, in launch
+    # order: no writer waits for a share that never comes (a hang), none shares a turn (an order
+    # that changes run to run)
+    T, S, block_m, block_n, causal, bounded, key_lo, row_hi, _ = setting
+    key_blocks, m_blocks = triton.cdiv(S, block_n), triton.cdiv(T, block_m)
+    ranges = torch.zeros(key_blocks, 6, dtype=torch.int32)
+    _run(_q_side, (key_blocks, 1, 1), row_hi, ranges, torch.zeros(key_blocks, m_blocks, dtype=torch.int32), T, S,
+         CAUSAL=causal, BOUNDED=bounded, BLOCK_M=block_m, BLOCK_N=block_n, M_BLOCKS=m_blocks)
+    turns = torch.zeros(key_blocks, m_blocks, dtype=torch.int32)
+    _run(_dq_turns, (key_blocks, m_blocks, 1), key_lo, turns, T, S, CAUSAL=causal, BOUNDED=bounded,
+         LONGEST_FIRST=longest_first, BLOCK_M=block_m, BLOCK_N=block_n)
+    for m in range(m_blocks):
+        visitors = [n for n, (m_lo, m_hi, *_) in enumerate(ranges.tolist()) if m_lo <= m < m_hi]
+        in_order = visitors if longest_first else visitors[::-1]
+        assert [turns[n, m].item() for n in in_order] == list(range(len(in_order))), m
 
 
 def test_element_masks_agree_with_flash_ref(setting):

@@ -40,9 +40,10 @@ def backend(request, monkeypatch):
 
 # the schedule variants (kernels/hopper/config.py), each the value its variable's default is not
 # (the forward's ring one slot shallower; its overlap is the default at FWD_OVERLAP_HEAD_DIMS, so
-# there its variant is 0; the backward has other tiles only at BWD_BY_KEYS' head dims: `variant`)
+# there its variant is 0; the backward has other tiles only at BWD_BY_KEYS' head dims: `variant`;
+# its longest-first order is the default only from BWD_LONGEST_FIRST_FROM keys, more than tested)
 VARIANTS = {hopper.FWD_ORDER_VARIABLE: "heads", hopper.FWD_OVERLAP_VARIABLE: "1", hopper.FWD_STAGES_VARIABLE: "2",
-            hopper.BWD_BLOCK_M_VARIABLE: "64"}
+            hopper.BWD_BLOCK_M_VARIABLE: "64", hopper.BWD_ORDER_VARIABLE: "longest"}
 
 
 def variant(variable: str, head_dim: int) -> str | None:
@@ -286,10 +287,13 @@ def test_gluon_forward_never_reads_keys_past_its_rows(D, monkeypatch):
 
 @pytest.mark.gpu
 @sm90
+@pytest.mark.parametrize("order", ["", "longest"], ids=["order-default", "longest-first"])
 @pytest.mark.parametrize("mask", ["causal", "full", "documents", "window"])
 @pytest.mark.parametrize("D", [64, 128])
-def test_gluon_backward_is_bit_identical_over_100_runs(D, mask, gluon):
-    # the dQ shares are added in a fixed order; unordered atomics would differ within a few runs
+def test_gluon_backward_is_bit_identical_over_100_runs(D, mask, order, gluon, monkeypatch):
+    # the dQ shares are added in a fixed order, either launch order; unordered atomics would differ
+    # within a few runs
+    monkeypatch.setenv(hopper.BWD_ORDER_VARIABLE, order)
     q, k, v, do = _make_inputs(f"gluon-determinism-{mask}-{D}", 2, 1024 // D, 2, 2048, 2048, D, BF16, "packed",
                                "cuda")
     doc_ids = _doc_ids([[300, 1, 900, 847], [2048]], "cuda") if mask == "documents" else None

@@ -127,6 +127,22 @@ def last_kv_block(start_m, n_blocks, T, S, CAUSAL: gl.constexpr, BLOCK_M: gl.con
     return n_hi
 
 
+@gluon.jit
+def dq_turn(KEY_LO, start_m, n, n_blocks, T, S, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr,
+            LONGEST_FIRST: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """How many key blocks add their dQ share of the Q block at start_m before key block n does. The
+    key blocks that see a Q block are one run: each row sees its keys from key_lo to its diagonal,
+    and both grow with the row. Longest first adds from the run's first block (its first row's
+    key_lo's) up, in the order those programs launch and reach the Q block; shortest first from its
+    last block (the last row's diagonal) down. KEY_LO: the batch row's."""
+    if LONGEST_FIRST:
+        n_lo = 0
+        if BOUNDED:
+            n_lo = gl.load(KEY_LO + start_m) // BLOCK_N
+        return n - n_lo
+    return last_kv_block(start_m, n_blocks, T, S, CAUSAL, BLOCK_M, BLOCK_N) - n
+
+
 # --------------------------------------------------------------------------------------------
 # layouts and descriptors
 

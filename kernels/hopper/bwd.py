@@ -8,7 +8,9 @@ dP = dO V^T, dV += P^T dO, dK += dS^T Q and a dQ share dS K, and a dQ-writer war
 share to an fp32 accumulator with one TMA reduce-add: in a fixed order, so that dQ has the same
 bits every run (deterministic), or as the shares come. dK and dV stay in registers to the end.
 The matmul warpgroups hold a step one of two ways round (config.BwdTiles.by_rows): by rows
-(_bwd_consume_rows, D = 64) or by keys, transposed (_bwd_consume, D = 128).
+(_bwd_consume_rows, D = 64) or by keys, transposed (_bwd_consume, D = 128). The programs launch
+shortest or (long causal sequences) longest first (config.bwd_longest_first), and the fixed order
+of dQ's adds follows the launch order, so that no share waits on a program not yet running.
 A Triton pass first lays out LSE * log2(e) and delta = rowsum(dO * O) for TMA; a last one scales
 dQ. docs/flash-attention.md derives the products and the order; tiles: kernels/hopper/config.py.
 """
@@ -22,7 +24,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from kernels.hopper import config
-from kernels.hopper.blocks import descriptor, dq_layout, last_kv_block, q_blocks, tile_masked, visible, visible_t
+from kernels.hopper.blocks import descriptor, dq_layout, dq_turn, q_blocks, tile_masked, visible, visible_t
 from kernels.hopper.pipeline import BwdBuffers, BwdIO, BwdProgram, bulk_done, load_acquire, tma_add
 from kernels.masking import Bounds
 from kernels.runtime.launch import Bound, bind
@@ -45,10 +47,19 @@ def _issue_tile(q_desc, do_desc, aux_desc, bar, q_buf, do_buf, lse_buf, delta_bu
 
 
 @gluon.jit
-def _bwd_step_rows(j, steps, m_lo, off_hkv, GROUP, BLOCK_M: gl.constexpr):
-    """Step j's query head and first row: the group's heads in turn, each over Q blocks m_lo.."""
-    g = j // steps
-    return off_hkv * GROUP + g, (m_lo + j - g * steps) * BLOCK_M
+def _bwd_step_rows(j, program, BLOCK_M: gl.constexpr):
+    """Step j's query head and first row: the group's heads in turn, each over Q blocks m_lo.. up;
+    longest first, Q blocks from the last down to m_lo, the group's heads in turn on each (every
+    program of a kv head then meets a Q block at the same step, in launch order: dQ's)."""
+    GROUP = program.GROUP
+    if program.LONGEST_FIRST:
+        i = j // GROUP
+        g = j - i * GROUP
+        start_m = (program.m_lo + program.steps - 1 - i) * BLOCK_M
+    else:
+        g = j // program.steps
+        start_m = (program.m_lo + j - g * program.steps) * BLOCK_M
+    return program.off_hkv * GROUP + g, start_m
 
 
 @gluon.jit
@@ -57,8 +68,7 @@ def _bwd_produce(io, buffers, program):
     delta through the STAGES-deep ring."""
     k_smem, v_smem, q_smem = buffers.k_smem, buffers.v_smem, buffers.q_smem
     kv_bar, empty = buffers.kv_bar, buffers.empty
-    off_b, off_hkv, n, m_lo, steps, GROUP = (program.off_b, program.off_hkv, program.n, program.m_lo, program.steps,
-                                             program.GROUP)
+    off_b, off_hkv, n, steps, GROUP = program.off_b, program.off_hkv, program.n, program.steps, program.GROUP
     STAGES: gl.constexpr = q_smem.type.shape[0]
     BLOCK_M: gl.constexpr = q_smem.type.shape[1]
     BLOCK_N: gl.constexpr = k_smem.type.shape[0]
@@ -71,7 +81,7 @@ def _bwd_produce(io, buffers, program):
     for j in range(steps * GROUP):
         stage = j % STAGES
         mbarrier.wait(empty.index(stage), ((j // STAGES) & 1) ^ 1)  # a fresh barrier passes phase 1
-        off_h, start_m = _bwd_step_rows(j, steps, m_lo, off_hkv, GROUP, BLOCK_M)
+        off_h, start_m = _bwd_step_rows(j, program, BLOCK_M)
         _issue_tile(io.q_desc, io.do_desc, io.aux_desc, buffers.ready.index(stage), q_smem.index(stage),
                     buffers.do_smem.index(stage), buffers.lse_smem.index(stage), buffers.delta_smem.index(stage),
                     off_b, off_h, start_m)
@@ -87,12 +97,13 @@ def _landed(j, q_smem, do_smem, ready):
 
 
 @gluon.jit
-def _bwd_write_dq(io, buffers, program, SEM, CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr):
+def _bwd_write_dq(io, buffers, program, SEM, KEY_LO, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr,
+                  DETERMINISTIC: gl.constexpr):
     """The dQ writer warp: adds each step's dQ share into the fp32 accumulator by one TMA
-    reduce-add, in key-block order (the last key block first), or (not DETERMINISTIC) as soon as
-    it is ready, in whatever order the programs get there."""
+    reduce-add, in key-block order (blocks.dq_turn), or (not DETERMINISTIC) as soon as it is
+    ready, in whatever order the programs get there."""
     dq_smem, dq_full, dq_empty = buffers.dq_smem, buffers.dq_full, buffers.dq_empty
-    off_b, off_hkv, n, m_lo, steps = program.off_b, program.off_hkv, program.n, program.m_lo, program.steps
+    off_b, off_hkv, n, steps = program.off_b, program.off_hkv, program.n, program.steps
     H, GROUP, T, S = program.H, program.GROUP, program.T, program.S
     BLOCK_M: gl.constexpr = buffers.q_smem.type.shape[1]
     BLOCK_N: gl.constexpr = buffers.k_smem.type.shape[0]
@@ -100,12 +111,13 @@ def _bwd_write_dq(io, buffers, program, SEM, CAUSAL: gl.constexpr, DETERMINISTIC
     lane_zero = gl.zeros([32], gl.int32, gl.BlockedLayout([1], [32], [1], [0]))
     m_blocks = gl.cdiv(T, BLOCK_M)
     for j in range(steps * GROUP):
-        off_h, start_m = _bwd_step_rows(j, steps, m_lo, off_hkv, GROUP, BLOCK_M)
+        off_h, start_m = _bwd_step_rows(j, program, BLOCK_M)
         counter = SEM + (off_b * H + off_h) * m_blocks + start_m // BLOCK_M + lane_zero
         if DETERMINISTIC:
             landed = load_acquire(counter)  # read now, its latency hidden behind the wait below
-        n_hi = last_kv_block(start_m, program.n_blocks, T, S, CAUSAL, BLOCK_M, BLOCK_N)  # it adds first
-        turn = (n_hi - n) * 32  # every lane of every later program has released its share
+        # every lane of every program whose turn comes first has released its share
+        turn = dq_turn(KEY_LO, start_m, n, program.n_blocks, T, S, CAUSAL, BOUNDED, program.LONGEST_FIRST, BLOCK_M,
+                       BLOCK_N) * 32
         buf = j % 2
         mbarrier.wait(dq_full.index(buf), (j // 2) & 1)
         if DETERMINISTIC:
@@ -126,7 +138,7 @@ def _bwd_consume(buffers, program, outs, row_bounds, CAUSAL: gl.constexpr, BOUND
     A operands, dK and dV in registers to the end, each dQ share handed to the writer."""
     k_smem, v_smem, q_smem, do_smem = buffers.k_smem, buffers.v_smem, buffers.q_smem, buffers.do_smem
     lse_smem, delta_smem, ds_smem = buffers.lse_smem, buffers.delta_smem, buffers.ds_smem
-    n, m_lo, steps = program.n, program.m_lo, program.steps
+    n, steps = program.n, program.steps
     GROUP, T, S = program.GROUP, program.T, program.S
     qk_scale = outs[5]  # outs: dK, dV, their (batch, head, key) strides, softmax_scale, its * log2(e)
     ROW_HI, full_hi, _ = row_bounds  # the batch row's row_hi; the first key's, from which rows need the mask
@@ -162,7 +174,7 @@ def _bwd_consume(buffers, program, outs, row_bounds, CAUSAL: gl.constexpr, BOUND
         row_hi = gl.load(ROW_HI + cols_t, mask=cols_t < S, other=0)
     mbarrier.wait(buffers.kv_bar, 0)
     for j in range(steps * GROUP):
-        off_h, start_m = _bwd_step_rows(j, steps, m_lo, program.off_hkv, GROUP, BLOCK_M)
+        off_h, start_m = _bwd_step_rows(j, program, BLOCK_M)
         stage = j % STAGES
         # -- S^T = K Q^T and dP^T = V dO^T, both in flight --
         q_t, do_t = _landed(j, q_smem, do_smem, buffers.ready)
@@ -240,7 +252,7 @@ def _bwd_consume_rows(buffers, program, outs, row_bounds, CAUSAL: gl.constexpr, 
     k_smem, v_smem, q_smem, do_smem = buffers.k_smem, buffers.v_smem, buffers.q_smem, buffers.do_smem
     lse_smem, delta_smem = buffers.lse_smem, buffers.delta_smem
     p_smem, ds_smem = buffers.ds_smem.index(0), buffers.ds_smem.index(1)  # (BLOCK_M, BLOCK_N) each
-    n, m_lo, steps = program.n, program.m_lo, program.steps
+    n, steps = program.n, program.steps
     GROUP, T, S = program.GROUP, program.T, program.S
     qk_scale = outs[5]
     _, full_hi, KEY_LO = row_bounds  # as _bwd_consume's; the batch row's key_lo
@@ -269,7 +281,7 @@ def _bwd_consume_rows(buffers, program, outs, row_bounds, CAUSAL: gl.constexpr, 
     past_s = start_n + BLOCK_N > S  # as in _bwd_consume
     mbarrier.wait(buffers.kv_bar, 0)
     for j in range(steps * GROUP):
-        off_h, start_m = _bwd_step_rows(j, steps, m_lo, program.off_hkv, GROUP, BLOCK_M)
+        off_h, start_m = _bwd_step_rows(j, program, BLOCK_M)
         stage = j % STAGES
         # -- S = Q K^T and dP = dO V^T, both in flight --
         q_t, do_t = _landed(j, q_smem, do_smem, buffers.ready)
@@ -324,15 +336,22 @@ def _bwd_kernel(
     H, GROUP, T, S,
     sm_scale, qk_scale,  # softmax_scale, and softmax_scale * log2(e)
     CAUSAL: gl.constexpr, BOUNDED: gl.constexpr, DETERMINISTIC: gl.constexpr, BLOCK_M: gl.constexpr,
-    STAGES: gl.constexpr, BY_ROWS: gl.constexpr, WORKER_REGS: gl.constexpr, num_warps: gl.constexpr,
+    STAGES: gl.constexpr, BY_ROWS: gl.constexpr, LONGEST_FIRST: gl.constexpr, WORKER_REGS: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     dtype: gl.constexpr = q_desc.dtype
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
-    n_blocks = gl.num_programs(0)
-    n = n_blocks - 1 - gl.program_id(0)  # last key blocks first: the order of dQ's adds
-    off_hkv = gl.program_id(1)
-    off_b = gl.program_id(2)
+    if LONGEST_FIRST:  # grid (H_kv, B, n_blocks): key block 0 (causal: the longest) of every (batch, kv head), then 1..
+        n_blocks = gl.num_programs(2)
+        n = gl.program_id(2)
+        off_hkv = gl.program_id(0)
+        off_b = gl.program_id(1)
+    else:
+        n_blocks = gl.num_programs(0)
+        n = n_blocks - 1 - gl.program_id(0)  # last key blocks first: the order of dQ's adds
+        off_hkv = gl.program_id(1)
+        off_b = gl.program_id(2)
     # the Q blocks that see this key block, per query head: m_lo .. m_hi - 1
     m_lo, m_hi, row_hi, full_hi = q_blocks(ROW_HI, off_b, n, T, S, CAUSAL, BOUNDED, BLOCK_M, BLOCK_N)
     key_lo = KEY_LO + off_b.to(gl.int64) * T
@@ -367,7 +386,7 @@ def _bwd_kernel(
     io = BwdIO(q_desc, k_desc, v_desc, do_desc, aux_desc, dqacc_desc)
     buffers = BwdBuffers(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_bar, ready, empty,
                          dq_full, dq_empty)
-    program = BwdProgram(off_b, off_hkv, n, n_blocks, m_lo, steps, H, GROUP, T, S)
+    program = BwdProgram(off_b, off_hkv, n, n_blocks, m_lo, steps, H, GROUP, T, S, LONGEST_FIRST)
     outs = (DK, DV, dk_strides, dv_strides, sm_scale, qk_scale)
     # -- the partitions: the matmul warpgroups in the kernel's own warps, the producer and the dQ writer beside
     # (twice: warp_specialize takes a function by name, not one chosen at compile time) --
@@ -375,13 +394,13 @@ def _bwd_kernel(
         gl.warp_specialize([(_bwd_consume_rows, (buffers, program, outs, (row_hi, full_hi, key_lo), CAUSAL, BOUNDED,
                                                  num_warps)),
                             (_bwd_produce, (io, buffers, program)),
-                            (_bwd_write_dq, (io, buffers, program, SEM, CAUSAL, DETERMINISTIC))],
+                            (_bwd_write_dq, (io, buffers, program, SEM, key_lo, CAUSAL, BOUNDED, DETERMINISTIC))],
                            [1, 1], [WORKER_REGS, WORKER_REGS])
     else:
         gl.warp_specialize([(_bwd_consume, (buffers, program, outs, (row_hi, full_hi, key_lo), CAUSAL, BOUNDED,
                                             num_warps)),
                             (_bwd_produce, (io, buffers, program)),
-                            (_bwd_write_dq, (io, buffers, program, SEM, CAUSAL, DETERMINISTIC))],
+                            (_bwd_write_dq, (io, buffers, program, SEM, key_lo, CAUSAL, BOUNDED, DETERMINISTIC))],
                            [1, 1], [WORKER_REGS, WORKER_REGS])
 
 
@@ -438,7 +457,7 @@ def _launch(do, q, k, v, o, lse, dk, dv, bounds: Bounds | None, causal: bool, sc
     the fp32 dQ accumulator, unscaled, and the two launches bound for later calls of this layout
     (or, with warmup, only compiles the backward kernel and returns it). bounds: as backward's."""
     (B, H, T, D), (H_kv, S) = q.shape, k.shape[1:3]
-    tiles = config.bwd_tiles(D)
+    tiles, longest_first = config.bwd_tiles(D), config.bwd_longest_first(causal, bounds is not None, S)
     aux, dq_acc, sem = _buffers(q, tiles.block_m, "cpu" if warmup else q.device)
     t_pad = aux.shape[3]
     aux_grid = (triton.cdiv(t_pad, 64), H, B)
@@ -451,10 +470,11 @@ def _launch(do, q, k, v, o, lse, dk, dv, bounds: Bounds | None, causal: bool, sc
             descriptor(aux, [1, 1, 1, tiles.block_m]), descriptor(dq_acc, [1, 1, tiles.block_m, D]), sem, row_hi,
             key_lo, dk, dv, dk.stride()[:3], dv.stride()[:3], H, H // H_kv, T, S, scale, scale * LOG2E.value)
     options = dict(CAUSAL=causal, BOUNDED=bounds is not None, DETERMINISTIC=deterministic, BLOCK_M=tiles.block_m,
-                   STAGES=tiles.stages, BY_ROWS=tiles.by_rows, WORKER_REGS=config.WORKER_REGS,
+                   STAGES=tiles.stages, BY_ROWS=tiles.by_rows, LONGEST_FIRST=longest_first, WORKER_REGS=config.WORKER_REGS,
                    num_warps=config.BWD_WARPS,
                    maxnreg=config.bwd_maxnreg())
-    grid = (triton.cdiv(S, tiles.block_n), H_kv, B)
+    n_blocks = triton.cdiv(S, tiles.block_n)
+    grid = (H_kv, B, n_blocks) if longest_first else (n_blocks, H_kv, B)
     if warmup:
         return _bwd_kernel.warmup(*args, grid=grid, **options)
     return dq_acc, (aux_bound, bind(_bwd_kernel, _bwd_kernel[grid](*args, **options), grid, args, options))
@@ -472,7 +492,8 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, bounds
     in the order they come (not)."""
     # the LSE-delta kernel is compiled for o, do and lse as aligned (or not) as the first call's
     tiles = config.bwd_tiles(q.shape[3])
-    layout = (tiles, q.shape, q.stride(), k.shape, k.stride(), v.stride(), do.stride(), o.stride(), dk.stride(),
+    layout = (tiles, config.bwd_longest_first(causal, bounds is not None, k.shape[2]), q.shape, q.stride(), k.shape,
+              k.stride(), v.stride(), do.stride(), o.stride(), dk.stride(),
               dv.stride(), q.dtype, q.device.index, causal, bounds is None, deterministic, scale,
               *(t.data_ptr() % 16 == 0 for t in (o, do, lse, *_bound_tensors(bounds, lse))))
     if bound := _BOUND.get(layout):

@@ -129,7 +129,8 @@ class BwdBuffers:
 @aggregate
 class BwdProgram:
     """Which work the program owns: batch, kv head, key block n of n_blocks, and `steps` Q blocks
-    from m_lo for each of the GROUP query heads of the kv head; the sizes."""
+    from m_lo for each of the GROUP query heads of the kv head, walked up from m_lo or (LONGEST_FIRST)
+    down to it; the sizes."""
     off_b: Scalar
     off_hkv: Scalar
     n: Scalar
@@ -140,12 +141,13 @@ class BwdProgram:
     GROUP: Scalar
     T: Scalar
     S: Scalar
+    LONGEST_FIRST: gl.constexpr
 
     @gluon.constexpr_function
-    def __init__(self, off_b, off_hkv, n, n_blocks, m_lo, steps, H, GROUP, T, S):
+    def __init__(self, off_b, off_hkv, n, n_blocks, m_lo, steps, H, GROUP, T, S, LONGEST_FIRST):
         self.off_b, self.off_hkv, self.n, self.n_blocks = scalar(off_b), scalar(off_hkv), scalar(n), scalar(n_blocks)
         self.m_lo, self.steps, self.H, self.GROUP = scalar(m_lo), scalar(steps), scalar(H), scalar(GROUP)
-        self.T, self.S = scalar(T), scalar(S)
+        self.T, self.S, self.LONGEST_FIRST = scalar(T), scalar(S), gl.constexpr(LONGEST_FIRST)
 
 
 # --------------------------------------------------------------------------------------------
