@@ -9,8 +9,8 @@ share to an fp32 accumulator with one TMA reduce-add: in a fixed order, so that 
 bits every run (deterministic), or as the shares come. dK and dV stay in registers to the end.
 The matmul warpgroups hold a step one of two ways round (config.BwdTiles.by_rows): by rows
 (_bwd_consume_rows, D = 64) or by keys, transposed (_bwd_consume, D = 128). The programs launch
-shortest or (long causal sequences) longest first (config.bwd_longest_first), and the fixed order
-of dQ's adds follows the launch order, so that no share waits on a program not yet running.
+shortest or (long causal sequences at D = 128) longest first (config.bwd_longest_first), and the
+fixed order of dQ's adds follows the launch order: no share waits on a program not yet running.
 A Triton pass first lays out LSE * log2(e) and delta = rowsum(dO * O) for TMA; a last one scales
 dQ. docs/flash-attention.md derives the products and the order; tiles: kernels/hopper/config.py.
 """
@@ -457,7 +457,7 @@ def _launch(do, q, k, v, o, lse, dk, dv, bounds: Bounds | None, causal: bool, sc
     the fp32 dQ accumulator, unscaled, and the two launches bound for later calls of this layout
     (or, with warmup, only compiles the backward kernel and returns it). bounds: as backward's."""
     (B, H, T, D), (H_kv, S) = q.shape, k.shape[1:3]
-    tiles, longest_first = config.bwd_tiles(D), config.bwd_longest_first(causal, bounds is not None, S)
+    tiles, longest_first = config.bwd_tiles(D), config.bwd_longest_first(D, causal, bounds is not None, S)
     aux, dq_acc, sem = _buffers(q, tiles.block_m, "cpu" if warmup else q.device)
     t_pad = aux.shape[3]
     aux_grid = (triton.cdiv(t_pad, 64), H, B)
@@ -492,9 +492,9 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, bounds
     in the order they come (not)."""
     # the LSE-delta kernel is compiled for o, do and lse as aligned (or not) as the first call's
     tiles = config.bwd_tiles(q.shape[3])
-    layout = (tiles, config.bwd_longest_first(causal, bounds is not None, k.shape[2]), q.shape, q.stride(), k.shape,
-              k.stride(), v.stride(), do.stride(), o.stride(), dk.stride(),
-              dv.stride(), q.dtype, q.device.index, causal, bounds is None, deterministic, scale,
+    longest_first = config.bwd_longest_first(q.shape[3], causal, bounds is not None, k.shape[2])
+    layout = (tiles, longest_first, q.shape, q.stride(), k.shape, k.stride(), v.stride(), do.stride(), o.stride(),
+              dk.stride(), dv.stride(), q.dtype, q.device.index, causal, bounds is None, deterministic, scale,
               *(t.data_ptr() % 16 == 0 for t in (o, do, lse, *_bound_tensors(bounds, lse))))
     if bound := _BOUND.get(layout):
         aux_bound, bwd_bound = bound

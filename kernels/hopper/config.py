@@ -46,7 +46,9 @@ BWD_TILES = {64: BwdTiles(128, 128, 2, by_rows=True), 128: BwdTiles(64, 128, 2)}
 BWD_BY_KEYS = {64: BwdTiles(64, 128, 3)}  # FLASH_ATTENTION_BWD_BLOCK_M=64: the tiles before v18
 HEAD_DIMS = tuple(FWD_TILES)
 BWD_WARPS = 8  # the backward's matmul warps: two warpgroups
-BWD_LONGEST_FIRST_FROM = 8192  # keys: a plain causal backward launches its longest programs first (v19)
+# head dim -> from how many keys a plain causal backward launches its longest programs first (v19:
+# 1.03-1.08x at D = 128; at D = 64, whose programs take half as many steps by rows, 0.96-1.05x)
+BWD_LONGEST_FIRST_FROM = {128: 8192}
 BWD_LONGEST_FIRST_TO = 65535 * min(t.block_n for t in BWD_TILES.values())  # a CUDA grid's z: its key blocks
 
 # Registers are shared out per warpgroup, 64K in all. The 1-warp workers (the forward's producer;
@@ -84,22 +86,23 @@ def bwd_tiles(head_dim: int) -> BwdTiles:
     return tiles
 
 
-def bwd_longest_first(causal: bool, bounded: bool, seq_k: int) -> bool:
+def bwd_longest_first(head_dim: int, causal: bool, bounded: bool, seq_k: int) -> bool:
     """The backward's order. Shortest first: the programs of a kv head launch last key block first,
     each walks its Q blocks up from the diagonal, and dQ's shares are added last key block first.
     Longest first: key block 0 of every (batch, kv head) pair, then block 1, ...; each walks its Q
     blocks down from the last, and dQ's shares are added first key block first. Under a plain
     causal mask, from BWD_LONGEST_FIRST_FROM keys, longest first does not end on a tail of the
-    longest programs (1.03-1.08x at D = 128, perf-notes v19). With fewer keys, or documents, the
-    programs are short, and their lock-step start waits on dQ's order (0.79-0.96x); with no mask
-    or a window they are alike. FLASH_ATTENTION_BWD_ORDER=shortest|longest chooses."""
+    longest programs. With fewer keys, or documents, the programs are short, and their lock-step
+    start waits on dQ's order (0.79-0.96x); with no mask or a window they are alike.
+    FLASH_ATTENTION_BWD_ORDER=shortest|longest chooses."""
     choice = _variant(BWD_ORDER_VARIABLE, ("shortest", "longest"))
     if choice == "longest" and seq_k > BWD_LONGEST_FIRST_TO:
         raise ValueError(f"{BWD_ORDER_VARIABLE}=longest: at most {BWD_LONGEST_FIRST_TO} keys (the grid's z "
                          f"holds the key blocks), got {seq_k}")
     if choice:
         return choice == "longest"
-    return causal and not bounded and BWD_LONGEST_FIRST_FROM <= seq_k <= BWD_LONGEST_FIRST_TO
+    return (causal and not bounded and head_dim in BWD_LONGEST_FIRST_FROM
+            and BWD_LONGEST_FIRST_FROM[head_dim] <= seq_k <= BWD_LONGEST_FIRST_TO)
 
 
 def fwd_registers(consumers: int) -> tuple[int, int]:
