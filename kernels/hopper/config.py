@@ -93,7 +93,7 @@ def bwd_longest_first(head_dim: int, causal: bool, bounded: bool, seq_k: int) ->
     blocks down from the last, and dQ's shares are added first key block first. Under a plain
     causal mask, from BWD_LONGEST_FIRST_FROM keys, longest first does not end on a tail of the
     longest programs. With fewer keys, or documents, the programs are short, and their lock-step
-    start waits on dQ's order (0.79-0.96x); with no mask or a window they are alike.
+    start waits on dQ's order (0.79-1.00x); with no mask or a window they are alike.
     FLASH_ATTENTION_BWD_ORDER=shortest|longest chooses."""
     choice = _variant(BWD_ORDER_VARIABLE, ("shortest", "longest"))
     if choice == "longest" and seq_k > BWD_LONGEST_FIRST_TO:
