@@ -135,7 +135,7 @@ CASES = [
     (100, 100, "window", 31), (77, 130, "window", 40), (130, 77, "window", 1),
     (100, 100, "documents+window", ([40, 1, 59], 23)),
 ]
-BLOCKS = [(16, 32), (32, 16)]
+BLOCKS = [(16, 32), (32, 16), (32, 32)]
 
 
 class Setting(NamedTuple):
@@ -239,7 +239,9 @@ def test_backward_query_blocks_agree(setting):
 def test_dq_turns_order_the_programs_of_each_q_block(setting, longest_first):
     # the key blocks whose programs visit a Q block take the turns 0, 1, ... once each, in launch
     # order: no writer waits for a share that never comes (a hang), none shares a turn (an order
-    # that changes run to run)
+    # that changes run to run). Launch order within a (batch, kv head), kernels/hopper/bwd.py's
+    # grids: key block 0 first (longest first: grid (H_kv, B, n_blocks)), or the last first
+    # (shortest first: program_id(0) = n_blocks - 1 - n)
     T, S, block_m, block_n, causal, bounded, key_lo, row_hi, _ = setting
     key_blocks, m_blocks = triton.cdiv(S, block_n), triton.cdiv(T, block_m)
     ranges = torch.zeros(key_blocks, 6, dtype=torch.int32)

@@ -101,6 +101,27 @@ def test_forward_ring_depth_is_checked_against_shared_memory(monkeypatch):
         hopper.fwd_tiles(64, 4096)
 
 
+def test_backward_order_is_chosen_per_head_dim_mask_and_keys(monkeypatch):
+    # longest first by default only where it measured faster: plain causal, D = 128, from 8192 keys
+    monkeypatch.delenv(hopper.BWD_ORDER_VARIABLE, raising=False)
+    most = hopper.BWD_LONGEST_FIRST_TO
+    assert hopper.bwd_longest_first(128, True, False, 8192) and hopper.bwd_longest_first(128, True, False, most)
+    assert not hopper.bwd_longest_first(128, True, False, 8191)
+    assert not hopper.bwd_longest_first(128, True, False, most + 1)  # past the grid's z
+    assert not hopper.bwd_longest_first(128, True, True, 8192)  # documents, a window
+    assert not hopper.bwd_longest_first(128, False, False, 8192)
+    assert not hopper.bwd_longest_first(64, True, False, 65536)
+    monkeypatch.setenv(hopper.BWD_ORDER_VARIABLE, "longest")
+    assert hopper.bwd_longest_first(64, False, True, 100)
+    with pytest.raises(ValueError, match=f"FLASH_ATTENTION_BWD_ORDER=longest: at most {most} keys"):
+        hopper.bwd_longest_first(128, True, False, most + 1)
+    monkeypatch.setenv(hopper.BWD_ORDER_VARIABLE, "shortest")
+    assert not hopper.bwd_longest_first(128, True, False, 16384)
+    monkeypatch.setenv(hopper.BWD_ORDER_VARIABLE, "lpt")
+    with pytest.raises(ValueError, match="FLASH_ATTENTION_BWD_ORDER=lpt: use shortest or longest"):
+        hopper.bwd_longest_first(128, True, False, 16384)
+
+
 def test_backend_variable_is_checked(monkeypatch):
     q = k = v = torch.randn(1, 1, 4, 16)
     monkeypatch.setenv(backends.BACKEND_VARIABLE, "cudnn")

@@ -49,8 +49,9 @@ def _issue_tile(q_desc, do_desc, aux_desc, bar, q_buf, do_buf, lse_buf, delta_bu
 @gluon.jit
 def _bwd_step_rows(j, program, BLOCK_M: gl.constexpr):
     """Step j's query head and first row: the group's heads in turn, each over Q blocks m_lo.. up;
-    longest first, Q blocks from the last down to m_lo, the group's heads in turn on each (every
-    program of a kv head then meets a Q block at the same step, in launch order: dQ's)."""
+    longest first, Q blocks from the last down to m_lo, the group's heads in turn on each (under a
+    plain causal mask every program of a kv head then meets a Q block at the same step, in launch
+    order: dQ's)."""
     GROUP = program.GROUP
     if program.LONGEST_FIRST:
         i = j // GROUP
@@ -451,13 +452,14 @@ def _bound_tensors(bounds: Bounds | None, lse: torch.Tensor) -> tuple[torch.Tens
     return (lse, lse) if bounds is None else (bounds.row_hi, bounds.key_lo)
 
 
-def _launch(do, q, k, v, o, lse, dk, dv, bounds: Bounds | None, causal: bool, scale: float,
+def _launch(do, q, k, v, o, lse, dk, dv, bounds: Bounds | None, causal: bool, scale: float, longest_first: bool,
             deterministic: bool = True, warmup: bool = False):
     """Launches the backward (its LSE and delta pass first) through Triton's front door; returns
     the fp32 dQ accumulator, unscaled, and the two launches bound for later calls of this layout
-    (or, with warmup, only compiles the backward kernel and returns it). bounds: as backward's."""
+    (or, with warmup, only compiles the backward kernel and returns it). bounds: as backward's;
+    longest_first: config.bwd_longest_first's choice."""
     (B, H, T, D), (H_kv, S) = q.shape, k.shape[1:3]
-    tiles, longest_first = config.bwd_tiles(D), config.bwd_longest_first(D, causal, bounds is not None, S)
+    tiles = config.bwd_tiles(D)
     aux, dq_acc, sem = _buffers(q, tiles.block_m, "cpu" if warmup else q.device)
     t_pad = aux.shape[3]
     aux_grid = (triton.cdiv(t_pad, 64), H, B)
@@ -470,9 +472,8 @@ def _launch(do, q, k, v, o, lse, dk, dv, bounds: Bounds | None, causal: bool, sc
             descriptor(aux, [1, 1, 1, tiles.block_m]), descriptor(dq_acc, [1, 1, tiles.block_m, D]), sem, row_hi,
             key_lo, dk, dv, dk.stride()[:3], dv.stride()[:3], H, H // H_kv, T, S, scale, scale * LOG2E.value)
     options = dict(CAUSAL=causal, BOUNDED=bounds is not None, DETERMINISTIC=deterministic, BLOCK_M=tiles.block_m,
-                   STAGES=tiles.stages, BY_ROWS=tiles.by_rows, LONGEST_FIRST=longest_first, WORKER_REGS=config.WORKER_REGS,
-                   num_warps=config.BWD_WARPS,
-                   maxnreg=config.bwd_maxnreg())
+                   STAGES=tiles.stages, BY_ROWS=tiles.by_rows, LONGEST_FIRST=longest_first,
+                   WORKER_REGS=config.WORKER_REGS, num_warps=config.BWD_WARPS, maxnreg=config.bwd_maxnreg())
     n_blocks = triton.cdiv(S, tiles.block_n)
     grid = (H_kv, B, n_blocks) if longest_first else (n_blocks, H_kv, B)
     if warmup:
@@ -502,7 +503,8 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, bounds
         aux_bound(o, do, lse, aux)
         bwd_bound(q, k, v, do, aux, dq_acc, sem, *_bound_tensors(bounds, lse), dk, dv)
     else:
-        dq_acc, _BOUND[layout] = _launch(do, q, k, v, o, lse, dk, dv, bounds, causal, scale, deterministic)
+        dq_acc, _BOUND[layout] = _launch(do, q, k, v, o, lse, dk, dv, bounds, causal, scale, longest_first,
+                                         deterministic)
     torch.mul(dq_acc, scale, out=dq)  # rows that see no key (causal, T > S) got no share: zero
 
 
@@ -511,5 +513,6 @@ def compile_only(do, q, k, v, causal: bool, bounded: bool = False):
     (B, H, T, _), S = q.shape, k.shape[2]
     lse = torch.empty((B, H, T), dtype=torch.float32)
     bounds = Bounds(torch.empty((B, T), dtype=torch.int32), torch.empty((B, S), dtype=torch.int32)) if bounded else None
+    longest_first = config.bwd_longest_first(q.shape[3], causal, bounded, S)
     return _launch(do, q, k, v, torch.empty_like(q), lse, torch.empty_like(k), torch.empty_like(v),
-                   bounds, causal, q.shape[3] ** -0.5, warmup=True)
+                   bounds, causal, q.shape[3] ** -0.5, longest_first, warmup=True)
