@@ -52,11 +52,14 @@ BWD_WARPS = 8  # the backward's matmul warps: two warpgroups
 BWD_LONGEST_FIRST_FROM = {128: 8192}
 BWD_LONGEST_FIRST_TO = 65535 * min(t.block_n for t in BWD_TILES.values())  # a CUDA grid's z: its key blocks
 
-# Registers are shared out per warpgroup, 64K in all. The 1-warp workers (the forward's producer;
-# the backward's producer and dQ writer, together in one warpgroup) only issue TMA copies, wait
-# on barriers and add: WORKER_REGS each.
+# Registers are shared out per warpgroup, 64K in all. The backward's 1-warp workers (its producer
+# and dQ writer, together in one warpgroup) only issue TMA copies, wait on barriers and add:
+# WORKER_REGS each.
 REGISTERS = 65536
 WORKER_REGS = 24
+# the forward's producer also walks the tiles a persistent program takes: at 24 registers it
+# spilled one (D = 128); 32 leaves the consumers as many as 24 does (240 or 160, in steps of 8)
+FWD_PRODUCER_REGS = 32
 
 
 # the deepest K/V ring that fits an sm_90 block's 232,448 B of shared memory beside Q's tiles
@@ -109,10 +112,10 @@ def bwd_longest_first(head_dim: int, causal: bool, bounded: bool, seq_k: int) ->
 
 def fwd_registers(consumers: int) -> tuple[int, int]:
     """(maxnreg, consumer registers) of the forward: the producer's warp takes a warpgroup slot at
-    WORKER_REGS; the consumers split the rest, the default partition (consumer 0) getting what
+    FWD_PRODUCER_REGS; the consumers split the rest, the default partition (consumer 0) getting what
     maxnreg leaves it."""
     maxnreg = REGISTERS // ((consumers + 1) * 128) // 8 * 8
-    return maxnreg, (REGISTERS // 128 - WORKER_REGS) // consumers // 8 * 8
+    return maxnreg, (REGISTERS // 128 - FWD_PRODUCER_REGS) // consumers // 8 * 8
 
 
 def bwd_maxnreg() -> int:
@@ -128,6 +131,7 @@ FWD_OVERLAP_VARIABLE = "FLASH_ATTENTION_FWD_OVERLAP"  # 1 / 0: block j-1's P V d
 FWD_STAGES_VARIABLE = "FLASH_ATTENTION_FWD_STAGES"  # the forward's K/V ring depth (unset: FWD_TILES')
 BWD_BLOCK_M_VARIABLE = "FLASH_ATTENTION_BWD_BLOCK_M"  # 64 at D = 64: the backward by keys (unset: by rows)
 BWD_ORDER_VARIABLE = "FLASH_ATTENTION_BWD_ORDER"  # shortest / longest: which backward programs launch first
+FWD_PERSISTENT_VARIABLE = "FLASH_ATTENTION_FWD_PERSISTENT"  # 1 / 0: one forward program per SM taking tiles, or not
 L2_BYTES = 50 * 1024 * 1024  # the H100's L2: a section's K and V stay in it while its programs run
 
 
@@ -153,6 +157,19 @@ def fwd_section(heads: int, group: int, seq_k: int, head_dim: int, itemsize: int
 # FLASH_ATTENTION_FWD_OVERLAP=0: 1.06-1.09x the forward at D = 128 from T = 4096 with a 3-slot ring
 # (perf-notes v17); at 64, 0.95-1.04x
 FWD_OVERLAP_HEAD_DIMS = (128,)
+
+
+# whether the forward is persistent unless FLASH_ATTENTION_FWD_PERSISTENT says
+FWD_PERSISTENT = True
+
+
+def fwd_persistent() -> bool:
+    """FLASH_ATTENTION_FWD_PERSISTENT: 1, one forward program per SM, each taking the next tile of
+    the launch order from a counter in global memory as it finishes one, so that a tile's first
+    K/V loads run during the last one's softmax and epilogue; 0, a program per tile; unset,
+    FWD_PERSISTENT."""
+    choice = _variant(FWD_PERSISTENT_VARIABLE, ("0", "1"))
+    return choice == "1" if choice else FWD_PERSISTENT
 
 
 def fwd_overlap(head_dim: int) -> bool:

@@ -1,15 +1,18 @@
 """The FlashAttention forward for Hopper (sm_90) in Gluon, warp-specialized: O and LSE of q
 (B, H, T, D) against k, v (B, H_kv, S, D), as kernels/triton/fwd.py computes them.
 
-A program owns CONSUMERS * FWD_ROWS query rows of one head. One warp (the producer) streams the
+A tile is CONSUMERS * FWD_ROWS query rows of one head. One warp (the producer) streams the tile's
 K/V blocks by TMA into a STAGES-deep ring; each consumer warpgroup owns FWD_ROWS of the rows, runs
 the online softmax over every block (S = Q K_j^T by wgmma, P straight from registers as the A
 operand of P V_j) and frees the slot when its matmuls are done. While one consumer waits on its
 matmuls the other's exp2s run: the overlap FlashAttention-3 gets from its second warpgroup,
 without a hand-written schedule. At D = 128 (config.fwd_overlap; FLASH_ATTENTION_FWD_OVERLAP=0
 or 1 chooses) it adds the overlap FlashAttention-3 gets within a warpgroup: each block's P V is
-issued behind the next block's S and runs during that block's softmax. Q arrives by TMA once; O
-leaves by TMA through Q's buffer.
+issued behind the next block's S and runs during that block's softmax. Q arrives by TMA once a
+tile; O leaves by TMA through Q's buffer. The program is persistent (config.fwd_persistent): one
+per SM, it takes tile after tile in launch order from a counter, and the ring runs on from one
+tile into the next, so that the next tile's first loads overlap this one's last blocks and its
+epilogue; or (FLASH_ATTENTION_FWD_PERSISTENT=0) a program per tile.
 Tiles, stages and registers: kernels/hopper/config.py. docs/flash-attention.md derives it.
 """
 
@@ -22,31 +25,54 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from kernels.hopper import config
 from kernels.hopper.blocks import descriptor, kv_blocks, kv_runs, visible
-from kernels.hopper.pipeline import FwdBuffers, FwdIO, FwdProgram, skip_slot
-from kernels.runtime.launch import Bound, bind
+from kernels.hopper.pipeline import (FwdBuffers, FwdIO, FwdProgram, FwdWork, hand_out_tile, persistent_done, skip_slot,
+                                     take_tile)
+from kernels.runtime import chips
+from kernels.runtime.launch import Bound, bind, stream_handle
 from kernels.triton.blocks import LOG2E
 
-WORKER_REGS = gl.constexpr(config.WORKER_REGS)  # the producer only issues TMA copies and waits on barriers
+PRODUCER_REGS = gl.constexpr(config.FWD_PRODUCER_REGS)  # the producer issues TMA copies, waits and hands out tiles
 
 # --------------------------------------------------------------------------------------------
 # the order of work
 
 
 @gluon.jit
-def _l2_order(SECTION: gl.constexpr, BLOCK_M: gl.constexpr):
-    """(start_m, off_h, off_b) of this program, the grid (query blocks, H, B) read in launch order
-    as sections of SECTION (batch, head) pairs, each section's query blocks longest first, its heads
-    in turn within a block row: programs running together share K and V that fit L2."""
-    n_m = gl.num_programs(0)
-    H = gl.num_programs(1)
-    n_heads = H * gl.num_programs(2)
-    tile = gl.program_id(0) + n_m * (gl.program_id(1) + H * gl.program_id(2))
+def _tile_of(tile, n_m, H, B, SECTION: gl.constexpr, BLOCK_M: gl.constexpr):
+    """(start_m, off_h, off_b) of tile number `tile` of n_m * H * B in launch order: head by head,
+    each head's query blocks longest first (SECTION = 0), or in sections of SECTION (batch, head)
+    pairs, each section's query blocks longest first, its heads in turn within a block row:
+    programs running together share K and V that fit L2."""
+    if SECTION == 0:
+        head = tile // n_m
+        return (n_m - 1 - (tile - head * n_m)) * BLOCK_M, head % H, head // H
     section = tile // (SECTION * n_m)
     first = section * SECTION
-    heads = gl.minimum(n_heads - first, SECTION)  # the last section may have fewer
+    heads = gl.minimum(H * B - first, SECTION)  # the last section may have fewer
     rank = tile - section * (SECTION * n_m)
     head = first + rank % heads
     return (n_m - 1 - rank // heads) * BLOCK_M, head % H, head // H
+
+
+@gluon.jit
+def _first_tile(work, BLOCK_M: gl.constexpr):
+    """(the program's first tile, n_m query blocks a head, the launch's n_tiles)."""
+    n_m = gl.cdiv(work.T, BLOCK_M)
+    if work.PERSISTENT:  # grid (programs,): the first tiles go out at launch, the rest from COUNTER
+        first = gl.program_id(0)
+    else:  # grid (n_m, H, B): a tile per program, numbered as in launch order
+        first = gl.program_id(0) + n_m * (gl.program_id(1) + work.H * gl.program_id(2))
+    return first, n_m, n_m * work.H * work.B
+
+
+@gluon.jit
+def _program(tile, n_m, work, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr, BLOCK_M: gl.constexpr,
+             BLOCK_N: gl.constexpr):
+    """The FwdProgram of one tile: its rows, head, batch row and key blocks."""
+    start_m, off_h, off_b = _tile_of(tile, n_m, work.H, work.B, work.SECTION, BLOCK_M)
+    lo, n_blocks, key_lo = kv_blocks(work.KEY_LO, off_b, start_m, work.T, work.S, CAUSAL, BOUNDED, BLOCK_M, BLOCK_N)
+    return FwdProgram(off_b, off_h, off_h // work.GROUP, start_m, lo, n_blocks, key_lo, work.H, work.T, work.S,
+                      work.qk_scale)
 
 
 # --------------------------------------------------------------------------------------------
@@ -133,19 +159,20 @@ def _fwd_step_overlap(i, j, acc, p_prev, l_i, m_i, q_t, k_smem, v_smem, k_ready,
 
 
 @gluon.jit
-def _fwd_blocks_overlap(acc, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready, kv_empty, rows, cols, key_lo, lo,
+def _fwd_blocks_overlap(acc, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready, kv_empty, rows, cols, key_lo, origin,
                         own_lo, full_lo, n_full, n_blocks, T, S, qk_scale, CAUSAL: gl.constexpr,
                         BOUNDED: gl.constexpr):
     """The consumer's key blocks own_lo .. n_blocks - 1 with each P V one block late
     (FLASH_ATTENTION_FWD_OVERLAP): the first block's S and softmax alone, then the steps, then the
-    last block's P V. Every wait drains the wgmma queue before a loop's back edge."""
+    last block's P V; key block j is ring slot j - origin. Every wait drains the wgmma queue before
+    a loop's back edge."""
     STAGES: gl.constexpr = k_smem.type.shape[0]
     BLOCK_N: gl.constexpr = k_smem.type.shape[1]
     ROWS: gl.constexpr = q_t.type.shape[0]
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2)
     p = gl.zeros([ROWS, BLOCK_N], q_t.dtype, p_layout)
     if own_lo < n_blocks:  # masked: the first block may need it (visible is exact on a mask-free one)
-        i = own_lo - lo
+        i = own_lo - origin
         qk = _scores(i, q_t, k_smem, k_ready, False)
         p_first, _, l_i, m_i = _softmax(qk, own_lo, m_i, l_i, rows, cols, key_lo, T, S, qk_scale, True, CAUSAL,
                                         BOUNDED)
@@ -153,25 +180,47 @@ def _fwd_blocks_overlap(acc, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready, kv
         mbarrier.wait(v_ready.index(i % STAGES), (i // STAGES) & 1)
     start = own_lo + 1
     for j in range(start, gl.minimum(full_lo, n_full)):
-        acc, p, l_i, m_i = _fwd_step_overlap(j - lo, j, acc, p, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready,
+        acc, p, l_i, m_i = _fwd_step_overlap(j - origin, j, acc, p, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready,
                                              kv_empty, rows, cols, key_lo, T, S, qk_scale, True, CAUSAL, BOUNDED)
     for j in range(gl.maximum(full_lo, start), n_full):
-        acc, p, l_i, m_i = _fwd_step_overlap(j - lo, j, acc, p, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready,
+        acc, p, l_i, m_i = _fwd_step_overlap(j - origin, j, acc, p, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready,
                                              kv_empty, rows, cols, key_lo, T, S, qk_scale, False, CAUSAL, BOUNDED)
     for j in range(gl.maximum(start, n_full), n_blocks):
-        acc, p, l_i, m_i = _fwd_step_overlap(j - lo, j, acc, p, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready,
+        acc, p, l_i, m_i = _fwd_step_overlap(j - origin, j, acc, p, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready,
                                              kv_empty, rows, cols, key_lo, T, S, qk_scale, True, CAUSAL, BOUNDED)
     if own_lo < n_blocks:  # the last block's P V (its V landed), and its slot
-        stage = (n_blocks - 1 - lo) % STAGES
+        stage = (n_blocks - 1 - origin) % STAGES
         acc = warpgroup_mma(p, v_smem.index(stage), acc)
         mbarrier.arrive(kv_empty.index(stage), count=1)
     return acc, l_i, m_i
 
 
 @gluon.jit
-def _fwd_consume(io, buffers, program, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr, OVERLAP: gl.constexpr,
+def _fwd_consume(io, buffers, work, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr, OVERLAP: gl.constexpr,
                  C: gl.constexpr):
-    """Consumer warpgroup C: query rows start_m + 64 C .. + 63 against the program's key blocks."""
+    """Consumer warpgroup C: its rows of each tile the program takes, in turn."""
+    CONSUMERS: gl.constexpr = buffers.q_smem.type.shape[0]
+    ROWS: gl.constexpr = buffers.q_smem.type.shape[1]
+    BLOCK_N: gl.constexpr = buffers.k_smem.type.shape[1]
+    tile, n_m, n_tiles = _first_tile(work, CONSUMERS * ROWS)
+    t = tile * 0  # the tiles done
+    base = tile * 0  # the key blocks through the ring so far: its slots and phases run on across tiles
+    while tile < n_tiles:
+        program = _program(tile, n_m, work, CAUSAL, BOUNDED, CONSUMERS * ROWS, BLOCK_N)
+        _fwd_tile(io, buffers, program, program.lo - base, t, CAUSAL, BOUNDED, OVERLAP, C)
+        base += gl.maximum(program.n_blocks - program.lo, 0)
+        t += 1
+        if work.PERSISTENT:
+            tile = take_tile(t, buffers.tile_smem, buffers.tile_ready, buffers.tile_empty, 4)
+        else:
+            tile = n_tiles
+
+
+@gluon.jit
+def _fwd_tile(io, buffers, program, origin, t, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr, OVERLAP: gl.constexpr,
+              C: gl.constexpr):
+    """Consumer warpgroup C's rows start_m + 64 C .. + 63 of the program's t-th tile against its key
+    blocks; key block j is ring slot j - origin."""
     q_smem, k_smem, v_smem = buffers.q_smem, buffers.k_smem, buffers.v_smem
     k_ready, v_ready, kv_empty = buffers.k_ready, buffers.v_ready, buffers.kv_empty
     lo, n_blocks, T, S, qk_scale = program.lo, program.n_blocks, program.T, program.S, program.qk_scale
@@ -194,24 +243,24 @@ def _fwd_consume(io, buffers, program, CAUSAL: gl.constexpr, BOUNDED: gl.constex
     key_lo, own_lo, full_lo, n_full = kv_runs(program.KEY_LO, rows, first, lo, n_blocks, T, S, CAUSAL, BOUNDED, ROWS,
                                               BLOCK_N)
     q_t = q_smem.index(C)
-    mbarrier.wait(buffers.q_bar.index(C), 0)
+    mbarrier.wait(buffers.q_bar.index(C), t & 1)
     # -- the key blocks: other consumers' (passed unread), masked, mask-free, masked --
     for j in range(lo, own_lo):
-        skip_slot(j - lo, k_ready, v_ready, kv_empty, STAGES)
+        skip_slot(j - origin, k_ready, v_ready, kv_empty, STAGES)
     if OVERLAP:
         acc, l_i, m_i = _fwd_blocks_overlap(acc, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready, kv_empty, rows, cols,
-                                            key_lo, lo, own_lo, full_lo, n_full, n_blocks, T, S, qk_scale, CAUSAL,
-                                            BOUNDED)
+                                            key_lo, origin, own_lo, full_lo, n_full, n_blocks, T, S, qk_scale,
+                                            CAUSAL, BOUNDED)
     else:
         for j in range(own_lo, gl.minimum(full_lo, n_full)):
-            acc, l_i, m_i = _fwd_step(j - lo, j, acc, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready, kv_empty, rows,
-                                      cols, key_lo, T, S, qk_scale, True, CAUSAL, BOUNDED)
+            acc, l_i, m_i = _fwd_step(j - origin, j, acc, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready, kv_empty,
+                                      rows, cols, key_lo, T, S, qk_scale, True, CAUSAL, BOUNDED)
         for j in range(full_lo, n_full):
-            acc, l_i, m_i = _fwd_step(j - lo, j, acc, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready, kv_empty, rows,
-                                      cols, key_lo, T, S, qk_scale, False, CAUSAL, BOUNDED)
+            acc, l_i, m_i = _fwd_step(j - origin, j, acc, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready, kv_empty,
+                                      rows, cols, key_lo, T, S, qk_scale, False, CAUSAL, BOUNDED)
         for j in range(gl.maximum(own_lo, n_full), n_blocks):
-            acc, l_i, m_i = _fwd_step(j - lo, j, acc, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready, kv_empty, rows,
-                                      cols, key_lo, T, S, qk_scale, True, CAUSAL, BOUNDED)
+            acc, l_i, m_i = _fwd_step(j - origin, j, acc, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready, kv_empty,
+                                      rows, cols, key_lo, T, S, qk_scale, True, CAUSAL, BOUNDED)
 
     # -- epilogue: LSE, and O through Q's buffer --
     l_safe = gl.where(l_i == 0.0, 1.0, l_i)  # rows that attend no key: O = 0, LSE = -inf
@@ -223,44 +272,81 @@ def _fwd_consume(io, buffers, program, CAUSAL: gl.constexpr, BOUNDED: gl.constex
     gl.thread_barrier()
     tma.async_copy_shared_to_global(io.o_desc, [program.off_b, program.off_h, first, 0],
                                     q_t.reshape([1, 1, ROWS, HEAD_DIM]))
-    tma.store_wait(0)
+    tma.store_wait(0)  # O has left Q's buffer: the producer may load the next tile's Q into it
+    gl.thread_barrier()
+    mbarrier.arrive(buffers.q_empty.index(C), count=1)
 
 
 @gluon.jit
-def _fwd_consume_1(io, buffers, program, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr, OVERLAP: gl.constexpr):
-    _fwd_consume(io, buffers, program, CAUSAL, BOUNDED, OVERLAP, 1)
+def _fwd_consume_1(io, buffers, work, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr, OVERLAP: gl.constexpr):
+    _fwd_consume(io, buffers, work, CAUSAL, BOUNDED, OVERLAP, 1)
 
 
 @gluon.jit
-def _fwd_consume_2(io, buffers, program, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr, OVERLAP: gl.constexpr):
-    _fwd_consume(io, buffers, program, CAUSAL, BOUNDED, OVERLAP, 2)
+def _fwd_consume_2(io, buffers, work, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr, OVERLAP: gl.constexpr):
+    _fwd_consume(io, buffers, work, CAUSAL, BOUNDED, OVERLAP, 2)
 
 
 @gluon.jit
-def _fwd_produce(io, buffers, program):
-    """The producer warp: each consumer's Q tile, then the K/V blocks lo .. n_blocks - 1 through the ring."""
-    q_desc, k_desc, v_desc = io.q_desc, io.k_desc, io.v_desc
-    q_smem, k_smem, v_smem, q_bar = buffers.q_smem, buffers.k_smem, buffers.v_smem, buffers.q_bar
-    k_ready, v_ready, kv_empty = buffers.k_ready, buffers.v_ready, buffers.kv_empty
+def _fwd_produce(io, buffers, work, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr):
+    """The producer warp: each tile's Q tiles and K/V blocks, tile after tile; persistent, it hands
+    out the tiles (pipeline.hand_out_tile)."""
+    CONSUMERS: gl.constexpr = buffers.q_smem.type.shape[0]
+    ROWS: gl.constexpr = buffers.q_smem.type.shape[1]
+    BLOCK_N: gl.constexpr = buffers.k_smem.type.shape[1]
+    tile, n_m, n_tiles = _first_tile(work, CONSUMERS * ROWS)
+    t = tile * 0
+    base = tile * 0  # as the consumers count it
+    while tile < n_tiles:
+        program = _program(tile, n_m, work, CAUSAL, BOUNDED, CONSUMERS * ROWS, BLOCK_N)
+        _fwd_load_tile(io, buffers, program, program.lo - base, t)
+        base += gl.maximum(program.n_blocks - program.lo, 0)
+        t += 1
+        if work.PERSISTENT:
+            tile = hand_out_tile(t, work, buffers.tile_smem, buffers.tile_ready, buffers.tile_empty)
+        else:
+            tile = n_tiles
+    if work.PERSISTENT:
+        persistent_done(work.COUNTER)
+
+
+@gluon.jit
+def _load_kv(i, j, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, off_b, off_hkv):
+    """Key block j into ring slot i once the consumers have freed it."""
+    STAGES: gl.constexpr = k_smem.type.shape[0]
+    BLOCK_N: gl.constexpr = k_smem.type.shape[1]
+    HEAD_DIM: gl.constexpr = k_smem.type.shape[2]
+    stage = i % STAGES
+    mbarrier.wait(kv_empty.index(stage), ((i // STAGES) & 1) ^ 1)  # a fresh barrier passes phase 1
+    mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [off_b, off_hkv, j * BLOCK_N, 0], k_ready.index(stage),
+                                    k_smem.index(stage).reshape([1, 1, BLOCK_N, HEAD_DIM]))
+    mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(v_desc, [off_b, off_hkv, j * BLOCK_N, 0], v_ready.index(stage),
+                                    v_smem.index(stage).reshape([1, 1, BLOCK_N, HEAD_DIM]))
+
+
+@gluon.jit
+def _fwd_load_tile(io, buffers, program, origin, t):
+    """The t-th tile's loads: its first key block (into the ring while the consumers may still be
+    on the last tile), each consumer's Q once that consumer's last O has left its buffer, then the
+    other key blocks; key block j goes to ring slot j - origin."""
+    q_desc, q_smem, q_bar, q_empty = io.q_desc, buffers.q_smem, buffers.q_bar, buffers.q_empty
     off_b, off_hkv, lo, n_blocks = program.off_b, program.off_hkv, program.lo, program.n_blocks
     CONSUMERS: gl.constexpr = q_smem.type.shape[0]
     ROWS: gl.constexpr = q_smem.type.shape[1]
     HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
-    STAGES: gl.constexpr = k_smem.type.shape[0]
-    BLOCK_N: gl.constexpr = k_smem.type.shape[1]
+    ring = (io.k_desc, io.v_desc, buffers.k_smem, buffers.v_smem, buffers.k_ready, buffers.v_ready, buffers.kv_empty)
+    n_first = gl.minimum(n_blocks, lo + 1)
+    for j in range(lo, n_first):
+        _load_kv(j - origin, j, *ring, off_b, off_hkv)
     for c in gl.static_range(CONSUMERS):
+        mbarrier.wait(q_empty.index(c), (t & 1) ^ 1)
         mbarrier.expect(q_bar.index(c), q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [off_b, program.off_h, program.start_m + c * ROWS, 0], q_bar.index(c),
                                         q_smem.index(c).reshape([1, 1, ROWS, HEAD_DIM]))
-    for j in range(lo, n_blocks):
-        stage = (j - lo) % STAGES
-        mbarrier.wait(kv_empty.index(stage), (((j - lo) // STAGES) & 1) ^ 1)  # a fresh barrier passes phase 1
-        mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [off_b, off_hkv, j * BLOCK_N, 0], k_ready.index(stage),
-                                        k_smem.index(stage).reshape([1, 1, BLOCK_N, HEAD_DIM]))
-        mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [off_b, off_hkv, j * BLOCK_N, 0], v_ready.index(stage),
-                                        v_smem.index(stage).reshape([1, 1, BLOCK_N, HEAD_DIM]))
+    for j in range(n_first, n_blocks):
+        _load_kv(j - origin, j, *ring, off_b, off_hkv)
 
 
 @gluon.jit
@@ -269,69 +355,73 @@ def _fwd_kernel(
     o_desc,  # of (B, H, T, D): the output
     LSE,  # (B, H, T) fp32, natural log
     KEY_LO,  # (B, T) int32: each query's first key (BOUNDED only: documents, a window)
-    H, GROUP, T, S,
+    COUNTER,  # (2,) int32, zero (PERSISTENT only): tiles handed out, programs done
+    H, B, GROUP, T, S,
     qk_scale,  # softmax_scale * log2(e)
     CAUSAL: gl.constexpr, BOUNDED: gl.constexpr, CONSUMERS: gl.constexpr, STAGES: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
     SECTION: gl.constexpr,  # 0, or the (batch, head) pairs per L2 section (config.fwd_section)
     OVERLAP: gl.constexpr,  # config.fwd_overlap
+    PERSISTENT: gl.constexpr,  # config.fwd_persistent: a grid of at most one program per SM
 ):
     dtype: gl.constexpr = q_desc.dtype
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
-    if SECTION == 0:
-        # the longest causal rows start first, so that short ones fill the tail of the launch
-        start_m = (gl.num_programs(0) - 1 - gl.program_id(0)) * (CONSUMERS * ROWS)
-        off_h = gl.program_id(1)
-        off_b = gl.program_id(2)
-    else:
-        start_m, off_h, off_b = _l2_order(SECTION, CONSUMERS * ROWS)
-    lo, n_blocks, key_lo = kv_blocks(KEY_LO, off_b, start_m, T, S, CAUSAL, BOUNDED, CONSUMERS * ROWS, BLOCK_N)
-
     q_tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM], dtype)
     kv_tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
     q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, ROWS, HEAD_DIM], q_tile)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_tile)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_tile)
+    tile_smem = gl.allocate_shared_memory(gl.int32, [2, 32], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     q_bar = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    tile_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    tile_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for c in gl.static_range(CONSUMERS):
         mbarrier.init(q_bar.index(c), count=1)
+        mbarrier.init(q_empty.index(c), count=1)
     for s in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(s), count=1)
         mbarrier.init(v_ready.index(s), count=1)
         mbarrier.init(kv_empty.index(s), count=CONSUMERS)  # every consumer frees the slot
+    for s in gl.static_range(2):
+        mbarrier.init(tile_ready.index(s), count=1)
+        mbarrier.init(tile_empty.index(s), count=CONSUMERS)
 
     io = FwdIO(q_desc, k_desc, v_desc, o_desc, LSE)
-    buffers = FwdBuffers(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty)
-    program = FwdProgram(off_b, off_h, off_h // GROUP, start_m, lo, n_blocks, key_lo, H, T, S, qk_scale)
+    buffers = FwdBuffers(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty, tile_smem, tile_ready,
+                         tile_empty)
+    work = FwdWork(COUNTER, KEY_LO, H, B, GROUP, T, S, qk_scale, PERSISTENT, SECTION)
     # -- the partitions: consumer 0 in the kernel's own warps, the others and the producer beside it --
     if CONSUMERS == 2:
-        gl.warp_specialize([(_fwd_consume, (io, buffers, program, CAUSAL, BOUNDED, OVERLAP, 0)),
-                            (_fwd_consume_1, (io, buffers, program, CAUSAL, BOUNDED, OVERLAP)),
-                            (_fwd_produce, (io, buffers, program))],
-                           [4, 1], [CONSUMER_REGS, WORKER_REGS])
+        gl.warp_specialize([(_fwd_consume, (io, buffers, work, CAUSAL, BOUNDED, OVERLAP, 0)),
+                            (_fwd_consume_1, (io, buffers, work, CAUSAL, BOUNDED, OVERLAP)),
+                            (_fwd_produce, (io, buffers, work, CAUSAL, BOUNDED))],
+                           [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
-        gl.warp_specialize([(_fwd_consume, (io, buffers, program, CAUSAL, BOUNDED, OVERLAP, 0)),
-                            (_fwd_consume_1, (io, buffers, program, CAUSAL, BOUNDED, OVERLAP)),
-                            (_fwd_consume_2, (io, buffers, program, CAUSAL, BOUNDED, OVERLAP)),
-                            (_fwd_produce, (io, buffers, program))],
-                           [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, WORKER_REGS])
+        gl.warp_specialize([(_fwd_consume, (io, buffers, work, CAUSAL, BOUNDED, OVERLAP, 0)),
+                            (_fwd_consume_1, (io, buffers, work, CAUSAL, BOUNDED, OVERLAP)),
+                            (_fwd_consume_2, (io, buffers, work, CAUSAL, BOUNDED, OVERLAP)),
+                            (_fwd_produce, (io, buffers, work, CAUSAL, BOUNDED))],
+                           [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
 
 # --------------------------------------------------------------------------------------------
 # launching
 
 
-def _options(causal: bool, bounded: bool, tiles: config.FwdTiles, section: int, overlap: bool) -> dict:
+def _options(causal: bool, bounded: bool, tiles: config.FwdTiles, section: int, overlap: bool,
+             persistent: bool) -> dict:
     """The kernel's constexprs and compile options for these tiles, order (config.fwd_section) and
-    schedule (config.fwd_overlap)."""
+    schedule (config.fwd_overlap, config.fwd_persistent)."""
     maxnreg, consumer_regs = config.fwd_registers(tiles.consumers)
     return dict(CAUSAL=causal, BOUNDED=bounded, CONSUMERS=tiles.consumers, STAGES=tiles.stages,
-                CONSUMER_REGS=consumer_regs, SECTION=section, OVERLAP=overlap, num_warps=4, maxnreg=maxnreg)
+                CONSUMER_REGS=consumer_regs, SECTION=section, OVERLAP=overlap, PERSISTENT=persistent, num_warps=4,
+                maxnreg=maxnreg)
 
 
 def _section(q, k) -> int:
@@ -339,16 +429,31 @@ def _section(q, k) -> int:
     return config.fwd_section(B * H, H // H_kv, S, D, q.element_size())
 
 
-def _grid(q, tiles: config.FwdTiles) -> tuple[int, int, int]:
+def _grid(q, tiles: config.FwdTiles, persistent: bool, chip: chips.Chip) -> tuple[int, ...]:
+    """(n_m, H, B): a program per tile; persistent, one per SM or per tile, whichever is fewer."""
     B, H, T, _ = q.shape
-    return triton.cdiv(T, tiles.consumers * config.FWD_ROWS), H, B
+    n_m = triton.cdiv(T, tiles.consumers * config.FWD_ROWS)
+    return (min(n_m * H * B, chip.sms),) if persistent else (n_m, H, B)
 
 
-def _args(q, k, v, o, lse, key_lo, scale: float, block_n: int) -> tuple:
-    (_, H, T, D), (H_kv, S) = q.shape, k.shape[1:3]
+def _args(q, k, v, o, lse, key_lo, counter, scale: float, tiles: config.FwdTiles) -> tuple:
+    (B, H, T, D), (H_kv, S) = q.shape, k.shape[1:3]
     rows = config.FWD_ROWS
-    return (descriptor(q, [1, 1, rows, D]), descriptor(k, [1, 1, block_n, D]), descriptor(v, [1, 1, block_n, D]),
-            descriptor(o, [1, 1, rows, D]), lse, key_lo, H, H // H_kv, T, S, scale * LOG2E.value)
+    return (descriptor(q, [1, 1, rows, D]), descriptor(k, [1, 1, tiles.block_n, D]),
+            descriptor(v, [1, 1, tiles.block_n, D]), descriptor(o, [1, 1, rows, D]), lse, key_lo, counter, H, B,
+            H // H_kv, T, S, scale * LOG2E.value)
+
+
+# the persistent forward's counters per (device, stream): every launch leaves them zero for the
+# next one on its stream; launches on two streams at once would share one if it were per device
+_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def _counter(q) -> torch.Tensor:
+    key = (q.device.index, stream_handle(q.device.index))
+    if (counter := _COUNTERS.get(key)) is None:
+        counter = _COUNTERS[key] = torch.zeros(2, dtype=torch.int32, device=q.device)
+    return counter
 
 
 # the compiled forward per input layout: later calls launch it directly with descriptors rebuilt
@@ -366,16 +471,18 @@ def forward(q, k, v, o, lse, causal: bool, scale: float, key_lo: torch.Tensor | 
     key_lo = lse if key_lo is None else key_lo  # lse stands in for absent bounds: unread
     section = _section(q, k)
     overlap = config.fwd_overlap(q.shape[3])
+    persistent = config.fwd_persistent()
+    counter = _counter(q) if persistent else lse  # unread where not persistent
     tiles = config.fwd_tiles(q.shape[3], q.shape[2])
     layout = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), o.stride(), q.dtype, q.device.index, causal,
               bounded, scale, lse.data_ptr() % 16 == 0, key_lo.data_ptr() % 16 == 0, section,
-              overlap, tiles)
+              overlap, persistent, tiles)
     if bound := _BOUND.get(layout):
-        bound(q, k, v, o, lse, key_lo)
+        bound(q, k, v, o, lse, key_lo, counter)
         return
-    args = _args(q, k, v, o, lse, key_lo, scale, tiles.block_n)
-    grid = _grid(q, tiles)
-    options = _options(causal, bounded, tiles, section, overlap)
+    args = _args(q, k, v, o, lse, key_lo, counter, scale, tiles)
+    grid = _grid(q, tiles, persistent, chips.chip(q.device.index))
+    options = _options(causal, bounded, tiles, section, overlap, persistent)
     _BOUND[layout] = bind(_fwd_kernel, _fwd_kernel[grid](*args, **options), grid, args, options)
 
 
@@ -383,7 +490,8 @@ def compile_only(q, k, v, causal: bool, bounded: bool = False):
     """The compiled forward kernel for these inputs' layout, without launching it (kernels/runtime/sm90.py)."""
     (B, H, T, D) = q.shape
     tiles = config.fwd_tiles(D, T)
+    persistent = config.fwd_persistent()
     args = _args(q, k, v, torch.empty_like(q), torch.empty((B, H, T), dtype=torch.float32),
-                 torch.empty((B, T), dtype=torch.int32), D ** -0.5, tiles.block_n)
-    return _fwd_kernel.warmup(*args, grid=_grid(q, tiles), **_options(causal, bounded, tiles, _section(q, k),
-                                                                     config.fwd_overlap(D)))
+                 torch.empty((B, T), dtype=torch.int32), torch.zeros(2, dtype=torch.int32), D ** -0.5, tiles)
+    return _fwd_kernel.warmup(*args, grid=_grid(q, tiles, persistent, chips.H100),
+                              **_options(causal, bounded, tiles, _section(q, k), config.fwd_overlap(D), persistent))

@@ -39,20 +39,52 @@ class FwdIO:
 
 @aggregate
 class FwdBuffers:
-    """Shared memory and its barriers: a Q tile per consumer (q_bar: loaded) and the STAGES-deep K/V
-    ring (k_ready, v_ready: loaded; kv_empty: freed by every consumer)."""
+    """Shared memory and its barriers: a Q tile per consumer (q_bar: loaded; q_empty: its O has left
+    through it), the STAGES-deep K/V ring (k_ready, v_ready: loaded; kv_empty: freed by every
+    consumer), and (persistent) a 2-slot ring of the next tiles' numbers (tile_ready: written by
+    the producer; tile_empty: read by every consumer)."""
     q_smem: gl.shared_memory_descriptor
     k_smem: gl.shared_memory_descriptor
     v_smem: gl.shared_memory_descriptor
     q_bar: gl.shared_memory_descriptor
+    q_empty: gl.shared_memory_descriptor
     k_ready: gl.shared_memory_descriptor
     v_ready: gl.shared_memory_descriptor
     kv_empty: gl.shared_memory_descriptor
+    tile_smem: gl.shared_memory_descriptor
+    tile_ready: gl.shared_memory_descriptor
+    tile_empty: gl.shared_memory_descriptor
 
     @gluon.constexpr_function
-    def __init__(self, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty):
+    def __init__(self, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty, tile_smem, tile_ready,
+                 tile_empty):
         self.q_smem, self.k_smem, self.v_smem = q_smem, k_smem, v_smem
-        self.q_bar, self.k_ready, self.v_ready, self.kv_empty = q_bar, k_ready, v_ready, kv_empty
+        self.q_bar, self.q_empty, self.k_ready, self.v_ready, self.kv_empty = q_bar, q_empty, k_ready, v_ready, kv_empty
+        self.tile_smem, self.tile_ready, self.tile_empty = tile_smem, tile_ready, tile_empty
+
+
+@aggregate
+class FwdWork:
+    """The launch's work: tiles of a query block (CONSUMERS * FWD_ROWS rows) of one head and batch
+    row, numbered in launch order (fwd._tile_of: SECTION); with PERSISTENT, COUNTER (2 int32, zero
+    between launches): the tiles handed out past the first num_programs, and the programs done;
+    the sizes and the scale."""
+    COUNTER: gl.tensor
+    KEY_LO: gl.tensor
+    H: Scalar
+    B: Scalar
+    GROUP: Scalar
+    T: Scalar
+    S: Scalar
+    qk_scale: gl.tensor
+    PERSISTENT: gl.constexpr
+    SECTION: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, COUNTER, KEY_LO, H, B, GROUP, T, S, qk_scale, PERSISTENT, SECTION):
+        self.COUNTER, self.KEY_LO, self.H, self.B, self.GROUP = COUNTER, KEY_LO, scalar(H), scalar(B), scalar(GROUP)
+        self.T, self.S, self.qk_scale = scalar(T), scalar(S), qk_scale
+        self.PERSISTENT, self.SECTION = gl.constexpr(PERSISTENT), gl.constexpr(SECTION)
 
 
 @aggregate
@@ -164,6 +196,44 @@ def skip_slot(i, k_ready, v_ready, kv_empty, STAGES: gl.constexpr):
     mbarrier.wait(k_ready.index(stage), phase)
     mbarrier.wait(v_ready.index(stage), phase)
     mbarrier.arrive(kv_empty.index(stage), count=1)
+
+
+@gluon.jit
+def hand_out_tile(t, work, tile_smem, tile_ready, tile_empty):
+    """The producer's tile after its t-th (t >= 1): the next of the launch order not yet taken, for
+    the program's consumers too through slot (t - 1) % 2 of the tile ring; past the last tile
+    when none is left."""
+    lane = gl.arange(0, 32, layout=gl.BlockedLayout([1], [32], [1], [0]))
+    taken = gl.atomic_add(work.COUNTER + lane * 0, lane * 0 + 1, mask=lane == 0)
+    tile = gl.num_programs(0) + gl.max(gl.where(lane == 0, taken, 0), 0)  # the first num_programs went out at launch
+    s = t - 1
+    mbarrier.wait(tile_empty.index(s % 2), ((s // 2) & 1) ^ 1)  # a fresh barrier passes phase 1
+    tile_smem.index(s % 2).store(gl.full([32], tile, gl.int32, lane.type.layout))
+    gl.thread_barrier()  # every lane's store before the arrive
+    mbarrier.arrive(tile_ready.index(s % 2), count=1)
+    return tile
+
+
+@gluon.jit
+def take_tile(t, tile_smem, tile_ready, tile_empty, NUM_WARPS: gl.constexpr):
+    """A consumer's tile after its t-th (t >= 1), as the producer handed it out."""
+    s = t - 1
+    mbarrier.wait(tile_ready.index(s % 2), (s // 2) & 1)
+    tile = gl.max(tile_smem.index(s % 2).load(gl.BlockedLayout([1], [32], [NUM_WARPS], [0])), 0)
+    gl.thread_barrier()  # every thread has read the slot before it is freed
+    mbarrier.arrive(tile_empty.index(s % 2), count=1)
+    return tile
+
+
+@gluon.jit
+def persistent_done(COUNTER):
+    """The producer's last act in a persistent launch: the last program to get here (every
+    program has taken its last tile) zeroes the counters for the next launch on the stream."""
+    lane = gl.arange(0, 32, layout=gl.BlockedLayout([1], [32], [1], [0]))
+    done = gl.atomic_add(COUNTER + 1 + lane * 0, lane * 0 + 1, mask=lane == 0)
+    last = (lane == 0) & (done == gl.num_programs(0) - 1)
+    gl.atomic_xchg(COUNTER + lane * 0, lane * 0, mask=last)
+    gl.atomic_xchg(COUNTER + 1 + lane * 0, lane * 0, mask=last)
 
 
 @gluon.jit

@@ -15,6 +15,7 @@ class Chip(NamedTuple):
     capability: tuple[int, int]  # (major, minor): 8.0 Ampere, 8.9 Ada, 9.0 Hopper
     smem_bytes: int  # shared memory one block may opt into (227 KB on an H100, 99 KB on an RTX 4090)
     nvidia: bool = True
+    sms: int = 132  # streaming multiprocessors: how many programs a persistent kernel launches
 
     @property
     def bf16(self) -> bool:
@@ -38,7 +39,8 @@ def chip(device_index: int) -> Chip:
 
     props = torch.cuda.get_device_properties(device_index)
     smem = driver.active.utils.get_device_properties(device_index)["max_shared_mem"]  # the opt-in maximum
-    return Chip(props.name, (props.major, props.minor), smem, nvidia=torch.version.hip is None)
+    return Chip(props.name, (props.major, props.minor), smem, nvidia=torch.version.hip is None,
+                sms=props.multi_processor_count)
 
 
 H100 = Chip("NVIDIA H100 80GB HBM3", (9, 0), 227 * 1024)  # what the tile tables were tuned on
