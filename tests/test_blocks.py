@@ -198,6 +198,9 @@ def test_forward_key_blocks_agree(setting, consumers):
         # (1) the dialects agree: Gluon counts blocks, Triton keys
         assert (own_lo * block_n, full_lo * block_n, n_full * block_n) == (lo_t, full_lo_t, full_end_t), index
         assert triton.cdiv(end_t, block_n) <= n_blocks and (consumers > 1 or triton.cdiv(end_t, block_n) == n_blocks)
+        # (4) every consumer takes the tile's n_blocks - lo ring slots (passing [lo, own_lo) unread): the
+        # persistent forward's ring runs on into the next tile, where one slot too many would desync it
+        assert lo <= own_lo <= max(n_blocks, lo), index
         for j in range(n_blocks_all):
             keys = range(j * block_n, min((j + 1) * block_n, S))
             visited = own_lo <= j < n_blocks  # [lo, own_lo): other consumers' blocks, passed unread

@@ -89,12 +89,12 @@ def test_compiles_for_sm90_without_a_gpu(variants, tmp_path):
     overlap = variants.get(hopper.FWD_OVERLAP_VARIABLE)
     for line in lines:
         assert int(re.search(r"(\d+) HGMMA", line)[1]) > 0, line  # the matmuls run on Hopper's wgmma
-        if " 0 B stack" in line or (overlap == "1" and line.startswith("fwd_d64_documents")):
-            continue  # D 64's overlap, not adopted there, spills 16-32 B with documents in the tile loop
-        # no register spills, but for what entry_spills allows
-        assert int(re.search(r"(\d+) B stack", line)[1]) <= 8, line
-        assert not entry_spills((tmp_path / f"{line.split(':')[0]}.sass").read_text()), line
         assert int(re.search(r"(\d+) B shared", line)[1]) <= 232448, line  # an sm_90 block's most
+        stack = int(re.search(r"(\d+) B stack", line)[1])
+        if overlap == "1" and line.startswith("fwd_d64_documents"):
+            assert stack <= 32, line  # D 64's overlap, not adopted there, spills 16-32 B in the tile loop
+        elif stack:  # no register spills, but for what entry_spills allows
+            assert stack <= 8 and not entry_spills((tmp_path / f"{line.split(':')[0]}.sass").read_text()), line
     # where the forward overlaps (every head dim with the variant's 1), each step's softmax (a
     # thread's 64 exp2s of a 64 x 128 block) sits between the wait for its S, P V of the block
     # before still in flight, and the wait for that P V: ptxas had hoisted the second wait above
@@ -429,31 +429,45 @@ def test_gluon_later_launches_use_the_new_tensors(D, documents, gluon):
     assert not torch.equal(first_a[0], first_b[0])
 
 
+def _poisoned_forward(q, k, v, doc_ids):
+    """flash_attn_forward's o and lse in memory that held NaN just before (freed at once, the
+    caching allocator hands the blocks on): a tile a launch skipped would keep it."""
+    torch.full_like(q, float("nan"))
+    torch.full(q.shape[:3], float("nan"), device=q.device)
+    return flash_attn_forward(q, k, v, doc_ids=doc_ids)
+
+
 @pytest.mark.gpu
 @sm90
 @pytest.mark.parametrize("D", [64, 128])
-def test_persistent_forward_hands_out_every_tile_once_on_each_stream(D, gluon, monkeypatch):
-    # persistent, the programs take tiles from a counter that each launch leaves zero for the next
-    # on its stream; a program per tile computes the same bits. More tiles than SMs, fewer, and
-    # documents (tiles of unequal length); a second stream gets a counter of its own
-    from kernels.hopper import fwd
+def test_persistent_forward_takes_every_tile_once(D, gluon, monkeypatch):
+    # persistent, the programs take tiles from a counter zeroed for each launch; a program per tile
+    # computes the same bits. More tiles than SMs, fewer, and documents (tiles of unequal length);
+    # launches in a row, on a second stream, and from two CUDA graphs replayed in reverse order
     cases = [(4, 8, 3000, None), (1, 2, 300, None), (2, 4, 4048, [[1, 700, 1300, 64, 33, 1950], [4048]])]
     for B, H, T, lengths in cases:
         q, k, v, _ = _make_inputs(f"gluon-persistent-{D}-{T}", B, H, 2, T, T, D, BF16, "packed", "cuda")
         doc_ids = _doc_ids(lengths, "cuda") if lengths else None
         monkeypatch.setenv(hopper.FWD_PERSISTENT_VARIABLE, "0")
-        per_tile = flash_attn_forward(q, k, v, doc_ids=doc_ids)
+        per_tile = _poisoned_forward(q, k, v, doc_ids)
         monkeypatch.setenv(hopper.FWD_PERSISTENT_VARIABLE, "1")
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        for stream in (torch.cuda.current_stream(), side, torch.cuda.current_stream()):
+        for stream in (torch.cuda.current_stream(), side):
             with torch.cuda.stream(stream):
-                for _ in range(3):  # a launch that left its counter wrong would skip tiles in the next
-                    o, lse = flash_attn_forward(q, k, v, doc_ids=doc_ids)
+                for _ in range(2):
+                    o, lse = _poisoned_forward(q, k, v, doc_ids)
                     assert torch.equal(o, per_tile[0]) and torch.equal(lse, per_tile[1])
-        torch.cuda.synchronize()
-        assert len(fwd._COUNTERS) >= 2
-        assert all(not counter.any() for counter in fwd._COUNTERS.values())
+        torch.cuda.current_stream().wait_stream(side)
+        graphs, outs = [torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()], []
+        for graph in graphs:
+            with torch.cuda.graph(graph):
+                outs.append(flash_attn_forward(q, k, v, doc_ids=doc_ids))
+        for graph, (o, lse) in zip(graphs[::-1], outs[::-1]):
+            o.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(o, per_tile[0]) and torch.equal(lse, per_tile[1])
 
 
 @pytest.mark.gpu

@@ -53,7 +53,7 @@ def kv_blocks(KEY_LO, off_b, start_m, T, S, CAUSAL: gl.constexpr, BOUNDED: gl.co
     BLOCK_M) see: up to the block of the last row's last key, from the block of the first row's
     first key on (bounded); key_lo, the batch row's."""
     key_end = S
-    if CAUSAL:  # one past the last key the program's last row sees (<= 0: its rows see none)
+    if CAUSAL:  # one past the last key the tile's last row sees (<= 0: its rows see none)
         key_end = gl.minimum(S, start_m + BLOCK_M + S - T)
     n_blocks = gl.cdiv(gl.maximum(key_end, 0), BLOCK_N)
     key_lo = KEY_LO + off_b.to(gl.int64) * T
@@ -66,7 +66,7 @@ def kv_blocks(KEY_LO, off_b, start_m, T, S, CAUSAL: gl.constexpr, BOUNDED: gl.co
 @gluon.jit
 def kv_runs(KEY_LO, rows, first, lo, n_blocks, T, S, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr,
             ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
-    """What a consumer of query rows `rows` = first .. first + ROWS - 1 needs of the program's key
+    """What a consumer of query rows `rows` = first .. first + ROWS - 1 needs of the tile's key
     blocks lo .. n_blocks - 1: (key_lo, each row's first key, for visible; own_lo, full_lo,
     n_full). It passes the blocks before own_lo unread (another consumer's rows see them), masks
     those before full_lo, needs no mask on those before n_full (all keys < S, and (causal) none

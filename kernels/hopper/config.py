@@ -58,7 +58,8 @@ BWD_LONGEST_FIRST_TO = 65535 * min(t.block_n for t in BWD_TILES.values())  # a C
 REGISTERS = 65536
 WORKER_REGS = 24
 # the forward's producer also walks the tiles a persistent program takes: at 24 registers it
-# spilled one (D = 128); 32 leaves the consumers as many as 24 does (240 or 160, in steps of 8)
+# spilled one (D = 128). At 32 the consumer partitions keep what they had at 24 (240 or 160, in
+# steps of 8), and consumer 0, the kernel's own warps, has 8 fewer (232 or 160); none spills
 FWD_PRODUCER_REGS = 32
 
 
@@ -126,7 +127,7 @@ def bwd_maxnreg() -> int:
 # --------------------------------------------------------------------------------------------
 # schedule variants, read per call
 
-FWD_ORDER_VARIABLE = "FLASH_ATTENTION_FWD_ORDER"  # heads: the forward's programs head by head (unset: l2)
+FWD_ORDER_VARIABLE = "FLASH_ATTENTION_FWD_ORDER"  # heads: the forward's tiles head by head (unset: l2)
 FWD_OVERLAP_VARIABLE = "FLASH_ATTENTION_FWD_OVERLAP"  # 1 / 0: block j-1's P V during block j's softmax, or not
 FWD_STAGES_VARIABLE = "FLASH_ATTENTION_FWD_STAGES"  # the forward's K/V ring depth (unset: FWD_TILES')
 BWD_BLOCK_M_VARIABLE = "FLASH_ATTENTION_BWD_BLOCK_M"  # 64 at D = 64: the backward by keys (unset: by rows)
@@ -146,7 +147,7 @@ def fwd_section(heads: int, group: int, seq_k: int, head_dim: int, itemsize: int
     """FLASH_ATTENTION_FWD_ORDER: l2 (unset), the (batch, head) pairs of all `heads` in sections of
     this many whose K and V fit L2_BYTES together (the query heads of one kv head share theirs), each
     section's query blocks longest first across its heads: 4-10% faster forward from T = 4096 on
-    the H100 (perf-notes v16); heads, 0: the programs launch head by head, longest first in each."""
+    the H100 (perf-notes v16); heads, 0: the tiles go head by head, longest first in each."""
     if _variant(FWD_ORDER_VARIABLE, ("l2", "heads")) == "heads":
         return 0
     kv_heads = max(1, L2_BYTES // (2 * seq_k * head_dim * itemsize))
@@ -164,10 +165,10 @@ FWD_PERSISTENT = True
 
 
 def fwd_persistent() -> bool:
-    """FLASH_ATTENTION_FWD_PERSISTENT: 1, one forward program per SM, each taking the next tile of
-    the launch order from a counter in global memory as it finishes one, so that a tile's first
-    K/V loads run during the last one's softmax and epilogue; 0, a program per tile; unset,
-    FWD_PERSISTENT."""
+    """FLASH_ATTENTION_FWD_PERSISTENT: 1, one forward program per SM; its producer takes the next
+    tile of the launch order from a counter in global memory once it has issued the current one's
+    loads, so that a tile's first K/V loads run during the last one's softmax and epilogue; 0, a
+    program per tile; unset, FWD_PERSISTENT."""
     choice = _variant(FWD_PERSISTENT_VARIABLE, ("0", "1"))
     return choice == "1" if choice else FWD_PERSISTENT
 

@@ -10,9 +10,9 @@ without a hand-written schedule. At D = 128 (config.fwd_overlap; FLASH_ATTENTION
 or 1 chooses) it adds the overlap FlashAttention-3 gets within a warpgroup: each block's P V is
 issued behind the next block's S and runs during that block's softmax. Q arrives by TMA once a
 tile; O leaves by TMA through Q's buffer. The program is persistent (config.fwd_persistent): one
-per SM, it takes tile after tile in launch order from a counter, and the ring runs on from one
-tile into the next, so that the next tile's first loads overlap this one's last blocks and its
-epilogue; or (FLASH_ATTENTION_FWD_PERSISTENT=0) a program per tile.
+per SM, it takes tile after tile in launch order from a counter zeroed for the launch, and the
+ring runs on from one tile into the next, so that the next tile's first loads overlap this one's
+last blocks and its epilogue; or (FLASH_ATTENTION_FWD_PERSISTENT=0) a program per tile.
 Tiles, stages and registers: kernels/hopper/config.py. docs/flash-attention.md derives it.
 """
 
@@ -25,10 +25,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from kernels.hopper import config
 from kernels.hopper.blocks import descriptor, kv_blocks, kv_runs, visible
-from kernels.hopper.pipeline import (FwdBuffers, FwdIO, FwdProgram, FwdWork, hand_out_tile, persistent_done, skip_slot,
-                                     take_tile)
+from kernels.hopper.pipeline import FwdBuffers, FwdIO, FwdProgram, FwdWork, hand_out_tile, skip_slot, take_tile
 from kernels.runtime import chips
-from kernels.runtime.launch import Bound, bind, stream_handle
+from kernels.runtime.launch import Bound, bind
 from kernels.triton.blocks import LOG2E
 
 PRODUCER_REGS = gl.constexpr(config.FWD_PRODUCER_REGS)  # the producer issues TMA copies, waits and hands out tiles
@@ -42,7 +41,7 @@ def _tile_of(tile, n_m, H, B, SECTION: gl.constexpr, BLOCK_M: gl.constexpr):
     """(start_m, off_h, off_b) of tile number `tile` of n_m * H * B in launch order: head by head,
     each head's query blocks longest first (SECTION = 0), or in sections of SECTION (batch, head)
     pairs, each section's query blocks longest first, its heads in turn within a block row:
-    programs running together share K and V that fit L2."""
+    tiles running together share K and V that fit L2."""
     if SECTION == 0:
         head = tile // n_m
         return (n_m - 1 - (tile - head * n_m)) * BLOCK_M, head % H, head // H
@@ -239,7 +238,7 @@ def _fwd_tile(io, buffers, program, origin, t, CAUSAL: gl.constexpr, BOUNDED: gl
     m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
     l_i = gl.zeros([ROWS], gl.float32, row_layout)
     acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
-    # the program's key blocks lo .. n_blocks - 1 pass through the ring in order
+    # the tile's key blocks lo .. n_blocks - 1 pass through the ring in order
     key_lo, own_lo, full_lo, n_full = kv_runs(program.KEY_LO, rows, first, lo, n_blocks, T, S, CAUSAL, BOUNDED, ROWS,
                                               BLOCK_N)
     q_t = q_smem.index(C)
@@ -306,8 +305,6 @@ def _fwd_produce(io, buffers, work, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr)
             tile = hand_out_tile(t, work, buffers.tile_smem, buffers.tile_ready, buffers.tile_empty)
         else:
             tile = n_tiles
-    if work.PERSISTENT:
-        persistent_done(work.COUNTER)
 
 
 @gluon.jit
@@ -355,7 +352,7 @@ def _fwd_kernel(
     o_desc,  # of (B, H, T, D): the output
     LSE,  # (B, H, T) fp32, natural log
     KEY_LO,  # (B, T) int32: each query's first key (BOUNDED only: documents, a window)
-    COUNTER,  # (2,) int32, zero (PERSISTENT only): tiles handed out, programs done
+    COUNTER,  # (1,) int32, zero (PERSISTENT only): the tiles handed out
     H, B, GROUP, T, S,
     qk_scale,  # softmax_scale * log2(e)
     CAUSAL: gl.constexpr, BOUNDED: gl.constexpr, CONSUMERS: gl.constexpr, STAGES: gl.constexpr,
@@ -444,18 +441,6 @@ def _args(q, k, v, o, lse, key_lo, counter, scale: float, tiles: config.FwdTiles
             H // H_kv, T, S, scale * LOG2E.value)
 
 
-# the persistent forward's counters per (device, stream): every launch leaves them zero for the
-# next one on its stream; launches on two streams at once would share one if it were per device
-_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
-
-
-def _counter(q) -> torch.Tensor:
-    key = (q.device.index, stream_handle(q.device.index))
-    if (counter := _COUNTERS.get(key)) is None:
-        counter = _COUNTERS[key] = torch.zeros(2, dtype=torch.int32, device=q.device)
-    return counter
-
-
 # the compiled forward per input layout: later calls launch it directly with descriptors rebuilt
 # from the new addresses, where Triton's front door would bind every argument again and
 # TensorDescriptor would re-check what the layout already fixes (52 us per call against 41 on the
@@ -472,7 +457,9 @@ def forward(q, k, v, o, lse, causal: bool, scale: float, key_lo: torch.Tensor | 
     section = _section(q, k)
     overlap = config.fwd_overlap(q.shape[3])
     persistent = config.fwd_persistent()
-    counter = _counter(q) if persistent else lse  # unread where not persistent
+    # zeroed for each launch: a counter kept from call to call and left zero by every launch would
+    # break under CUDA graphs (a capture records its launches, and a graph's pool may reuse memory)
+    counter = torch.zeros(1, dtype=torch.int32, device=q.device) if persistent else lse  # lse: unread
     tiles = config.fwd_tiles(q.shape[3], q.shape[2])
     layout = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), o.stride(), q.dtype, q.device.index, causal,
               bounded, scale, lse.data_ptr() % 16 == 0, key_lo.data_ptr() % 16 == 0, section,
@@ -492,6 +479,6 @@ def compile_only(q, k, v, causal: bool, bounded: bool = False):
     tiles = config.fwd_tiles(D, T)
     persistent = config.fwd_persistent()
     args = _args(q, k, v, torch.empty_like(q), torch.empty((B, H, T), dtype=torch.float32),
-                 torch.empty((B, T), dtype=torch.int32), torch.zeros(2, dtype=torch.int32), D ** -0.5, tiles)
+                 torch.empty((B, T), dtype=torch.int32), torch.zeros(1, dtype=torch.int32), D ** -0.5, tiles)
     return _fwd_kernel.warmup(*args, grid=_grid(q, tiles, persistent, chips.H100),
                               **_options(causal, bounded, tiles, _section(q, k), config.fwd_overlap(D), persistent))

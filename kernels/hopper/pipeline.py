@@ -66,9 +66,8 @@ class FwdBuffers:
 @aggregate
 class FwdWork:
     """The launch's work: tiles of a query block (CONSUMERS * FWD_ROWS rows) of one head and batch
-    row, numbered in launch order (fwd._tile_of: SECTION); with PERSISTENT, COUNTER (2 int32, zero
-    between launches): the tiles handed out past the first num_programs, and the programs done;
-    the sizes and the scale."""
+    row, numbered in launch order (fwd._tile_of: SECTION); with PERSISTENT, COUNTER (int32, zeroed
+    for the launch): the tiles handed out past the first num_programs; the sizes and the scale."""
     COUNTER: gl.tensor
     KEY_LO: gl.tensor
     H: Scalar
@@ -89,8 +88,8 @@ class FwdWork:
 
 @aggregate
 class FwdProgram:
-    """Which work the program owns: batch, head, kv head, first query row, key blocks lo ..
-    n_blocks - 1; the batch row's key_lo; the sizes and the scale."""
+    """The work of one tile: batch, head, kv head, first query row, key blocks lo .. n_blocks - 1;
+    the batch row's key_lo; the sizes and the scale."""
     off_b: Scalar
     off_h: Scalar
     off_hkv: Scalar
@@ -223,17 +222,6 @@ def take_tile(t, tile_smem, tile_ready, tile_empty, NUM_WARPS: gl.constexpr):
     gl.thread_barrier()  # every thread has read the slot before it is freed
     mbarrier.arrive(tile_empty.index(s % 2), count=1)
     return tile
-
-
-@gluon.jit
-def persistent_done(COUNTER):
-    """The producer's last act in a persistent launch: the last program to get here (every
-    program has taken its last tile) zeroes the counters for the next launch on the stream."""
-    lane = gl.arange(0, 32, layout=gl.BlockedLayout([1], [32], [1], [0]))
-    done = gl.atomic_add(COUNTER + 1 + lane * 0, lane * 0 + 1, mask=lane == 0)
-    last = (lane == 0) & (done == gl.num_programs(0) - 1)
-    gl.atomic_xchg(COUNTER + lane * 0, lane * 0, mask=last)
-    gl.atomic_xchg(COUNTER + 1 + lane * 0, lane * 0, mask=last)
 
 
 @gluon.jit

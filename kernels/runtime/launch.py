@@ -274,11 +274,6 @@ def on_device_index(index: int):
     return contextlib.nullcontext() if torch.cuda.current_device() == index else torch.cuda.device(index)
 
 
-def stream_handle(device: int) -> int:
-    """The raw handle of the current stream of CUDA device `device`, as launches use it."""
-    return _stream_of()(device)
-
-
 @functools.cache
 def _stream_of():
     """Triton's current-stream lookup (torch's raw stream handle), resolved once through its driver proxy."""
