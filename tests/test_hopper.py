@@ -49,16 +49,18 @@ VARIANTS = {hopper.FWD_ORDER_VARIABLE: "heads", hopper.FWD_OVERLAP_VARIABLE: "1"
 
 
 def entry_spills(sass: str) -> list[str]:
-    """The local-memory instructions of a kernel's SASS other than one value stored before the
-    partitions split and loaded as each begins (right after its register reallocation): ptxas
-    hoisted a value every partition computes (the persistent forward's tile count, D = 128, with
-    documents) above the split, where the 32-register producer cannot keep it. Once per partition,
-    it costs nothing; anywhere else, a spill is a defect."""
+    """The local-memory instructions of a kernel's SASS other than reloads of a value stored before
+    the partitions split (their first register reallocation): ptxas hoisted a value every
+    partition computes (the persistent forward's tile count, D = 128, no mask or documents) above
+    the split, where not every partition can keep it in a register, and the partitions load it
+    back as they start on their tiles (an L1 hit, not a spill in a loop). A store after the split,
+    or a load of anything else, is a defect."""
     code = [line for line in sass.splitlines() if "/*" in line and ";" in line]
     split = next((i for i, line in enumerate(code) if "USETMAXREG" in line), len(code))
+    slot = re.compile(r"\[R1(\+0x[0-9a-f]+)?\]")
+    stored = {slot.search(line)[0] for line in code[:split] if "STL" in line}
     return [line for i, line in enumerate(code)
-            if ("STL" in line and i > split)
-            or ("LDL" in line and not any("USETMAXREG" in before for before in code[max(0, i - 3):i]))]
+            if ("STL" in line and i > split) or ("LDL" in line and slot.search(line)[0] not in stored)]
 
 
 def variant(variable: str, head_dim: int) -> str | None:
