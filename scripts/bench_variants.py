@@ -1,9 +1,9 @@
 """Benchmark the Hopper kernels' schedule variants against each other and the peers, in one process.
 
 Each variant is an environment variable kernels/hopper/config.py reads per call (FLASH_ATTENTION_
-FWD_ORDER, _FWD_OVERLAP, _FWD_STAGES, _FWD_PERSISTENT, _BWD_BLOCK_M, _BWD_ORDER). The forward's
+FWD_ORDER, _FWD_OVERLAP, _FWD_STAGES, _FWD_PERSISTENT, _BWD_BLOCK_M, _BWD_ORDER, _BWD_PERSISTENT). The forward's
 baseline is the kernel before them ("before": head by head, a program per tile, each block's P V
-after its softmax, a 2-deep K/V ring at D = 128); the persistent forward's, a program per tile;
+after its softmax, a 2-deep K/V ring at D = 128); the persistent kernels', a program per tile;
 the backward's (at D = 64, where it has two forms) is its form before v18, by keys; the order's
 (both head dims) is shortest first, the order before v19. Inputs as `bench_attention.py --layout
 btHd`: causal bf16, q, k, v views of one (B, T, 3, H, D) tensor as the model makes them,
@@ -35,12 +35,12 @@ from scripts.stopping import stoppable
 
 FWD, BACKEND, BLOCK_M = hopper.FWD_ORDER_VARIABLE, backends.BACKEND_VARIABLE, hopper.BWD_BLOCK_M_VARIABLE
 OVERLAP, STAGES, ORDER = hopper.FWD_OVERLAP_VARIABLE, hopper.FWD_STAGES_VARIABLE, hopper.BWD_ORDER_VARIABLE
-PERSISTENT = hopper.FWD_PERSISTENT_VARIABLE
+PERSISTENT, BWD_PERSISTENT = hopper.FWD_PERSISTENT_VARIABLE, hopper.BWD_PERSISTENT_VARIABLE
 # the ring's depth before v17 (3 at D 64, 2 at D 128), and a row's value per head dim where it differs
 RING = {64: "3", 128: "2"}
 # every row sets every variable
-UNSET = {BACKEND: "", FWD: "", OVERLAP: "", STAGES: "", PERSISTENT: "", BLOCK_M: "", ORDER: ""}
-BEFORE = {**UNSET, FWD: "heads", OVERLAP: "0", STAGES: RING, PERSISTENT: "0"}
+UNSET = {BACKEND: "", FWD: "", OVERLAP: "", STAGES: "", PERSISTENT: "", BLOCK_M: "", ORDER: "", BWD_PERSISTENT: ""}
+BEFORE = {**UNSET, FWD: "heads", OVERLAP: "0", STAGES: RING, PERSISTENT: "0", BWD_PERSISTENT: "0"}
 # (group, label, environment); a group's first row is what its others are compared with; the
 # backward's rows force the Hopper kernels (unset, shorter sequences than MIN_SEQ run Triton's)
 VARIANTS = [("default", "before", BEFORE),
@@ -48,8 +48,9 @@ VARIANTS = [("default", "before", BEFORE),
             ("default", "l2 + fwd_overlap=1", {**BEFORE, FWD: "l2", OVERLAP: "1"}),
             ("default", "l2 + fwd_stages=3", {**BEFORE, FWD: "l2", STAGES: "3"}),
             ("default", "l2 + overlap=1 + stages=3", {**BEFORE, FWD: "l2", OVERLAP: "1", STAGES: "3"}),
-            ("persistent", "a program per tile", {**UNSET, PERSISTENT: "0"}),
-            ("persistent", "persistent", {**UNSET, PERSISTENT: "1"}),
+            ("persistent", "a program per tile", {**UNSET, PERSISTENT: "0", BWD_PERSISTENT: "0"}),
+            ("persistent", "persistent forward", {**UNSET, PERSISTENT: "1", BWD_PERSISTENT: "0"}),
+            ("persistent", "persistent both ways", {**UNSET, PERSISTENT: "1", BWD_PERSISTENT: "1"}),
             ("backward", "bwd_block_m=64 (by keys)", {**UNSET, BACKEND: "gluon", BLOCK_M: "64"}),
             ("backward", "by rows (the default)", {**UNSET, BACKEND: "gluon"}),
             ("backward", "triton (portable) both ways", {**UNSET, BACKEND: "triton"}),

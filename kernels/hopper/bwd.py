@@ -1,16 +1,19 @@
 """The FlashAttention backward for Hopper (sm_90) in Gluon: dQ, dK, dV in one warp-specialized
 kernel of 5 matmuls per tile pair (the portable kernels/triton/bwd.py runs 7, in two kernels).
 
-One program owns a K/V block (BLOCK_N keys of one kv head) and streams every Q/dO block that
-sees it, of every query head of its group: a producer warp issues the TMA copies into a
-STAGES-deep ring, two matmul warpgroups compute S = Q K^T, P from the forward's LSE,
-dP = dO V^T, dV += P^T dO, dK += dS^T Q and a dQ share dS K, and a dQ-writer warp adds each
-share to an fp32 accumulator with one TMA reduce-add: in a fixed order, so that dQ has the same
-bits every run (deterministic), or as the shares come. dK and dV stay in registers to the end.
+A tile is a K/V block (BLOCK_N keys of one kv head) and every Q/dO block that sees it, of every
+query head of its group. The program is persistent (config.bwd_persistent): one per SM, it takes
+tile after tile in launch order from a counter zeroed for the launch, as the forward does, and the
+next tile's first Q/dO loads run during this one's last steps; or a program per tile. A
+producer warp issues the TMA copies into a STAGES-deep ring, two matmul warpgroups compute
+S = Q K^T, P from the forward's LSE, dP = dO V^T, dV += P^T dO, dK += dS^T Q and a dQ share dS K,
+and a dQ-writer warp adds each share to an fp32 accumulator with one TMA reduce-add: in a fixed
+order, so that dQ has the same bits every run (deterministic), or as the shares come. dK and dV
+stay in registers to the tile's end.
 The matmul warpgroups hold a step one of two ways round (config.BwdTiles.by_rows): by rows
-(_bwd_consume_rows, D = 64) or by keys, transposed (_bwd_consume, D = 128). The programs launch
+(_bwd_tile_rows, D = 64) or by keys, transposed (_bwd_tile_keys, D = 128). The tiles go out
 shortest or (long causal sequences at D = 128) longest first (config.bwd_longest_first), and the
-fixed order of dQ's adds follows the launch order: no share waits on a program not yet running.
+fixed order of dQ's adds follows that order: no share waits on a tile not yet taken.
 A Triton pass first lays out LSE * log2(e) and delta = rowsum(dO * O) for TMA; a last one scales
 dQ. docs/flash-attention.md derives the products and the order; tiles: kernels/hopper/config.py.
 """
@@ -25,25 +28,50 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from kernels.hopper import config
 from kernels.hopper.blocks import descriptor, dq_layout, dq_turn, q_blocks, tile_masked, visible, visible_t
-from kernels.hopper.pipeline import BwdBuffers, BwdIO, BwdProgram, bulk_done, load_acquire, tma_add
+from kernels.hopper.pipeline import (BwdBuffers, BwdIO, BwdProgram, BwdWork, bulk_done, hand_out_tile, load_acquire,
+                                     take_tile, tma_add)
 from kernels.masking import Bounds
+from kernels.runtime import chips
 from kernels.runtime.launch import Bound, bind
 from kernels.triton.blocks import LOG2E
 # --------------------------------------------------------------------------------------------
-# the partitions
+# the order of work
 
 
 @gluon.jit
-def _issue_tile(q_desc, do_desc, aux_desc, bar, q_buf, do_buf, lse_buf, delta_buf, off_b, off_h, start_m):
-    """One step's Q, dO, LSE and delta rows, by TMA, completing on `bar`."""
-    BLOCK_M: gl.constexpr = q_buf.type.shape[0]
-    HEAD_DIM: gl.constexpr = q_buf.type.shape[1]
-    mbarrier.expect(bar, 2 * q_desc.block_type.nbytes + 2 * aux_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [off_b, off_h, start_m, 0], bar, q_buf.reshape([1, 1, BLOCK_M, HEAD_DIM]))
-    tma.async_copy_global_to_shared(do_desc, [off_b, off_h, start_m, 0], bar, do_buf.reshape([1, 1, BLOCK_M,
-                                                                                               HEAD_DIM]))
-    tma.async_copy_global_to_shared(aux_desc, [off_b, off_h, 0, start_m], bar, lse_buf)
-    tma.async_copy_global_to_shared(aux_desc, [off_b, off_h, 1, start_m], bar, delta_buf)
+def _tile_of(tile, n_blocks, H_kv, B, LONGEST_FIRST: gl.constexpr):
+    """(off_b, off_hkv, n) of tile number `tile` of n_blocks * H_kv * B in launch order: shortest
+    first, each (batch, kv head) pair's key blocks last first, pair after pair; longest first, key
+    block 0 (causal: the longest) of every pair, then block 1, and so on."""
+    if LONGEST_FIRST:
+        pairs = H_kv * B
+        n = tile // pairs
+        pair = tile - n * pairs
+        return pair // H_kv, pair % H_kv, n
+    pair = tile // n_blocks
+    return pair // H_kv, pair % H_kv, n_blocks - 1 - (tile - pair * n_blocks)
+
+
+@gluon.jit
+def _first_tile(work, BLOCK_N: gl.constexpr):
+    """(the program's first tile, n_blocks key blocks a kv head, the launch's n_tiles, whether
+    programs take more tiles). The grid is (programs,): the first tiles go out at launch, and
+    where there are fewer programs than tiles (persistent), the rest from COUNTER."""
+    n_blocks = gl.cdiv(work.S, BLOCK_N)
+    n_tiles = n_blocks * (work.H // work.GROUP) * work.B
+    return gl.program_id(0), n_blocks, n_tiles, gl.num_programs(0) < n_tiles
+
+
+@gluon.jit
+def _program(tile, n_blocks, work, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr, BLOCK_M: gl.constexpr,
+             BLOCK_N: gl.constexpr):
+    """(BwdProgram, row_hi, full_hi, key_lo) of one tile: its key block, the Q blocks that see it
+    (q_blocks), the batch row's bounds."""
+    off_b, off_hkv, n = _tile_of(tile, n_blocks, work.H // work.GROUP, work.B, work.LONGEST_FIRST)
+    m_lo, m_hi, row_hi, full_hi = q_blocks(work.ROW_HI, off_b, n, work.T, work.S, CAUSAL, BOUNDED, BLOCK_M, BLOCK_N)
+    program = BwdProgram(off_b, off_hkv, n, n_blocks, m_lo, m_hi - m_lo, work.H, work.GROUP, work.T, work.S,
+                         work.LONGEST_FIRST)
+    return program, row_hi, full_hi, work.KEY_LO + off_b.to(gl.int64) * work.T
 
 
 @gluon.jit
@@ -63,29 +91,87 @@ def _bwd_step_rows(j, program, BLOCK_M: gl.constexpr):
     return program.off_hkv * GROUP + g, start_m
 
 
+# --------------------------------------------------------------------------------------------
+# the partitions
+
+
 @gluon.jit
-def _bwd_produce(io, buffers, program):
-    """The producer warp: this program's K and V block once, then every step's Q, dO, LSE and
-    delta through the STAGES-deep ring."""
-    k_smem, v_smem, q_smem = buffers.k_smem, buffers.v_smem, buffers.q_smem
-    kv_bar, empty = buffers.kv_bar, buffers.empty
-    off_b, off_hkv, n, steps, GROUP = program.off_b, program.off_hkv, program.n, program.steps, program.GROUP
-    STAGES: gl.constexpr = q_smem.type.shape[0]
-    BLOCK_M: gl.constexpr = q_smem.type.shape[1]
-    BLOCK_N: gl.constexpr = k_smem.type.shape[0]
-    HEAD_DIM: gl.constexpr = k_smem.type.shape[1]
+def _next_tile(t, more, n_tiles, buffers, NUM_WARPS: gl.constexpr):
+    """The tile the matmul warps or the dQ writer take after their t-th, as the producer handed it
+    out (pipeline.take_tile); past the last where every program has one tile."""
+    tile = n_tiles
+    if more:
+        tile = take_tile(t, buffers.tile_smem, buffers.tile_ready, buffers.tile_empty, NUM_WARPS)
+    return tile
+
+
+@gluon.jit
+def _issue_tile(q_desc, do_desc, aux_desc, bar, q_buf, do_buf, lse_buf, delta_buf, off_b, off_h, start_m):
+    """One step's Q, dO, LSE and delta rows, by TMA, completing on `bar`."""
+    BLOCK_M: gl.constexpr = q_buf.type.shape[0]
+    HEAD_DIM: gl.constexpr = q_buf.type.shape[1]
+    mbarrier.expect(bar, 2 * q_desc.block_type.nbytes + 2 * aux_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [off_b, off_h, start_m, 0], bar, q_buf.reshape([1, 1, BLOCK_M, HEAD_DIM]))
+    tma.async_copy_global_to_shared(do_desc, [off_b, off_h, start_m, 0], bar, do_buf.reshape([1, 1, BLOCK_M,
+                                                                                               HEAD_DIM]))
+    tma.async_copy_global_to_shared(aux_desc, [off_b, off_h, 0, start_m], bar, lse_buf)
+    tma.async_copy_global_to_shared(aux_desc, [off_b, off_h, 1, start_m], bar, delta_buf)
+
+
+@gluon.jit
+def _bwd_produce(io, buffers, work, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr):
+    """The producer warp: each tile's K and V and its steps' Q, dO, LSE and delta, tile after tile;
+    persistent, it hands out the tiles (pipeline.hand_out_tile)."""
+    BLOCK_M: gl.constexpr = buffers.q_smem.type.shape[1]
+    BLOCK_N: gl.constexpr = buffers.k_smem.type.shape[0]
+    tile, n_blocks, n_tiles, more = _first_tile(work, BLOCK_N)
+    t = tile * 0  # the tiles done
+    base = tile * 0  # the steps through the ring so far: its slots and phases run on across tiles
+    while tile < n_tiles:
+        program, _, _, _ = _program(tile, n_blocks, work, CAUSAL, BOUNDED, BLOCK_M, BLOCK_N)
+        _bwd_load_tile(io, buffers, program, base, t)
+        base += program.steps * program.GROUP
+        t += 1
+        if more:
+            tile = hand_out_tile(t, work, buffers.tile_smem, buffers.tile_ready, buffers.tile_empty)
+        else:
+            tile = n_tiles
+
+
+@gluon.jit
+def _bwd_load_tile(io, buffers, program, base, t):
+    """The t-th tile's loads: its first STAGES steps' tiles (while the matmul warps may still be on
+    the last tile), its K and V once those warps are done with the last tile's, then the other
+    steps'; step j goes to ring slot base + j."""
+    STAGES: gl.constexpr = buffers.q_smem.type.shape[0]
+    BLOCK_N: gl.constexpr = buffers.k_smem.type.shape[0]
+    HEAD_DIM: gl.constexpr = buffers.k_smem.type.shape[1]
+    total = program.steps * program.GROUP
+    n_first = gl.minimum(total, STAGES)
+    for j in range(n_first):
+        _load_step(j, base + j, io, buffers, program)
+    kv_bar = buffers.kv_bar
+    mbarrier.wait(buffers.kv_empty, (t & 1) ^ 1)  # a fresh barrier passes phase 1
     mbarrier.expect(kv_bar, 2 * io.k_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(io.k_desc, [off_b, off_hkv, n * BLOCK_N, 0], kv_bar,
-                                    k_smem.reshape([1, 1, BLOCK_N, HEAD_DIM]))
-    tma.async_copy_global_to_shared(io.v_desc, [off_b, off_hkv, n * BLOCK_N, 0], kv_bar,
-                                    v_smem.reshape([1, 1, BLOCK_N, HEAD_DIM]))
-    for j in range(steps * GROUP):
-        stage = j % STAGES
-        mbarrier.wait(empty.index(stage), ((j // STAGES) & 1) ^ 1)  # a fresh barrier passes phase 1
-        off_h, start_m = _bwd_step_rows(j, program, BLOCK_M)
-        _issue_tile(io.q_desc, io.do_desc, io.aux_desc, buffers.ready.index(stage), q_smem.index(stage),
-                    buffers.do_smem.index(stage), buffers.lse_smem.index(stage), buffers.delta_smem.index(stage),
-                    off_b, off_h, start_m)
+    tma.async_copy_global_to_shared(io.k_desc, [program.off_b, program.off_hkv, program.n * BLOCK_N, 0], kv_bar,
+                                    buffers.k_smem.reshape([1, 1, BLOCK_N, HEAD_DIM]))
+    tma.async_copy_global_to_shared(io.v_desc, [program.off_b, program.off_hkv, program.n * BLOCK_N, 0], kv_bar,
+                                    buffers.v_smem.reshape([1, 1, BLOCK_N, HEAD_DIM]))
+    for j in range(n_first, total):
+        _load_step(j, base + j, io, buffers, program)
+
+
+@gluon.jit
+def _load_step(j, r, io, buffers, program):
+    """Step j's Q, dO, LSE and delta into ring slot r once the matmul warps have freed it."""
+    STAGES: gl.constexpr = buffers.q_smem.type.shape[0]
+    BLOCK_M: gl.constexpr = buffers.q_smem.type.shape[1]
+    stage = r % STAGES
+    mbarrier.wait(buffers.empty.index(stage), ((r // STAGES) & 1) ^ 1)  # a fresh barrier passes phase 1
+    off_h, start_m = _bwd_step_rows(j, program, BLOCK_M)
+    _issue_tile(io.q_desc, io.do_desc, io.aux_desc, buffers.ready.index(stage), buffers.q_smem.index(stage),
+                buffers.do_smem.index(stage), buffers.lse_smem.index(stage), buffers.delta_smem.index(stage),
+                program.off_b, off_h, start_m)
 
 
 @gluon.jit
@@ -98,13 +184,29 @@ def _landed(j, q_smem, do_smem, ready):
 
 
 @gluon.jit
-def _bwd_write_dq(io, buffers, program, SEM, KEY_LO, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr,
-                  DETERMINISTIC: gl.constexpr):
-    """The dQ writer warp: adds each step's dQ share into the fp32 accumulator by one TMA
-    reduce-add, in key-block order (blocks.dq_turn), or (not DETERMINISTIC) as soon as it is
-    ready, in whatever order the programs get there."""
+def _bwd_write_dq(io, buffers, work, SEM, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr, DETERMINISTIC: gl.constexpr):
+    """The dQ writer warp: each tile's dQ shares, tile after tile (_bwd_write_tile)."""
+    BLOCK_M: gl.constexpr = buffers.q_smem.type.shape[1]
+    BLOCK_N: gl.constexpr = buffers.k_smem.type.shape[0]
+    tile, n_blocks, n_tiles, more = _first_tile(work, BLOCK_N)
+    t = tile * 0
+    base = tile * 0  # as the producer counts it
+    while tile < n_tiles:
+        program, _, _, key_lo = _program(tile, n_blocks, work, CAUSAL, BOUNDED, BLOCK_M, BLOCK_N)
+        _bwd_write_tile(io, buffers, program, SEM, key_lo, base, CAUSAL, BOUNDED, DETERMINISTIC)
+        base += program.steps * program.GROUP
+        t += 1
+        tile = _next_tile(t, more, n_tiles, buffers, 1)
+
+
+@gluon.jit
+def _bwd_write_tile(io, buffers, program, SEM, KEY_LO, base, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr,
+                    DETERMINISTIC: gl.constexpr):
+    """Adds each step's dQ share into the fp32 accumulator by one TMA reduce-add, in key-block
+    order (blocks.dq_turn), or (not DETERMINISTIC) as soon as it is ready, in whatever order the
+    programs get there; step j's share is in buffer (base + j) % 2."""
     dq_smem, dq_full, dq_empty = buffers.dq_smem, buffers.dq_full, buffers.dq_empty
-    off_b, off_hkv, n, steps = program.off_b, program.off_hkv, program.n, program.steps
+    off_b, n, steps = program.off_b, program.n, program.steps
     H, GROUP, T, S = program.H, program.GROUP, program.T, program.S
     BLOCK_M: gl.constexpr = buffers.q_smem.type.shape[1]
     BLOCK_N: gl.constexpr = buffers.k_smem.type.shape[0]
@@ -119,8 +221,9 @@ def _bwd_write_dq(io, buffers, program, SEM, KEY_LO, CAUSAL: gl.constexpr, BOUND
         # every lane of every program whose turn comes first has released its share
         turn = dq_turn(KEY_LO, start_m, n, program.n_blocks, T, S, CAUSAL, BOUNDED, program.LONGEST_FIRST, BLOCK_M,
                        BLOCK_N) * 32
-        buf = j % 2
-        mbarrier.wait(dq_full.index(buf), (j // 2) & 1)
+        r = base + j
+        buf = r % 2
+        mbarrier.wait(dq_full.index(buf), (r // 2) & 1)
         if DETERMINISTIC:
             while gl.min(landed, 0) < turn:
                 landed = load_acquire(counter)
@@ -132,11 +235,41 @@ def _bwd_write_dq(io, buffers, program, SEM, KEY_LO, CAUSAL: gl.constexpr, BOUND
 
 
 @gluon.jit
-def _bwd_consume(buffers, program, outs, row_bounds, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr,
+def _bwd_consume(buffers, work, outs, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr, BY_ROWS: gl.constexpr,
                  NUM_WARPS: gl.constexpr):
-    """The matmul warps with S^T by keys (two warpgroups, one wgmma M of BLOCK_N keys; BLOCK_M = 64
+    """The matmul warps: each tile's steps, tile after tile, held by rows (_bwd_tile_rows) or by keys
+    (_bwd_tile_keys, config.BwdTiles.by_rows)."""
+    BLOCK_M: gl.constexpr = buffers.q_smem.type.shape[1]
+    BLOCK_N: gl.constexpr = buffers.k_smem.type.shape[0]
+    tile, n_blocks, n_tiles, more = _first_tile(work, BLOCK_N)
+    t = tile * 0
+    base = tile * 0  # as the producer counts it
+    while tile < n_tiles:
+        program, row_hi, full_hi, key_lo = _program(tile, n_blocks, work, CAUSAL, BOUNDED, BLOCK_M, BLOCK_N)
+        if BY_ROWS:
+            _bwd_tile_rows(buffers, program, outs, (row_hi, full_hi, key_lo), base, t, CAUSAL, BOUNDED, NUM_WARPS)
+        else:
+            _bwd_tile_keys(buffers, program, outs, (row_hi, full_hi, key_lo), base, t, CAUSAL, BOUNDED, NUM_WARPS)
+        base += program.steps * program.GROUP
+        t += 1
+        tile = _next_tile(t, more, n_tiles, buffers, NUM_WARPS)
+
+
+@gluon.jit
+def _kv_read(kv_empty):
+    """The tile's K and V are read to the end (every warp's matmuls waited for): the producer may
+    load the next tile's."""
+    gl.thread_barrier()
+    mbarrier.arrive(kv_empty, count=1)
+
+
+@gluon.jit
+def _bwd_tile_keys(buffers, program, outs, row_bounds, base, t, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr,
+                   NUM_WARPS: gl.constexpr):
+    """The t-th tile with S^T by keys (two warpgroups, one wgmma M of BLOCK_N keys; BLOCK_M = 64
     at D = 128): the five products of every step, P^T and dS^T kept in registers as dV's and dK's
-    A operands, dK and dV in registers to the end, each dQ share handed to the writer."""
+    A operands, dK and dV in registers to the end, each dQ share handed to the writer; step j is
+    ring slot base + j."""
     k_smem, v_smem, q_smem, do_smem = buffers.k_smem, buffers.v_smem, buffers.q_smem, buffers.do_smem
     lse_smem, delta_smem, ds_smem = buffers.lse_smem, buffers.delta_smem, buffers.ds_smem
     n, steps = program.n, program.steps
@@ -173,12 +306,13 @@ def _bwd_consume(buffers, program, outs, row_bounds, CAUSAL: gl.constexpr, BOUND
     row_hi = cols_t
     if BOUNDED:
         row_hi = gl.load(ROW_HI + cols_t, mask=cols_t < S, other=0)
-    mbarrier.wait(buffers.kv_bar, 0)
+    mbarrier.wait(buffers.kv_bar, t & 1)
     for j in range(steps * GROUP):
         off_h, start_m = _bwd_step_rows(j, program, BLOCK_M)
-        stage = j % STAGES
+        r = base + j
+        stage = r % STAGES
         # -- S^T = K Q^T and dP^T = V dO^T, both in flight --
-        q_t, do_t = _landed(j, q_smem, do_smem, buffers.ready)
+        q_t, do_t = _landed(r, q_smem, do_smem, buffers.ready)
         st = warpgroup_mma(k_smem, q_t.permute((1, 0)), zero_t, use_acc=False, is_async=True)
         dpt = warpgroup_mma(v_smem, do_t.permute((1, 0)), zero_t, use_acc=False, is_async=True)
         # -- P^T from LSE --
@@ -196,14 +330,15 @@ def _bwd_consume(buffers, program, outs, row_bounds, CAUSAL: gl.constexpr, BOUND
         ds_lo = (pt * (dpt - delta[None, :])).to(dtype)
         dk = warpgroup_mma(gl.convert_layout(ds_lo, a_layout), q_t, dk, is_async=True)
         # -- dQ's share dS K, handed to the writer --
-        ds_buf = ds_smem.index(j % 2)  # two buffers: the barrier below also ends step j - 1's reads
+        ds_buf = ds_smem.index(r % 2)  # two buffers: the barrier below also ends step j - 1's reads
         ds_buf.store(ds_lo)
         fence_async_shared()
         gl.thread_barrier()
         dq = warpgroup_mma(ds_buf.permute((1, 0)), k_smem, zero_q, use_acc=False, is_async=True)
         dv, dk, dq = warpgroup_mma_wait(0, deps=[dv, dk, dq])
         mbarrier.arrive(buffers.empty.index(stage), count=1)  # Q and dO are read: the producer may refill
-        _hand_dq(j, dq, buffers.dq_smem, buffers.dq_full, buffers.dq_empty)
+        _hand_dq(r, dq, buffers.dq_smem, buffers.dq_full, buffers.dq_empty)
+    _kv_read(buffers.kv_empty)
     _store_dkv(dk, dv, outs, program.off_b, program.off_hkv, start_n, S)
 
 
@@ -241,22 +376,22 @@ def _store_dkv(dk, dv, outs, off_b, off_hkv, start_n, S):
 
 
 @gluon.jit
-def _bwd_consume_rows(buffers, program, outs, row_bounds, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr,
-                      NUM_WARPS: gl.constexpr):
-    """The matmul warps with S by query rows (128 x 128 tiles at D = 64): each warpgroup computes S =
+def _bwd_tile_rows(buffers, program, outs, row_bounds, base, t, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr,
+                   NUM_WARPS: gl.constexpr):
+    """The t-th tile with S by query rows (128 x 128 tiles at D = 64): each warpgroup computes S =
     Q K^T and dP = dO V^T for 64 of the step's query rows against all BLOCK_N keys. dV += P^T dO
     and dK += dS^T Q need P and dS transposed, so they go to shared memory; the dQ share dS K takes
-    this warpgroup's own rows of dS from registers. Twice _bwd_consume's rows a step in the same
+    this warpgroup's own rows of dS from registers. Twice _bwd_tile_keys's rows a step in the same
     registers: no P^T or dS^T held for the tensor cores, and LSE and delta are per row, 2 values a
     thread instead of 32. Each product is issued as soon as its operands are ready: dV while dS
-    is made, dK while the dQ share is handed over."""
+    is made, dK while the dQ share is handed over. Step j is ring slot base + j."""
     k_smem, v_smem, q_smem, do_smem = buffers.k_smem, buffers.v_smem, buffers.q_smem, buffers.do_smem
     lse_smem, delta_smem = buffers.lse_smem, buffers.delta_smem
     p_smem, ds_smem = buffers.ds_smem.index(0), buffers.ds_smem.index(1)  # (BLOCK_M, BLOCK_N) each
     n, steps = program.n, program.steps
     GROUP, T, S = program.GROUP, program.T, program.S
     qk_scale = outs[5]
-    _, full_hi, KEY_LO = row_bounds  # as _bwd_consume's; the batch row's key_lo
+    _, full_hi, KEY_LO = row_bounds  # as _bwd_tile_keys'; the batch row's key_lo
     dtype: gl.constexpr = q_smem.dtype
     STAGES: gl.constexpr = q_smem.type.shape[0]
     BLOCK_M: gl.constexpr = q_smem.type.shape[1]
@@ -279,16 +414,17 @@ def _bwd_consume_rows(buffers, program, outs, row_bounds, CAUSAL: gl.constexpr, 
     zero_q = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, acc_layout)
     dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
     dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
-    past_s = start_n + BLOCK_N > S  # as in _bwd_consume
-    mbarrier.wait(buffers.kv_bar, 0)
+    past_s = start_n + BLOCK_N > S  # as in _bwd_tile_keys
+    mbarrier.wait(buffers.kv_bar, t & 1)
     for j in range(steps * GROUP):
         off_h, start_m = _bwd_step_rows(j, program, BLOCK_M)
-        stage = j % STAGES
+        r = base + j
+        stage = r % STAGES
         # -- S = Q K^T and dP = dO V^T, both in flight --
-        q_t, do_t = _landed(j, q_smem, do_smem, buffers.ready)
+        q_t, do_t = _landed(r, q_smem, do_smem, buffers.ready)
         st = warpgroup_mma(q_t, k_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         dp = warpgroup_mma(do_t, v_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        # -- P from LSE (rows past T: as in _bwd_consume), to shared memory --
+        # -- P from LSE (rows past T: as in _bwd_tile_keys), to shared memory --
         lse = lse_smem.index(stage).reshape([BLOCK_M]).load(row_layout)
         st = warpgroup_mma_wait(1, deps=[st])
         p = gl.exp2(st * qk_scale - lse[:, None])
@@ -318,9 +454,10 @@ def _bwd_consume_rows(buffers, program, outs, row_bounds, CAUSAL: gl.constexpr, 
         dk = warpgroup_mma(ds_smem.permute((1, 0)), q_t, dk, is_async=True)
         # -- the dQ share to the writer while dK runs --
         dv, dq = warpgroup_mma_wait(1, deps=[dv, dq])
-        _hand_dq(j, dq, buffers.dq_smem, buffers.dq_full, buffers.dq_empty)  # its barrier: P is read
+        _hand_dq(r, dq, buffers.dq_smem, buffers.dq_full, buffers.dq_empty)  # its barrier: P is read
         dk = warpgroup_mma_wait(0, deps=[dk])
         mbarrier.arrive(buffers.empty.index(stage), count=1)  # Q and dO are read: the producer may refill
+    _kv_read(buffers.kv_empty)
     _store_dkv(dk, dv, outs, program.off_b, program.off_hkv, start_n, S)
 
 
@@ -332,9 +469,10 @@ def _bwd_kernel(
     SEM,  # (B, H, cdiv(T, BLOCK_M)) int32, zeroed: how many writer lanes have released a share per Q block
     ROW_HI, KEY_LO,  # (B, S), (B, T) int32 (BOUNDED: documents, a window): one past the last query that
     # sees each key; each query's first key
+    COUNTER,  # (1,) int32, zero: the tiles handed out (read where there are fewer programs than tiles)
     DK, DV,  # outputs, (B, H_kv, S, D) with these strides (head dim contiguous)
     dk_strides, dv_strides,  # each (batch, head, key)
-    H, GROUP, T, S,
+    H, B, GROUP, T, S,
     sm_scale, qk_scale,  # softmax_scale, and softmax_scale * log2(e)
     CAUSAL: gl.constexpr, BOUNDED: gl.constexpr, DETERMINISTIC: gl.constexpr, BLOCK_M: gl.constexpr,
     STAGES: gl.constexpr, BY_ROWS: gl.constexpr, LONGEST_FIRST: gl.constexpr, WORKER_REGS: gl.constexpr,
@@ -343,20 +481,6 @@ def _bwd_kernel(
     dtype: gl.constexpr = q_desc.dtype
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
-    if LONGEST_FIRST:  # grid (H_kv, B, n_blocks): key block 0 (causal: the longest) of every (batch, kv head), then 1..
-        n_blocks = gl.num_programs(2)
-        n = gl.program_id(2)
-        off_hkv = gl.program_id(0)
-        off_b = gl.program_id(1)
-    else:
-        n_blocks = gl.num_programs(0)
-        n = n_blocks - 1 - gl.program_id(0)  # last key blocks first: the order of dQ's adds
-        off_hkv = gl.program_id(1)
-        off_b = gl.program_id(2)
-    # the Q blocks that see this key block, per query head: m_lo .. m_hi - 1
-    m_lo, m_hi, row_hi, full_hi = q_blocks(ROW_HI, off_b, n, T, S, CAUSAL, BOUNDED, BLOCK_M, BLOCK_N)
-    key_lo = KEY_LO + off_b.to(gl.int64) * T
-    steps = m_hi - m_lo
 
     m_tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
     n_tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
@@ -371,38 +495,36 @@ def _bwd_kernel(
     delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, 1, 1, BLOCK_M], aux_desc.layout)
     ds_smem = gl.allocate_shared_memory(dtype, [2] + ds_shape, ds_tile)
     dq_smem = gl.allocate_shared_memory(gl.float32, [2, 1, 1, BLOCK_M, HEAD_DIM], dqacc_desc.layout)
+    tile_smem = gl.allocate_shared_memory(gl.int32, [2, 32], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    tile_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    tile_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
+    mbarrier.init(kv_empty, count=1)
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=1)
     for b in gl.static_range(2):
         mbarrier.init(dq_full.index(b), count=1)
         mbarrier.init(dq_empty.index(b), count=1)
+        mbarrier.init(tile_ready.index(b), count=1)
+        mbarrier.init(tile_empty.index(b), count=2)  # the matmul warps and the dQ writer read each
 
     io = BwdIO(q_desc, k_desc, v_desc, do_desc, aux_desc, dqacc_desc)
-    buffers = BwdBuffers(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_bar, ready, empty,
-                         dq_full, dq_empty)
-    program = BwdProgram(off_b, off_hkv, n, n_blocks, m_lo, steps, H, GROUP, T, S, LONGEST_FIRST)
+    buffers = BwdBuffers(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_bar, kv_empty,
+                         ready, empty, dq_full, dq_empty, tile_smem, tile_ready, tile_empty)
+    work = BwdWork(COUNTER, ROW_HI, KEY_LO, H, B, GROUP, T, S, LONGEST_FIRST)
     outs = (DK, DV, dk_strides, dv_strides, sm_scale, qk_scale)
-    # -- the partitions: the matmul warpgroups in the kernel's own warps, the producer and the dQ writer beside
-    # (twice: warp_specialize takes a function by name, not one chosen at compile time) --
-    if BY_ROWS:
-        gl.warp_specialize([(_bwd_consume_rows, (buffers, program, outs, (row_hi, full_hi, key_lo), CAUSAL, BOUNDED,
-                                                 num_warps)),
-                            (_bwd_produce, (io, buffers, program)),
-                            (_bwd_write_dq, (io, buffers, program, SEM, key_lo, CAUSAL, BOUNDED, DETERMINISTIC))],
-                           [1, 1], [WORKER_REGS, WORKER_REGS])
-    else:
-        gl.warp_specialize([(_bwd_consume, (buffers, program, outs, (row_hi, full_hi, key_lo), CAUSAL, BOUNDED,
-                                            num_warps)),
-                            (_bwd_produce, (io, buffers, program)),
-                            (_bwd_write_dq, (io, buffers, program, SEM, key_lo, CAUSAL, BOUNDED, DETERMINISTIC))],
-                           [1, 1], [WORKER_REGS, WORKER_REGS])
+    # -- the partitions: the matmul warpgroups in the kernel's own warps, the producer and the dQ writer beside --
+    gl.warp_specialize([(_bwd_consume, (buffers, work, outs, CAUSAL, BOUNDED, BY_ROWS, num_warps)),
+                        (_bwd_produce, (io, buffers, work, CAUSAL, BOUNDED)),
+                        (_bwd_write_dq, (io, buffers, work, SEM, CAUSAL, BOUNDED, DETERMINISTIC))],
+                       [1, 1], [WORKER_REGS, WORKER_REGS])
 
 
 # --------------------------------------------------------------------------------------------
@@ -435,16 +557,18 @@ def _lse_delta_kernel(
 
 
 def _buffers(q, block_m: int, device) -> tuple:
-    """The backward's buffers: aux (B, H, 2, T_pad) fp32, and dQ's fp32 accumulator with the
-    order counters, zeroed by one fill. The accumulator is (B, H, T, D) in (B, T, H, D) memory
-    order, as kernels/api.py lays out dq: the final scaling pass then reads and writes both in the
-    same order, vectorized (strided, it took twice as long)."""
+    """The backward's buffers: aux (B, H, 2, T_pad) fp32; dQ's fp32 accumulator, the order
+    counters and the tile counter, zeroed by one fill. The accumulator is (B, H, T, D) in
+    (B, T, H, D) memory order, as kernels/api.py lays out dq: the final scaling pass then reads and
+    writes both in the same order, vectorized (strided, it took twice as long). The tile counter
+    (int32) starts 16 bytes aligned, as the first call's was when the launch was bound."""
     B, H, T, D = q.shape
     aux = torch.empty((B, H, 2, triton.cdiv(T, 4) * 4), dtype=torch.float32, device=device)  # 16-byte rows (TMA)
-    n_acc, m_blocks = B * H * T * D, triton.cdiv(T, block_m)
-    zeroed = torch.zeros(n_acc + B * H * m_blocks, dtype=torch.float32, device=device)
+    n_acc, n_sem = B * H * T * D, B * H * triton.cdiv(T, block_m)
+    zeroed = torch.zeros(n_acc + triton.cdiv(n_sem, 4) * 4 + 1, dtype=torch.float32, device=device)
     dq_acc = zeroed[:n_acc].view(B, T, H, D).transpose(1, 2)
-    return aux, dq_acc, zeroed[n_acc:].view(torch.int32).view(B, H, m_blocks)
+    counts = zeroed[n_acc:].view(torch.int32)
+    return aux, dq_acc, counts[:n_sem].view(B, H, n_sem // (B * H)), counts[-1:]
 
 
 def _bound_tensors(bounds: Bounds | None, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -453,14 +577,14 @@ def _bound_tensors(bounds: Bounds | None, lse: torch.Tensor) -> tuple[torch.Tens
 
 
 def _launch(do, q, k, v, o, lse, dk, dv, bounds: Bounds | None, causal: bool, scale: float, longest_first: bool,
-            deterministic: bool = True, warmup: bool = False):
+            persistent: bool, deterministic: bool = True, warmup: bool = False):
     """Launches the backward (its LSE and delta pass first) through Triton's front door; returns
     the fp32 dQ accumulator, unscaled, and the two launches bound for later calls of this layout
     (or, with warmup, only compiles the backward kernel and returns it). bounds: as backward's;
-    longest_first: config.bwd_longest_first's choice."""
+    longest_first, persistent: config.bwd_longest_first's and config.bwd_persistent's choices."""
     (B, H, T, D), (H_kv, S) = q.shape, k.shape[1:3]
     tiles = config.bwd_tiles(D)
-    aux, dq_acc, sem = _buffers(q, tiles.block_m, "cpu" if warmup else q.device)
+    aux, dq_acc, sem, counter = _buffers(q, tiles.block_m, "cpu" if warmup else q.device)
     t_pad = aux.shape[3]
     aux_grid = (triton.cdiv(t_pad, 64), H, B)
     aux_args = (o, do, lse, aux, o.stride()[:3], do.stride()[:3], H, T, t_pad, D, 64)  # ..., HEAD_DIM, BLOCK
@@ -470,12 +594,14 @@ def _launch(do, q, k, v, o, lse, dk, dv, bounds: Bounds | None, causal: bool, sc
     args = (descriptor(q, [1, 1, tiles.block_m, D]), descriptor(k, [1, 1, tiles.block_n, D]),
             descriptor(v, [1, 1, tiles.block_n, D]), descriptor(do, [1, 1, tiles.block_m, D]),
             descriptor(aux, [1, 1, 1, tiles.block_m]), descriptor(dq_acc, [1, 1, tiles.block_m, D]), sem, row_hi,
-            key_lo, dk, dv, dk.stride()[:3], dv.stride()[:3], H, H // H_kv, T, S, scale, scale * LOG2E.value)
+            key_lo, counter, dk, dv, dk.stride()[:3], dv.stride()[:3], H, B, H // H_kv, T, S, scale,
+            scale * LOG2E.value)
     options = dict(CAUSAL=causal, BOUNDED=bounds is not None, DETERMINISTIC=deterministic, BLOCK_M=tiles.block_m,
                    STAGES=tiles.stages, BY_ROWS=tiles.by_rows, LONGEST_FIRST=longest_first,
                    WORKER_REGS=config.WORKER_REGS, num_warps=config.BWD_WARPS, maxnreg=config.bwd_maxnreg())
-    n_blocks = triton.cdiv(S, tiles.block_n)
-    grid = (H_kv, B, n_blocks) if longest_first else (n_blocks, H_kv, B)
+    n_tiles = triton.cdiv(S, tiles.block_n) * H_kv * B
+    # persistent, one program per SM (or per tile, where there are fewer); else a program per tile
+    grid = (min(n_tiles, (chips.H100 if warmup else chips.chip(q.device.index)).sms) if persistent else n_tiles,)
     if warmup:
         return _bwd_kernel.warmup(*args, grid=grid, **options)
     return dq_acc, (aux_bound, bind(_bwd_kernel, _bwd_kernel[grid](*args, **options), grid, args, options))
@@ -494,17 +620,18 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, bounds
     # the LSE-delta kernel is compiled for o, do and lse as aligned (or not) as the first call's
     tiles = config.bwd_tiles(q.shape[3])
     longest_first = config.bwd_longest_first(q.shape[3], causal, bounds is not None, k.shape[2])
-    layout = (tiles, longest_first, q.shape, q.stride(), k.shape, k.stride(), v.stride(), do.stride(), o.stride(),
-              dk.stride(), dv.stride(), q.dtype, q.device.index, causal, bounds is None, deterministic, scale,
-              *(t.data_ptr() % 16 == 0 for t in (o, do, lse, *_bound_tensors(bounds, lse))))
+    persistent = config.bwd_persistent()
+    layout = (tiles, longest_first, persistent, q.shape, q.stride(), k.shape, k.stride(), v.stride(), do.stride(),
+              o.stride(), dk.stride(), dv.stride(), q.dtype, q.device.index, causal, bounds is None, deterministic,
+              scale, *(t.data_ptr() % 16 == 0 for t in (o, do, lse, *_bound_tensors(bounds, lse))))
     if bound := _BOUND.get(layout):
         aux_bound, bwd_bound = bound
-        aux, dq_acc, sem = _buffers(q, tiles.block_m, q.device)
+        aux, dq_acc, sem, counter = _buffers(q, tiles.block_m, q.device)
         aux_bound(o, do, lse, aux)
-        bwd_bound(q, k, v, do, aux, dq_acc, sem, *_bound_tensors(bounds, lse), dk, dv)
+        bwd_bound(q, k, v, do, aux, dq_acc, sem, *_bound_tensors(bounds, lse), counter, dk, dv)
     else:
         dq_acc, _BOUND[layout] = _launch(do, q, k, v, o, lse, dk, dv, bounds, causal, scale, longest_first,
-                                         deterministic)
+                                         persistent, deterministic)
     torch.mul(dq_acc, scale, out=dq)  # rows that see no key (causal, T > S) got no share: zero
 
 
@@ -515,4 +642,4 @@ def compile_only(do, q, k, v, causal: bool, bounded: bool = False):
     bounds = Bounds(torch.empty((B, T), dtype=torch.int32), torch.empty((B, S), dtype=torch.int32)) if bounded else None
     longest_first = config.bwd_longest_first(q.shape[3], causal, bounded, S)
     return _launch(do, q, k, v, torch.empty_like(q), lse, torch.empty_like(k), torch.empty_like(v),
-                   bounds, causal, q.shape[3] ** -0.5, longest_first, warmup=True)
+                   bounds, causal, q.shape[3] ** -0.5, longest_first, config.bwd_persistent(), warmup=True)

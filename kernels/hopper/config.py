@@ -1,6 +1,6 @@
 """The Hopper kernels' table (sm_90, Gluon): where they run, their tiles and register budgets.
 
-Every number was measured best on the H100 (docs/perf-notes.md v10-v13, v16-v18). Adding a head dim is a
+Every number was measured best on the H100 (docs/perf-notes.md v10-v13, v16-v21). Adding a head dim is a
 row in FWD_TILES and BWD_TILES; kernels/backends.py reads the rest to say where they run.
 Plain Python, importable with any triton: Gluon's API is imported only by the kernels' files.
 The schedule variants are switched per call by environment variables read here (unset: the
@@ -50,7 +50,6 @@ BWD_WARPS = 8  # the backward's matmul warps: two warpgroups
 # at D = 128 from 8,192 keys 1.03-1.08x in 10 of 12 measurements, 0.94 and 0.99 in the others; at
 # D = 64, whose programs take half as many steps by rows, 0.96-1.05x)
 BWD_LONGEST_FIRST_FROM = {128: 8192}
-BWD_LONGEST_FIRST_TO = 65535 * min(t.block_n for t in BWD_TILES.values())  # a CUDA grid's z: its key blocks
 
 # Registers are shared out per warpgroup, 64K in all. The backward's 1-warp workers (its producer
 # and dQ writer, together in one warpgroup) only issue TMA copies, wait on barriers and add:
@@ -98,17 +97,12 @@ def bwd_longest_first(head_dim: int, causal: bool, bounded: bool, seq_k: int) ->
     blocks down from the last, and dQ's shares are added first key block first. Under a plain
     causal mask, from BWD_LONGEST_FIRST_FROM keys, longest first does not end on a tail of the
     longest programs. With fewer keys, or documents, the programs are short, and their lock-step
-    start waits on dQ's order (0.79-1.00x); with no mask or a window they are alike. Past
-    BWD_LONGEST_FIRST_TO keys (the grid's z) it is shortest first.
+    start waits on dQ's order (0.79-1.00x); with no mask or a window they are alike.
     FLASH_ATTENTION_BWD_ORDER=shortest|longest chooses."""
     choice = _variant(BWD_ORDER_VARIABLE, ("shortest", "longest"))
-    if choice == "longest" and seq_k > BWD_LONGEST_FIRST_TO:
-        raise ValueError(f"{BWD_ORDER_VARIABLE}=longest: at most {BWD_LONGEST_FIRST_TO} keys (the grid's z "
-                         f"holds the key blocks), got {seq_k}")
     if choice:
         return choice == "longest"
-    return (causal and not bounded and head_dim in BWD_LONGEST_FIRST_FROM
-            and BWD_LONGEST_FIRST_FROM[head_dim] <= seq_k <= BWD_LONGEST_FIRST_TO)
+    return causal and not bounded and head_dim in BWD_LONGEST_FIRST_FROM and BWD_LONGEST_FIRST_FROM[head_dim] <= seq_k
 
 
 def fwd_registers(consumers: int) -> tuple[int, int]:
@@ -133,6 +127,7 @@ FWD_STAGES_VARIABLE = "FLASH_ATTENTION_FWD_STAGES"  # the forward's K/V ring dep
 BWD_BLOCK_M_VARIABLE = "FLASH_ATTENTION_BWD_BLOCK_M"  # 64 at D = 64: the backward by keys (unset: by rows)
 BWD_ORDER_VARIABLE = "FLASH_ATTENTION_BWD_ORDER"  # shortest / longest: which backward programs launch first
 FWD_PERSISTENT_VARIABLE = "FLASH_ATTENTION_FWD_PERSISTENT"  # 1 / 0: one forward program per SM taking tiles, or not
+BWD_PERSISTENT_VARIABLE = "FLASH_ATTENTION_BWD_PERSISTENT"  # 1 / 0: the same for the backward
 L2_BYTES = 50 * 1024 * 1024  # the H100's L2: a section's K and V stay in it while its programs run
 
 
@@ -171,6 +166,21 @@ def fwd_persistent() -> bool:
     program per tile; unset, FWD_PERSISTENT."""
     choice = _variant(FWD_PERSISTENT_VARIABLE, ("0", "1"))
     return choice == "1" if choice else FWD_PERSISTENT
+
+
+# whether the backward is persistent unless FLASH_ATTENTION_BWD_PERSISTENT says (v21: forward+backward
+# 1.01-1.03x up to 8192 queries and 0.98-1.00x at 16384; documents and windows 1.00-1.05x)
+BWD_PERSISTENT = True
+
+
+def bwd_persistent() -> bool:
+    """FLASH_ATTENTION_BWD_PERSISTENT: 1, one backward program per SM, taking key blocks (tiles) in
+    launch order as the forward takes its tiles, so that the next tile's first Q and dO tiles load
+    during this one's last steps; 0, a program per key block; unset, BWD_PERSISTENT. dQ's fixed
+    order of adds follows the order tiles are taken in: a program waits only on tiles taken
+    before its own, by running programs."""
+    choice = _variant(BWD_PERSISTENT_VARIABLE, ("0", "1"))
+    return choice == "1" if choice else BWD_PERSISTENT
 
 
 def fwd_overlap(head_dim: int) -> bool:

@@ -132,9 +132,10 @@ class BwdIO:
 
 @aggregate
 class BwdBuffers:
-    """Shared memory and its barriers: the program's K and V (kv_bar: loaded); the STAGES-deep ring
-    of Q, dO, LSE and delta (ready, empty); ds_smem, two tiles: by keys dS^T, twice, by rows P and
-    dS; the dQ shares on their way to the writer (dq_full, dq_empty), twice."""
+    """Shared memory and its barriers: the tile's K and V (kv_bar: loaded; kv_empty: read to the
+    end); the STAGES-deep ring of Q, dO, LSE and delta (ready, empty); ds_smem, two tiles: by keys
+    dS^T, twice, by rows P and dS; the dQ shares on their way to the writer (dq_full, dq_empty),
+    twice; and (persistent) the 2-slot ring of the next tiles' numbers, as the forward's."""
     k_smem: gl.shared_memory_descriptor
     v_smem: gl.shared_memory_descriptor
     q_smem: gl.shared_memory_descriptor
@@ -144,17 +145,45 @@ class BwdBuffers:
     ds_smem: gl.shared_memory_descriptor
     dq_smem: gl.shared_memory_descriptor
     kv_bar: gl.shared_memory_descriptor
+    kv_empty: gl.shared_memory_descriptor
     ready: gl.shared_memory_descriptor
     empty: gl.shared_memory_descriptor
     dq_full: gl.shared_memory_descriptor
     dq_empty: gl.shared_memory_descriptor
+    tile_smem: gl.shared_memory_descriptor
+    tile_ready: gl.shared_memory_descriptor
+    tile_empty: gl.shared_memory_descriptor
 
     @gluon.constexpr_function
-    def __init__(self, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_bar, ready, empty,
-                 dq_full, dq_empty):
+    def __init__(self, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_bar, kv_empty, ready,
+                 empty, dq_full, dq_empty, tile_smem, tile_ready, tile_empty):
         self.k_smem, self.v_smem, self.q_smem, self.do_smem = k_smem, v_smem, q_smem, do_smem
         self.lse_smem, self.delta_smem, self.ds_smem, self.dq_smem = lse_smem, delta_smem, ds_smem, dq_smem
-        self.kv_bar, self.ready, self.empty, self.dq_full, self.dq_empty = kv_bar, ready, empty, dq_full, dq_empty
+        self.kv_bar, self.kv_empty, self.ready, self.empty = kv_bar, kv_empty, ready, empty
+        self.dq_full, self.dq_empty = dq_full, dq_empty
+        self.tile_smem, self.tile_ready, self.tile_empty = tile_smem, tile_ready, tile_empty
+
+
+@aggregate
+class BwdWork:
+    """The launch's work: tiles of one key block (BLOCK_N keys) of one kv head and batch row,
+    numbered in launch order (bwd._tile_of: LONGEST_FIRST); COUNTER as the forward's, read where
+    there are fewer programs than tiles; the batch rows' ROW_HI and KEY_LO (bounded), the sizes."""
+    COUNTER: gl.tensor
+    ROW_HI: gl.tensor
+    KEY_LO: gl.tensor
+    H: Scalar
+    B: Scalar
+    GROUP: Scalar
+    T: Scalar
+    S: Scalar
+    LONGEST_FIRST: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, COUNTER, ROW_HI, KEY_LO, H, B, GROUP, T, S, LONGEST_FIRST):
+        self.COUNTER, self.ROW_HI, self.KEY_LO = COUNTER, ROW_HI, KEY_LO
+        self.H, self.B, self.GROUP, self.T, self.S = scalar(H), scalar(B), scalar(GROUP), scalar(T), scalar(S)
+        self.LONGEST_FIRST = gl.constexpr(LONGEST_FIRST)
 
 
 @aggregate
