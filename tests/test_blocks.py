@@ -243,8 +243,7 @@ def test_dq_turns_order_the_programs_of_each_q_block(setting, longest_first):
     # the key blocks whose programs visit a Q block take the turns 0, 1, ... once each, in launch
     # order: no writer waits for a share that never comes (a hang), none shares a turn (an order
     # that changes run to run). Launch order within a (batch, kv head), kernels/hopper/bwd.py's
-    # grids: key block 0 first (longest first: grid (H_kv, B, n_blocks)), or the last first
-    # (shortest first: program_id(0) = n_blocks - 1 - n)
+    # _tile_of: key block 0 first (longest first), or the last first (shortest first)
     T, S, block_m, block_n, causal, bounded, key_lo, row_hi, _ = setting
     key_blocks, m_blocks = triton.cdiv(S, block_n), triton.cdiv(T, block_m)
     ranges = torch.zeros(key_blocks, 6, dtype=torch.int32)

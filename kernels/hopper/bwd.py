@@ -2,9 +2,9 @@
 kernel of 5 matmuls per tile pair (the portable kernels/triton/bwd.py runs 7, in two kernels).
 
 A tile is a K/V block (BLOCK_N keys of one kv head) and every Q/dO block that sees it, of every
-query head of its group. The program is persistent (config.bwd_persistent): one per SM, it takes
-tile after tile in launch order from a counter zeroed for the launch, as the forward does, and the
-next tile's first Q/dO loads run during this one's last steps; or a program per tile. A
+query head of its group. A program runs one tile, or (config.bwd_persistent, opt-in) one program
+per SM takes tile after tile in launch order from a counter zeroed for the launch, as the forward
+does, and the next tile's first Q/dO loads run during this one's last steps. A
 producer warp issues the TMA copies into a STAGES-deep ring, two matmul warpgroups compute
 S = Q K^T, P from the forward's LSE, dP = dO V^T, dV += P^T dO, dK += dS^T Q and a dQ share dS K,
 and a dQ-writer warp adds each share to an fp32 accumulator with one TMA reduce-add: in a fixed
@@ -13,7 +13,8 @@ stay in registers to the tile's end.
 The matmul warpgroups hold a step one of two ways round (config.BwdTiles.by_rows): by rows
 (_bwd_tile_rows, D = 64) or by keys, transposed (_bwd_tile_keys, D = 128). The tiles go out
 shortest or (long causal sequences at D = 128) longest first (config.bwd_longest_first), and the
-fixed order of dQ's adds follows that order: no share waits on a tile not yet taken.
+fixed order of dQ's adds follows that order: with a program per tile, no share waits on a
+program that has not started.
 A Triton pass first lays out LSE * log2(e) and delta = rowsum(dO * O) for TMA; a last one scales
 dQ. docs/flash-attention.md derives the products and the order; tiles: kernels/hopper/config.py.
 """

@@ -168,17 +168,20 @@ def fwd_persistent() -> bool:
     return choice == "1" if choice else FWD_PERSISTENT
 
 
-# whether the backward is persistent unless FLASH_ATTENTION_BWD_PERSISTENT says (v21: forward+backward
-# 1.01-1.03x up to 8192 queries and 0.98-1.00x at 16384; documents and windows 1.00-1.05x)
-BWD_PERSISTENT = True
+# whether the backward is persistent unless FLASH_ATTENTION_BWD_PERSISTENT says. Off: it measured
+# 1.01-1.03x forward+backward up to 8192 queries (v21), but its first tiles go to programs by
+# number, and a share of dQ's fixed order may wait on one of them while its program has no SM yet
+# (a kernel beside it holds SMs, as DDP's all-reduce does); two such backwards at once could wait
+# on each other. A program per tile waits only on lower-numbered programs, which start first.
+BWD_PERSISTENT = False
 
 
 def bwd_persistent() -> bool:
-    """FLASH_ATTENTION_BWD_PERSISTENT: 1, one backward program per SM, taking key blocks (tiles) in
-    launch order as the forward takes its tiles, so that the next tile's first Q and dO tiles load
-    during this one's last steps; 0, a program per key block; unset, BWD_PERSISTENT. dQ's fixed
-    order of adds follows the order tiles are taken in: a program waits only on tiles taken
-    before its own, by running programs."""
+    """FLASH_ATTENTION_BWD_PERSISTENT: 1, one backward program per SM, program p taking tile p (a
+    key block) and then the next tiles of the launch order from a counter, as the forward takes
+    its tiles, so that the next tile's first Q and dO tiles load during this one's last steps; 0, a
+    program per key block; unset, BWD_PERSISTENT. dQ's fixed order of adds follows the launch
+    order either way."""
     choice = _variant(BWD_PERSISTENT_VARIABLE, ("0", "1"))
     return choice == "1" if choice else BWD_PERSISTENT
 
