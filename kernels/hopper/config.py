@@ -138,6 +138,12 @@ def _variant(variable: str, allowed: tuple[str, ...]) -> str:
     return choice
 
 
+def _switch(variable: str, default: bool) -> bool:
+    """An on/off variant: 1 or 0, or `default` where the variable is unset."""
+    choice = _variant(variable, ("0", "1"))
+    return choice == "1" if choice else default
+
+
 def fwd_section(heads: int, group: int, seq_k: int, head_dim: int, itemsize: int) -> int:
     """FLASH_ATTENTION_FWD_ORDER: l2 (unset), the (batch, head) pairs of all `heads` in sections of
     this many whose K and V fit L2_BYTES together (the query heads of one kv head share theirs), each
@@ -164,8 +170,7 @@ def fwd_persistent() -> bool:
     tile of the launch order from a counter in global memory once it has issued the current one's
     loads, so that a tile's first K/V loads run during the last one's softmax and epilogue; 0, a
     program per tile; unset, FWD_PERSISTENT."""
-    choice = _variant(FWD_PERSISTENT_VARIABLE, ("0", "1"))
-    return choice == "1" if choice else FWD_PERSISTENT
+    return _switch(FWD_PERSISTENT_VARIABLE, FWD_PERSISTENT)
 
 
 # whether the backward is persistent unless FLASH_ATTENTION_BWD_PERSISTENT says. Off: it measured
@@ -182,8 +187,7 @@ def bwd_persistent() -> bool:
     its tiles, so that the next tile's first Q and dO tiles load during this one's last steps; 0, a
     program per key block; unset, BWD_PERSISTENT. dQ's fixed order of adds follows the launch
     order either way."""
-    choice = _variant(BWD_PERSISTENT_VARIABLE, ("0", "1"))
-    return choice == "1" if choice else BWD_PERSISTENT
+    return _switch(BWD_PERSISTENT_VARIABLE, BWD_PERSISTENT)
 
 
 def fwd_overlap(head_dim: int) -> bool:
@@ -191,5 +195,4 @@ def fwd_overlap(head_dim: int) -> bool:
     for it; 1, it issues block j's S then block j-1's P V, waits for S alone, and runs the softmax
     while P V is on the tensor cores (a slot is freed one block later); unset, 1 at
     FWD_OVERLAP_HEAD_DIMS."""
-    choice = _variant(FWD_OVERLAP_VARIABLE, ("0", "1"))
-    return choice == "1" if choice else head_dim in FWD_OVERLAP_HEAD_DIMS
+    return _switch(FWD_OVERLAP_VARIABLE, head_dim in FWD_OVERLAP_HEAD_DIMS)
