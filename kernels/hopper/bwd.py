@@ -2,10 +2,9 @@
 kernel of 5 matmuls per tile pair (the portable kernels/triton/bwd.py runs 7, in two kernels).
 
 A tile is a K/V block (BLOCK_N keys of one kv head) and every Q/dO block that sees it, of every
-query head of its group. A program runs one tile, or (config.bwd_persistent, opt-in) one program
-per SM takes tile after tile in launch order from a counter zeroed for the launch, as the forward
-does, and the next tile's first Q/dO loads run during this one's last steps. A
-producer warp issues the TMA copies into a STAGES-deep ring, two matmul warpgroups compute
+query head of its group. One program per SM takes tile after tile in launch order from a counter
+zeroed for the launch, and the next tile's first Q/dO loads run during this one's last steps; or
+(config.bwd_persistent off) a program runs one tile. A producer warp issues the TMA copies into a STAGES-deep ring, two matmul warpgroups compute
 S = Q K^T, P from the forward's LSE, dP = dO V^T, dV += P^T dO, dK += dS^T Q and a dQ share dS K,
 and a dQ-writer warp adds each share to an fp32 accumulator with one TMA reduce-add: in a fixed
 order, so that dQ has the same bits every run (deterministic), or as the shares come. dK and dV
@@ -13,8 +12,8 @@ stay in registers to the tile's end.
 The matmul warpgroups hold a step one of two ways round (config.BwdTiles.by_rows): by rows
 (_bwd_tile_rows, D = 64) or by keys, transposed (_bwd_tile_keys, D = 128). The tiles go out
 shortest or (long causal sequences at D = 128) longest first (config.bwd_longest_first), and the
-fixed order of dQ's adds follows that order: with a program per tile, no share waits on a
-program that has not started.
+fixed order of dQ's adds follows that order: a share waits only on tiles already taken by
+programs that run.
 A Triton pass first lays out LSE * log2(e) and delta = rowsum(dO * O) for TMA; a last one scales
 dQ. docs/flash-attention.md derives the products and the order; tiles: kernels/hopper/config.py.
 """
@@ -54,13 +53,10 @@ def _tile_of(tile, n_blocks, H_kv, B, LONGEST_FIRST: gl.constexpr):
 
 
 @gluon.jit
-def _first_tile(work, BLOCK_N: gl.constexpr):
-    """(the program's first tile, n_blocks key blocks a kv head, the launch's n_tiles, whether
-    programs take more tiles). The grid is (programs,): the first tiles go out at launch, and
-    where there are fewer programs than tiles (persistent), the rest from COUNTER."""
+def _tiles(work, BLOCK_N: gl.constexpr):
+    """(n_blocks key blocks a kv head, the launch's n_tiles)."""
     n_blocks = gl.cdiv(work.S, BLOCK_N)
-    n_tiles = n_blocks * (work.H // work.GROUP) * work.B
-    return gl.program_id(0), n_blocks, n_tiles, gl.num_programs(0) < n_tiles
+    return n_blocks, n_blocks * (work.H // work.GROUP) * work.B
 
 
 @gluon.jit
@@ -97,12 +93,23 @@ def _bwd_step_rows(j, program, BLOCK_M: gl.constexpr):
 
 
 @gluon.jit
-def _next_tile(t, more, n_tiles, buffers, NUM_WARPS: gl.constexpr):
-    """The tile the matmul warps or the dQ writer take after their t-th, as the producer handed it
-    out (pipeline.take_tile); past the last where every program has one tile."""
-    tile = n_tiles
-    if more:
+def _hand_out(t, n_tiles, work, buffers):
+    """The producer's t-th tile: the program's own, then none; or (persistent) the t-th it takes
+    from the counter and hands to the other partitions (pipeline.hand_out_tile)."""
+    if work.PERSISTENT:
+        tile = hand_out_tile(t, 0, work, buffers.tile_smem, buffers.tile_ready, buffers.tile_empty)
+    else:
+        tile = gl.where(t == 0, gl.program_id(0), n_tiles)
+    return tile
+
+
+@gluon.jit
+def _take(t, n_tiles, work, buffers, NUM_WARPS: gl.constexpr):
+    """The matmul warps' or the dQ writer's t-th tile, as the producer's (_hand_out)."""
+    if work.PERSISTENT:
         tile = take_tile(t, buffers.tile_smem, buffers.tile_ready, buffers.tile_empty, NUM_WARPS)
+    else:
+        tile = gl.where(t == 0, gl.program_id(0), n_tiles)
     return tile
 
 
@@ -121,22 +128,23 @@ def _issue_tile(q_desc, do_desc, aux_desc, bar, q_buf, do_buf, lse_buf, delta_bu
 
 @gluon.jit
 def _bwd_produce(io, buffers, work, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr):
-    """The producer warp: each tile's K and V and its steps' Q, dO, LSE and delta, tile after tile;
-    persistent, it hands out the tiles (pipeline.hand_out_tile)."""
+    """The producer warp: the program's tile's K and V and its steps' Q, dO, LSE and delta; or
+    (persistent) each tile's, tile after tile, every one taken from the counter and handed to the
+    other partitions (pipeline.hand_out_tile), the first too: a tile then goes only to a program
+    that is running, and a share of dQ's order never waits on a program that has no SM yet
+    (another kernel may hold some)."""
     BLOCK_M: gl.constexpr = buffers.q_smem.type.shape[1]
     BLOCK_N: gl.constexpr = buffers.k_smem.type.shape[0]
-    tile, n_blocks, n_tiles, more = _first_tile(work, BLOCK_N)
-    t = tile * 0  # the tiles done
-    base = tile * 0  # the steps through the ring so far: its slots and phases run on across tiles
+    n_blocks, n_tiles = _tiles(work, BLOCK_N)
+    t = gl.program_id(0) * 0  # the tiles done
+    base = t  # the steps through the ring so far: its slots and phases run on across tiles
+    tile = _hand_out(t, n_tiles, work, buffers)
     while tile < n_tiles:
         program, _, _, _ = _program(tile, n_blocks, work, CAUSAL, BOUNDED, BLOCK_M, BLOCK_N)
         _bwd_load_tile(io, buffers, program, base, t)
         base += program.steps * program.GROUP
         t += 1
-        if more:
-            tile = hand_out_tile(t, work, buffers.tile_smem, buffers.tile_ready, buffers.tile_empty)
-        else:
-            tile = n_tiles
+        tile = _hand_out(t, n_tiles, work, buffers)
 
 
 @gluon.jit
@@ -186,18 +194,20 @@ def _landed(j, q_smem, do_smem, ready):
 
 @gluon.jit
 def _bwd_write_dq(io, buffers, work, SEM, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr, DETERMINISTIC: gl.constexpr):
-    """The dQ writer warp: each tile's dQ shares, tile after tile (_bwd_write_tile)."""
+    """The dQ writer warp: the dQ shares of the program's tile, or (persistent) of each tile it is
+    handed (_bwd_write_tile)."""
     BLOCK_M: gl.constexpr = buffers.q_smem.type.shape[1]
     BLOCK_N: gl.constexpr = buffers.k_smem.type.shape[0]
-    tile, n_blocks, n_tiles, more = _first_tile(work, BLOCK_N)
-    t = tile * 0
-    base = tile * 0  # as the producer counts it
+    n_blocks, n_tiles = _tiles(work, BLOCK_N)
+    t = gl.program_id(0) * 0
+    base = t  # as the producer counts it
+    tile = _take(t, n_tiles, work, buffers, 1)
     while tile < n_tiles:
         program, _, _, key_lo = _program(tile, n_blocks, work, CAUSAL, BOUNDED, BLOCK_M, BLOCK_N)
         _bwd_write_tile(io, buffers, program, SEM, key_lo, base, CAUSAL, BOUNDED, DETERMINISTIC)
         base += program.steps * program.GROUP
         t += 1
-        tile = _next_tile(t, more, n_tiles, buffers, 1)
+        tile = _take(t, n_tiles, work, buffers, 1)
 
 
 @gluon.jit
@@ -238,22 +248,31 @@ def _bwd_write_tile(io, buffers, program, SEM, KEY_LO, base, CAUSAL: gl.constexp
 @gluon.jit
 def _bwd_consume(buffers, work, outs, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr, BY_ROWS: gl.constexpr,
                  NUM_WARPS: gl.constexpr):
-    """The matmul warps: each tile's steps, tile after tile, held by rows (_bwd_tile_rows) or by keys
-    (_bwd_tile_keys, config.BwdTiles.by_rows)."""
+    """The matmul warps: the steps of the program's tile, or (persistent) of each tile they are
+    handed (_bwd_tile)."""
     BLOCK_M: gl.constexpr = buffers.q_smem.type.shape[1]
     BLOCK_N: gl.constexpr = buffers.k_smem.type.shape[0]
-    tile, n_blocks, n_tiles, more = _first_tile(work, BLOCK_N)
-    t = tile * 0
-    base = tile * 0  # as the producer counts it
+    n_blocks, n_tiles = _tiles(work, BLOCK_N)
+    t = gl.program_id(0) * 0
+    base = t  # as the producer counts it
+    tile = _take(t, n_tiles, work, buffers, NUM_WARPS)
     while tile < n_tiles:
         program, row_hi, full_hi, key_lo = _program(tile, n_blocks, work, CAUSAL, BOUNDED, BLOCK_M, BLOCK_N)
-        if BY_ROWS:
-            _bwd_tile_rows(buffers, program, outs, (row_hi, full_hi, key_lo), base, t, CAUSAL, BOUNDED, NUM_WARPS)
-        else:
-            _bwd_tile_keys(buffers, program, outs, (row_hi, full_hi, key_lo), base, t, CAUSAL, BOUNDED, NUM_WARPS)
+        _bwd_tile(buffers, program, outs, (row_hi, full_hi, key_lo), base, t, CAUSAL, BOUNDED, BY_ROWS, NUM_WARPS)
         base += program.steps * program.GROUP
         t += 1
-        tile = _next_tile(t, more, n_tiles, buffers, NUM_WARPS)
+        tile = _take(t, n_tiles, work, buffers, NUM_WARPS)
+
+
+@gluon.jit
+def _bwd_tile(buffers, program, outs, row_bounds, base, t, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr,
+              BY_ROWS: gl.constexpr, NUM_WARPS: gl.constexpr):
+    """The t-th tile's steps, held by rows (_bwd_tile_rows) or by keys (_bwd_tile_keys,
+    config.BwdTiles.by_rows); step j is ring slot base + j."""
+    if BY_ROWS:
+        _bwd_tile_rows(buffers, program, outs, row_bounds, base, t, CAUSAL, BOUNDED, NUM_WARPS)
+    else:
+        _bwd_tile_keys(buffers, program, outs, row_bounds, base, t, CAUSAL, BOUNDED, NUM_WARPS)
 
 
 @gluon.jit
@@ -476,7 +495,8 @@ def _bwd_kernel(
     H, B, GROUP, T, S,
     sm_scale, qk_scale,  # softmax_scale, and softmax_scale * log2(e)
     CAUSAL: gl.constexpr, BOUNDED: gl.constexpr, DETERMINISTIC: gl.constexpr, BLOCK_M: gl.constexpr,
-    STAGES: gl.constexpr, BY_ROWS: gl.constexpr, LONGEST_FIRST: gl.constexpr, WORKER_REGS: gl.constexpr,
+    STAGES: gl.constexpr, BY_ROWS: gl.constexpr, LONGEST_FIRST: gl.constexpr, PERSISTENT: gl.constexpr,
+    WORKER_REGS: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     dtype: gl.constexpr = q_desc.dtype
@@ -519,7 +539,7 @@ def _bwd_kernel(
     io = BwdIO(q_desc, k_desc, v_desc, do_desc, aux_desc, dqacc_desc)
     buffers = BwdBuffers(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_bar, kv_empty,
                          ready, empty, dq_full, dq_empty, tile_smem, tile_ready, tile_empty)
-    work = BwdWork(COUNTER, ROW_HI, KEY_LO, H, B, GROUP, T, S, LONGEST_FIRST)
+    work = BwdWork(COUNTER, ROW_HI, KEY_LO, H, B, GROUP, T, S, LONGEST_FIRST, PERSISTENT)
     outs = (DK, DV, dk_strides, dv_strides, sm_scale, qk_scale)
     # -- the partitions: the matmul warpgroups in the kernel's own warps, the producer and the dQ writer beside --
     gl.warp_specialize([(_bwd_consume, (buffers, work, outs, CAUSAL, BOUNDED, BY_ROWS, num_warps)),
@@ -598,7 +618,7 @@ def _launch(do, q, k, v, o, lse, dk, dv, bounds: Bounds | None, causal: bool, sc
             key_lo, counter, dk, dv, dk.stride()[:3], dv.stride()[:3], H, B, H // H_kv, T, S, scale,
             scale * LOG2E.value)
     options = dict(CAUSAL=causal, BOUNDED=bounds is not None, DETERMINISTIC=deterministic, BLOCK_M=tiles.block_m,
-                   STAGES=tiles.stages, BY_ROWS=tiles.by_rows, LONGEST_FIRST=longest_first,
+                   STAGES=tiles.stages, BY_ROWS=tiles.by_rows, LONGEST_FIRST=longest_first, PERSISTENT=persistent,
                    WORKER_REGS=config.WORKER_REGS, num_warps=config.BWD_WARPS, maxnreg=config.bwd_maxnreg())
     n_tiles = triton.cdiv(S, tiles.block_n) * H_kv * B
     # persistent, one program per SM (or per tile, where there are fewer); else a program per tile

@@ -210,7 +210,7 @@ def _fwd_consume(io, buffers, work, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr,
         base += gl.maximum(program.n_blocks - program.lo, 0)
         t += 1
         if work.PERSISTENT:
-            tile = take_tile(t, buffers.tile_smem, buffers.tile_ready, buffers.tile_empty, 4)
+            tile = take_tile(t - 1, buffers.tile_smem, buffers.tile_ready, buffers.tile_empty, 4)
         else:
             tile = n_tiles
 
@@ -302,7 +302,9 @@ def _fwd_produce(io, buffers, work, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr)
         base += gl.maximum(program.n_blocks - program.lo, 0)
         t += 1
         if work.PERSISTENT:
-            tile = hand_out_tile(t, work, buffers.tile_smem, buffers.tile_ready, buffers.tile_empty)
+            # the first num_programs tiles went out at launch: a forward tile waits on no other
+            tile = hand_out_tile(t - 1, gl.num_programs(0), work, buffers.tile_smem, buffers.tile_ready,
+                                 buffers.tile_empty)
         else:
             tile = n_tiles
 

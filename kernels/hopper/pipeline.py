@@ -167,8 +167,9 @@ class BwdBuffers:
 @aggregate
 class BwdWork:
     """The launch's work: tiles of one key block (BLOCK_N keys) of one kv head and batch row,
-    numbered in launch order (bwd._tile_of: LONGEST_FIRST); COUNTER as the forward's, read where
-    there are fewer programs than tiles; the batch rows' ROW_HI and KEY_LO (bounded), the sizes."""
+    numbered in launch order (bwd._tile_of: LONGEST_FIRST); with PERSISTENT, COUNTER (int32,
+    zeroed for the launch): the tiles handed out, every one of them; the batch rows' ROW_HI and
+    KEY_LO (bounded), the sizes."""
     COUNTER: gl.tensor
     ROW_HI: gl.tensor
     KEY_LO: gl.tensor
@@ -178,12 +179,13 @@ class BwdWork:
     T: Scalar
     S: Scalar
     LONGEST_FIRST: gl.constexpr
+    PERSISTENT: gl.constexpr
 
     @gluon.constexpr_function
-    def __init__(self, COUNTER, ROW_HI, KEY_LO, H, B, GROUP, T, S, LONGEST_FIRST):
+    def __init__(self, COUNTER, ROW_HI, KEY_LO, H, B, GROUP, T, S, LONGEST_FIRST, PERSISTENT):
         self.COUNTER, self.ROW_HI, self.KEY_LO = COUNTER, ROW_HI, KEY_LO
         self.H, self.B, self.GROUP, self.T, self.S = scalar(H), scalar(B), scalar(GROUP), scalar(T), scalar(S)
-        self.LONGEST_FIRST = gl.constexpr(LONGEST_FIRST)
+        self.LONGEST_FIRST, self.PERSISTENT = gl.constexpr(LONGEST_FIRST), gl.constexpr(PERSISTENT)
 
 
 @aggregate
@@ -227,29 +229,27 @@ def skip_slot(i, k_ready, v_ready, kv_empty, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def hand_out_tile(t, work, tile_smem, tile_ready, tile_empty):
-    """The producer's tile after its t-th (t >= 1): the next of the launch order not yet taken, for
-    the program's consumers too through slot (t - 1) % 2 of the tile ring; past the last tile
-    when none is left."""
+def hand_out_tile(i, first, work, tile_smem, tile_ready, tile_empty):
+    """The i-th tile the producer takes from the counter: the next of the launch order not yet
+    taken (tile `first` is the counter's 0), for the program's other partitions too through slot
+    i % 2 of the tile ring; past the last tile when none is left."""
     lane = gl.arange(0, 32, layout=gl.BlockedLayout([1], [32], [1], [0]))
     taken = gl.atomic_add(work.COUNTER + lane * 0, lane * 0 + 1, mask=lane == 0)
-    tile = gl.num_programs(0) + gl.max(gl.where(lane == 0, taken, 0), 0)  # the first num_programs went out at launch
-    s = t - 1
-    mbarrier.wait(tile_empty.index(s % 2), ((s // 2) & 1) ^ 1)  # a fresh barrier passes phase 1
-    tile_smem.index(s % 2).store(gl.full([32], tile, gl.int32, lane.type.layout))
+    tile = first + gl.max(gl.where(lane == 0, taken, 0), 0)
+    mbarrier.wait(tile_empty.index(i % 2), ((i // 2) & 1) ^ 1)  # a fresh barrier passes phase 1
+    tile_smem.index(i % 2).store(gl.full([32], tile, gl.int32, lane.type.layout))
     gl.thread_barrier()  # every lane's store before the arrive
-    mbarrier.arrive(tile_ready.index(s % 2), count=1)
+    mbarrier.arrive(tile_ready.index(i % 2), count=1)
     return tile
 
 
 @gluon.jit
-def take_tile(t, tile_smem, tile_ready, tile_empty, NUM_WARPS: gl.constexpr):
-    """A consumer's tile after its t-th (t >= 1), as the producer handed it out."""
-    s = t - 1
-    mbarrier.wait(tile_ready.index(s % 2), (s // 2) & 1)
-    tile = gl.max(tile_smem.index(s % 2).load(gl.BlockedLayout([1], [32], [NUM_WARPS], [0])), 0)
+def take_tile(i, tile_smem, tile_ready, tile_empty, NUM_WARPS: gl.constexpr):
+    """The i-th tile the producer handed out (hand_out_tile), read by a consumer."""
+    mbarrier.wait(tile_ready.index(i % 2), (i // 2) & 1)
+    tile = gl.max(tile_smem.index(i % 2).load(gl.BlockedLayout([1], [32], [NUM_WARPS], [0])), 0)
     gl.thread_barrier()  # every thread has read the slot before it is freed
-    mbarrier.arrive(tile_empty.index(s % 2), count=1)
+    mbarrier.arrive(tile_empty.index(i % 2), count=1)
     return tile
 
 
