@@ -75,10 +75,16 @@ def variant(variable: str, head_dim: int) -> str | None:
     return VARIANTS[variable]
 
 
+# compiled beside the defaults and VARIANTS: the backward persistent and longest first, its
+# default at D = 128 from BWD_LONGEST_FIRST_FROM keys (VARIANTS pairs longest first with a
+# program per tile), and the forward without its overlap
+LONGEST_PERSISTENT = {hopper.FWD_OVERLAP_VARIABLE: "0", hopper.BWD_ORDER_VARIABLE: "longest"}
+
+
 @pytest.mark.skipif(not GLUON and not (GLUON_TRITON_DIR / "triton").is_dir(),
                     reason=f"the kernel is written in triton {hopper.TRITON}x's Gluon: `make test` installs it")
-@pytest.mark.parametrize("variants", [{}, VARIANTS, {hopper.FWD_OVERLAP_VARIABLE: "0"}],
-                         ids=["defaults", "variants", "no-forward-overlap"])
+@pytest.mark.parametrize("variants", [{}, VARIANTS, LONGEST_PERSISTENT],
+                         ids=["defaults", "variants", "no-forward-overlap-longest-first"])
 def test_compiles_for_sm90_without_a_gpu(variants, tmp_path):
     # a fresh process: the stand-in driver replaces Triton's for the process, and Gluon must not
     # see TRITON_INTERPRET (it has no interpreter)
@@ -496,44 +502,76 @@ def test_persistent_kernels_take_every_tile_once(D, gluon, monkeypatch):
 
 
 @triton.experimental.gluon.jit
-def _hold_sm(flag, released, polls):
-    """Holds an SM until flag[0] is set or `polls` reads have passed; released[program] says which."""
+def _poll(ptr, target, polls):
+    """ptr[0] once it reaches target, or as it is after `polls` reads."""
+    lane = gl.arange(0, 32, layout=gl.BlockedLayout([1], [32], [1], [0]))
+    value = gl.max(gl.load(ptr + lane * 0, volatile=True), 0)
+    i = 0
+    while (value < target) & (i < polls):
+        value = gl.max(gl.load(ptr + lane * 0, volatile=True), 0)
+        i += 1
+    return value
+
+
+@triton.experimental.gluon.jit
+def _hold_sm(flag, arrived, released, polls):
+    """Counts itself in `arrived`, then holds its SM until flag[0] is set or `polls` reads have
+    passed; released[program]: 1 where the flag ended it."""
     # 128 KB of shared memory: no second program on the SM, nor a backward program (~226 KB)
     smem = gl.allocate_shared_memory(gl.int32, [32768], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     lane = gl.arange(0, 32, layout=gl.BlockedLayout([1], [32], [1], [0]))
     smem.slice(0, 32).store(lane * 0)  # the allocation is used, so it stays
-    seen = gl.max(gl.load(flag + lane * 0, volatile=True), 0)
-    i = 0
-    while (seen == 0) & (i < polls):
-        seen = gl.max(gl.load(flag + lane * 0, volatile=True), 0)
-        i += 1
-    seen += gl.max(smem.slice(0, 32).load(lane.type.layout), 0)
+    gl.atomic_add(arrived + lane * 0, lane * 0 + 1, mask=lane == 0)
+    seen = _poll(flag, 1, polls) + gl.max(smem.slice(0, 32).load(lane.type.layout), 0)
     gl.store(released + gl.program_id(0) + lane * 0, lane * 0 + seen, mask=lane == 0)
+
+
+@triton.experimental.gluon.jit
+def _wait_for(count, target, seen, polls):
+    """Returns once count[0] reaches target (or after `polls` reads); seen[0]: the count then."""
+    lane = gl.arange(0, 32, layout=gl.BlockedLayout([1], [32], [1], [0]))
+    gl.store(seen + lane * 0, lane * 0 + _poll(count, target, polls), mask=lane == 0)
+
+
+def held_backward(q, k, v, do, o, lse, free_sms: int = 4) -> tuple[int, int, int, tuple]:
+    """(holders, how many had started before the backward, how many its end released, its grads)
+    of a backward run while another kernel holds every SM but free_sms, until a flag that this
+    stream sets after the backward (or, failing that, its poll limit: ~10 s). The kernels are
+    compiled first: the holders must not wait on the host."""
+    holders = torch.cuda.get_device_properties(q.device).multi_processor_count - free_sms
+    flag, arrived, seen, released = (torch.zeros(n, dtype=torch.int32, device=q.device) for n in (1, 1, 1, holders))
+    polls = 50_000_000
+    _hold_sm[(1,)](flag + 1, arrived.clone(), released.clone(), polls, num_warps=1)  # flag set: returns
+    _wait_for[(1,)](arrived + holders, holders, seen, polls, num_warps=1)  # count reached: returns
+    flash_attn_backward(do, q, k, v, o, lse)
+    side = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        _hold_sm[(holders,)](flag, arrived, released, polls, num_warps=1)
+    _wait_for[(1,)](arrived, holders, seen, polls, num_warps=1)  # every holder is on its SM
+    grads = flash_attn_backward(do, q, k, v, o, lse)
+    flag.fill_(1)
+    torch.cuda.synchronize()
+    return holders, seen.item(), released.eq(1).sum().item(), grads
 
 
 @pytest.mark.gpu
 @sm90
 @pytest.mark.parametrize("persistent", ["0", "1"])
 def test_backward_finishes_while_another_kernel_holds_most_sms(persistent, gluon, monkeypatch):
-    # dQ's fixed order makes a backward tile wait on the tiles before it. With every SM but 4 held
-    # by another kernel until this backward is done, the tiles it waits on must be ones that
-    # running programs hold (a program per tile: programs start in order; persistent: running
-    # programs take every tile from the counter), or it never ends and the holder stops by its
-    # poll limit (seconds), not by the flag set after the backward
+    # dQ's fixed order makes a backward tile wait on the tiles before it, so those must be tiles
+    # that running programs hold, whatever else runs (a program per tile: the GPU starts a grid's
+    # programs in order; persistent: a program takes every tile from the counter once it runs).
+    # With every SM but 4 held by another kernel until this backward is done, it ends on the 4,
+    # and the flag set after it releases the holders, not their poll limit
     monkeypatch.setenv(hopper.BWD_PERSISTENT_VARIABLE, persistent)
+    monkeypatch.setenv(backends.DETERMINISTIC_VARIABLE, "1")  # dQ's order: the waits under test
     q, k, v, do = _make_inputs("gluon-held-sms", 2, 8, 8, 4096, 4096, 128, BF16, "packed", "cuda")
     o, lse = flash_attn_forward(q, k, v)
     expected = flash_attn_backward(do, q, k, v, o, lse)
-    holders = torch.cuda.get_device_properties(0).multi_processor_count - 4
-    flag, released = (torch.zeros(n, dtype=torch.int32, device="cuda") for n in (1, holders))
-    side = torch.cuda.Stream()
-    torch.cuda.synchronize()
-    with torch.cuda.stream(side):
-        _hold_sm[(holders,)](flag, released, 5_000_000, num_warps=1)
-    grads = flash_attn_backward(do, q, k, v, o, lse)
-    flag.fill_(1)
-    torch.cuda.synchronize()
-    assert released.eq(1).all(), f"{released.eq(0).sum().item()} of {holders} holders stopped by their poll limit"
+    holders, started, released, grads = held_backward(q, k, v, do, o, lse)
+    assert started == holders, f"{started} of {holders} holders had started before the backward"
+    assert released == holders, f"{holders - released} of {holders} holders stopped by their poll limit"
     for x, y in zip(grads, expected, strict=True):
         assert torch.equal(x, y)
 

@@ -4,11 +4,12 @@ kernel of 5 matmuls per tile pair (the portable kernels/triton/bwd.py runs 7, in
 A tile is a K/V block (BLOCK_N keys of one kv head) and every Q/dO block that sees it, of every
 query head of its group. One program per SM takes tile after tile in launch order from a counter
 zeroed for the launch, and the next tile's first Q/dO loads run during this one's last steps; or
-(config.bwd_persistent off) a program runs one tile. A producer warp issues the TMA copies into a STAGES-deep ring, two matmul warpgroups compute
-S = Q K^T, P from the forward's LSE, dP = dO V^T, dV += P^T dO, dK += dS^T Q and a dQ share dS K,
-and a dQ-writer warp adds each share to an fp32 accumulator with one TMA reduce-add: in a fixed
-order, so that dQ has the same bits every run (deterministic), or as the shares come. dK and dV
-stay in registers to the tile's end.
+(config.bwd_persistent off) a program runs one tile. A producer warp issues the TMA copies into
+a STAGES-deep ring, two matmul warpgroups compute S = Q K^T, P from the forward's LSE,
+dP = dO V^T, dV += P^T dO, dK += dS^T Q and a dQ share dS K, and a dQ-writer warp adds each
+share to an fp32 accumulator with one TMA reduce-add: in a fixed order, so that dQ has the same
+bits every run (deterministic), or as the shares come. dK and dV stay in registers to the tile's
+end.
 The matmul warpgroups hold a step one of two ways round (config.BwdTiles.by_rows): by rows
 (_bwd_tile_rows, D = 64) or by keys, transposed (_bwd_tile_keys, D = 128). The tiles go out
 shortest or (long causal sequences at D = 128) longest first (config.bwd_longest_first), and the
@@ -489,7 +490,7 @@ def _bwd_kernel(
     SEM,  # (B, H, cdiv(T, BLOCK_M)) int32, zeroed: how many writer lanes have released a share per Q block
     ROW_HI, KEY_LO,  # (B, S), (B, T) int32 (BOUNDED: documents, a window): one past the last query that
     # sees each key; each query's first key
-    COUNTER,  # (1,) int32, zero: the tiles handed out (read where there are fewer programs than tiles)
+    COUNTER,  # (1,) int32, zero: the tiles handed out (PERSISTENT: every one, the first too)
     DK, DV,  # outputs, (B, H_kv, S, D) with these strides (head dim contiguous)
     dk_strides, dv_strides,  # each (batch, head, key)
     H, B, GROUP, T, S,
