@@ -101,8 +101,8 @@ def flash_attn_backward(do, q, k, v, o, lse, causal=True, softmax_scale=None, do
 # one tensor). They are registered with define/impl, whose dispatch calls the Python function
 # directly (torch.library.custom_op wraps it in more Python per call). Eager calls take a plain
 # autograd.Function: any dispatch costs host time that short sequences cannot hide
-# (docs/perf-notes.md, v3). Both take the Bounds of documents and windows, made once per call by
-# flash_attention.
+# (docs/perf-notes.md, v3). Both take the Bounds of documents and windows from flash_attention
+# (kernels/masking.py: made once per batch or shape in eager calls).
 
 torch.library.define("kernels::flash_attn_fwd", "(Tensor q, Tensor k, Tensor v, bool causal, float scale, "
                      "Tensor? key_lo, Tensor? row_hi) -> (Tensor, Tensor)")

@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from kernels.masking import Bounds, bounds, window_bounds
+from kernels.masking import Bounds, document_bounds, window_bounds
 from kernels.runtime import chips
 from kernels.runtime.launch import interprets
 from kernels.triton.config import DTYPES, MAX_HEAD_DIM
@@ -87,7 +87,7 @@ def checked_bounds(q, k, v, causal, doc_ids, window) -> Bounds | None:
     (B, _, T, _), S = q.shape, k.shape[2]
     if doc_ids is None:
         return window_bounds(window, B, T, S, q.device)
-    return bounds(doc_ids, window, B, T, S, q.device)
+    return document_bounds(doc_ids, window, B, T, S, q.device)
 
 
 def softmax_scale_of(q, softmax_scale=None) -> float:

@@ -14,6 +14,7 @@ ranges and the element mask from these in one module: kernels/triton/blocks.py,
 kernels/hopper/blocks.py; kernels/reference/flash_ref.py checks them independently.
 """
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -51,12 +52,43 @@ def bounds(doc_ids: torch.Tensor | None, window: int, B: int, T: int, S: int, de
     return Bounds(key_lo.clamp(0, S).contiguous(), row_hi.clamp(0, T).contiguous())
 
 
+def once_per_batch(build):
+    """build(doc_ids, *key), remembered for the last doc_ids tensor: every layer of a step passes the
+    same one. Holding it keeps the identity check sound; its version counter catches an in-place change."""
+    last = None
+
+    @functools.wraps(build)
+    def cached(doc_ids: torch.Tensor, *key):
+        nonlocal last
+        if last is None or last[0] is not doc_ids or last[1] != doc_ids._version or last[2] != key:
+            last = (doc_ids, doc_ids._version, key, build(doc_ids, *key))
+        return last[3]
+    return torch.compiler.disable(cached)
+
+
+def _made_now(device: torch.device) -> bool:
+    """Whether Bounds made here must not be remembered: traced by torch.compile (no values), or
+    captured into a CUDA graph (values only once the graph replays)."""
+    return torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+
+
+_document_bounds = once_per_batch(bounds)
+
+
+def document_bounds(doc_ids: torch.Tensor, window: int, B: int, T: int, S: int, device: torch.device) -> Bounds:
+    """bounds(doc_ids, window, ...), made once per batch in eager calls: its scans (cummax, cummin)
+    take ~0.15 ms of GPU time at T = 32768, as long as a layer's forward kernel there."""
+    if _made_now(device):
+        return bounds(doc_ids, window, B, T, S, device)
+    return _document_bounds(doc_ids, window, B, T, S, device)
+
+
 _WINDOWS: dict[tuple, Bounds | None] = {}  # (B, T, S, window, device) -> its Bounds, without documents
 
 
 def window_bounds(window: int, B: int, T: int, S: int, device: torch.device) -> Bounds | None:
     """bounds(None, window, ...), made once per shape in eager calls (a few launches saved per call)."""
-    if torch.compiler.is_compiling():
+    if _made_now(device):
         return bounds(None, window, B, T, S, device)
     key = (B, T, S, window, device)
     if key not in _WINDOWS:

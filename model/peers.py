@@ -24,22 +24,10 @@ import functools
 import torch
 from torch.nn.attention import flex_attention as torch_flex
 
+from kernels.masking import once_per_batch
+
 FA4_NEEDS = ("FlashAttention-4 needs the flash-attn-4 package (pip install flash-attn-4, CUDA 13) and an sm_90 or "
              "sm_100 GPU")
-
-
-def once_per_batch(build):
-    """build(doc_ids, *key), remembered for the last doc_ids tensor: every layer of a step passes the
-    same one. Holding it keeps the identity check sound; its version counter catches an in-place change."""
-    last = None
-
-    @functools.wraps(build)
-    def cached(doc_ids: torch.Tensor, *key):
-        nonlocal last
-        if last is None or last[0] is not doc_ids or last[1] != doc_ids._version or last[2] != key:
-            last = (doc_ids, doc_ids._version, key, build(doc_ids, *key))
-        return last[3]
-    return torch.compiler.disable(cached)
 
 
 # ---------------------------------------------------------------------------

@@ -24,7 +24,7 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from kernels.hopper import blocks as gluon_blocks
-from kernels.masking import bounds
+from kernels.masking import bounds, document_bounds
 from kernels.reference.flash_ref import attention_probs
 from kernels.runtime.interpreter import interpreted, interpreting
 from kernels.triton.blocks import kv_ranges, q_ranges, visible, visible_t
@@ -170,6 +170,21 @@ def setting(request) -> Setting:
     key_lo = bnd.key_lo[0] if bnd else torch.zeros(T, dtype=torch.int32)
     row_hi = bnd.row_hi[0] if bnd else torch.zeros(S, dtype=torch.int32)
     return Setting(T, S, block_m, block_n, causal, bnd is not None, key_lo, row_hi, probs[0, 0] > 0)
+
+
+def test_document_bounds_are_made_once_per_batch():
+    # every layer of a step passes the batch's doc_ids: its Bounds are made once, and again for an
+    # in-place change, another batch or another window
+    cpu = torch.device("cpu")
+    doc_ids = torch.repeat_interleave(torch.arange(3), torch.tensor([5, 2, 9]))[None]
+    first = document_bounds(doc_ids, 0, 1, 16, 16, cpu)
+    assert document_bounds(doc_ids, 0, 1, 16, 16, cpu) is first
+    for made in (document_bounds(doc_ids, 4, 1, 16, 16, cpu), document_bounds(doc_ids.clone(), 0, 1, 16, 16, cpu)):
+        assert made is not first
+    doc_ids[0, 7:] = 3
+    for made, expected in zip(document_bounds(doc_ids, 0, 1, 16, 16, cpu), bounds(doc_ids, 0, 1, 16, 16, cpu),
+                              strict=True):
+        assert torch.equal(made, expected)
 
 
 def _tiles_seen(seen, rows, keys):

@@ -25,10 +25,11 @@ from omegaconf import OmegaConf
 import train as train_module
 from configs.validate import ConfigError, validate
 from data.tokenizer import EOT, document_ids
+from kernels.masking import once_per_batch
 from model import ATTENTIONS, GPT
 from model.attention import naive_attention
 from model.config import ModelConfig
-from model.peers import cu_seqlens, fa4_unsupported, flex_attention, once_per_batch
+from model.peers import cu_seqlens, fa4_unsupported, flex_attention
 from tests.helpers import CONFIGS, REPO, TINY, assert_within_own_error, compose, metrics
 from trainer import preflight
 
