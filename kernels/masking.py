@@ -54,15 +54,22 @@ def bounds(doc_ids: torch.Tensor | None, window: int, B: int, T: int, S: int, de
 
 def once_per_batch(build):
     """build(doc_ids, *key), remembered for the last doc_ids tensor: every layer of a step passes the
-    same one. Holding it keeps the identity check sound; its version counter catches an in-place change."""
+    same one. Holding it keeps the identity check sound; its version counter catches an in-place
+    change. Writes it does not count (through .data, numpy or DLPack, a CUDA graph replaying into
+    doc_ids) are not seen: pass each batch's doc_ids as a new tensor, as the trainer does.
+    Inference tensors keep no version counter: built every call."""
     last = None
 
     @functools.wraps(build)
     def cached(doc_ids: torch.Tensor, *key):
         nonlocal last
-        if last is None or last[0] is not doc_ids or last[1] != doc_ids._version or last[2] != key:
-            last = (doc_ids, doc_ids._version, key, build(doc_ids, *key))
-        return last[3]
+        if doc_ids.is_inference():
+            return build(doc_ids, *key)
+        entry = last  # one read: another thread may replace it
+        if entry is None or entry[0] is not doc_ids or entry[1] != doc_ids._version or entry[2] != key:
+            entry = (doc_ids, doc_ids._version, key, build(doc_ids, *key))
+            last = entry
+        return entry[3]
     return torch.compiler.disable(cached)
 
 

@@ -24,6 +24,7 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from kernels.hopper import blocks as gluon_blocks
+from kernels.inputs import checked_bounds
 from kernels.masking import bounds, document_bounds
 from kernels.reference.flash_ref import attention_probs
 from kernels.runtime.interpreter import interpreted, interpreting
@@ -173,18 +174,32 @@ def setting(request) -> Setting:
 
 
 def test_document_bounds_are_made_once_per_batch():
-    # every layer of a step passes the batch's doc_ids: its Bounds are made once, and again for an
-    # in-place change, another batch or another window
+    # every layer of a step passes the batch's doc_ids: its Bounds are made once, through the
+    # kernels' input check too, and again for another window, another batch or an in-place change
     cpu = torch.device("cpu")
     doc_ids = torch.repeat_interleave(torch.arange(3), torch.tensor([5, 2, 9]))[None]
-    first = document_bounds(doc_ids, 0, 1, 16, 16, cpu)
+    q = torch.zeros(1, 1, 16, 8)
+    first = checked_bounds(q, q, q, True, doc_ids, 0)
     assert document_bounds(doc_ids, 0, 1, 16, 16, cpu) is first
     for made in (document_bounds(doc_ids, 4, 1, 16, 16, cpu), document_bounds(doc_ids.clone(), 0, 1, 16, 16, cpu)):
         assert made is not first
-    doc_ids[0, 7:] = 3
-    for made, expected in zip(document_bounds(doc_ids, 0, 1, 16, 16, cpu), bounds(doc_ids, 0, 1, 16, 16, cpu),
-                              strict=True):
-        assert torch.equal(made, expected)
+    first = document_bounds(doc_ids, 0, 1, 16, 16, cpu)
+    doc_ids[0, 3:] = 7  # documents of 3 and 13 tokens
+    made = document_bounds(doc_ids, 0, 1, 16, 16, cpu)
+    assert not torch.equal(made.key_lo, first.key_lo)
+    for x, y in zip(made, bounds(doc_ids, 0, 1, 16, 16, cpu), strict=True):
+        assert torch.equal(x, y)
+    with torch.inference_mode():  # no version counter to check: made each call
+        fresh = torch.repeat_interleave(torch.arange(2), torch.tensor([4, 12]))[None]
+        assert torch.equal(document_bounds(fresh, 0, 1, 16, 16, cpu).key_lo, bounds(fresh, 0, 1, 16, 16, cpu).key_lo)
+
+
+def test_document_bounds_are_traced_not_remembered_under_compile():
+    # traced, there are no values to remember: a remembered call would break the graph
+    traced = torch.compile(lambda d: document_bounds(d, 0, 1, 16, 16, d.device).key_lo + 0, backend="eager",
+                           fullgraph=True)
+    doc_ids = torch.repeat_interleave(torch.arange(3), torch.tensor([5, 2, 9]))[None]
+    assert torch.equal(traced(doc_ids), bounds(doc_ids, 0, 1, 16, 16, doc_ids.device).key_lo)
 
 
 def _tiles_seen(seen, rows, keys):
