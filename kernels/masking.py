@@ -84,7 +84,7 @@ _document_bounds = once_per_batch(bounds)
 
 def document_bounds(doc_ids: torch.Tensor, window: int, B: int, T: int, S: int, device: torch.device) -> Bounds:
     """bounds(doc_ids, window, ...), made once per batch in eager calls: its scans (cummax, cummin)
-    take ~0.15 ms of GPU time at T = 32768, as long as a layer's forward kernel there."""
+    take ~0.15 ms of GPU time at T = 32768, 40% of a D = 128 forward kernel there."""
     if _made_now(device):
         return bounds(doc_ids, window, B, T, S, device)
     return _document_bounds(doc_ids, window, B, T, S, device)
@@ -95,6 +95,8 @@ _WINDOWS: dict[tuple, Bounds | None] = {}  # (B, T, S, window, device) -> its Bo
 
 def window_bounds(window: int, B: int, T: int, S: int, device: torch.device) -> Bounds | None:
     """bounds(None, window, ...), made once per shape in eager calls (a few launches saved per call)."""
+    if not window or window >= S:  # no bounds: full causal calls skip the capture check below
+        return None
     if _made_now(device):
         return bounds(None, window, B, T, S, device)
     key = (B, T, S, window, device)
