@@ -57,13 +57,15 @@ def once_per_batch(build):
     same one. Holding it keeps the identity check sound; its version counter catches an in-place
     change. Writes it does not count (through .data, numpy or DLPack, a CUDA graph replaying into
     doc_ids) are not seen: pass each batch's doc_ids as a new tensor, as the trainer does.
-    Inference tensors keep no version counter: built every call."""
+    Built every call for inference tensors (no version counter) and while a CUDA graph is being
+    captured (what it builds then holds values only once the graph replays). Never traced by
+    torch.compile: a caller that may be traced builds itself while compiling."""
     last = None
 
     @functools.wraps(build)
     def cached(doc_ids: torch.Tensor, *key):
         nonlocal last
-        if doc_ids.is_inference():
+        if doc_ids.is_inference() or _capturing(doc_ids.device):
             return build(doc_ids, *key)
         entry = last  # one read: another thread may replace it
         if entry is None or entry[0] is not doc_ids or entry[1] != doc_ids._version or entry[2] != key:
@@ -73,10 +75,16 @@ def once_per_batch(build):
     return torch.compiler.disable(cached)
 
 
+def _capturing(device: torch.device) -> bool:
+    """Whether a CUDA graph is being captured on the current stream (work queued now runs only when
+    it replays)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def _made_now(device: torch.device) -> bool:
     """Whether Bounds made here must not be remembered: traced by torch.compile (no values), or
     captured into a CUDA graph (values only once the graph replays)."""
-    return torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+    return torch.compiler.is_compiling() or _capturing(device)
 
 
 _document_bounds = once_per_batch(bounds)
@@ -85,7 +93,7 @@ _document_bounds = once_per_batch(bounds)
 def document_bounds(doc_ids: torch.Tensor, window: int, B: int, T: int, S: int, device: torch.device) -> Bounds:
     """bounds(doc_ids, window, ...), made once per batch in eager calls: its scans (cummax, cummin)
     take ~0.15 ms of GPU time at T = 32768, 40% of a D = 128 forward kernel there."""
-    if _made_now(device):
+    if torch.compiler.is_compiling():  # traced: the cache (not traced) would break the graph
         return bounds(doc_ids, window, B, T, S, device)
     return _document_bounds(doc_ids, window, B, T, S, device)
 

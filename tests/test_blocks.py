@@ -25,6 +25,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from kernels.hopper import blocks as gluon_blocks
 from kernels.inputs import checked_bounds
+from kernels import masking
 from kernels.masking import bounds, document_bounds
 from kernels.reference.flash_ref import attention_probs
 from kernels.runtime.interpreter import interpreted, interpreting
@@ -192,6 +193,24 @@ def test_document_bounds_are_made_once_per_batch():
     with torch.inference_mode():  # no version counter to check: made each call
         fresh = torch.repeat_interleave(torch.arange(2), torch.tensor([4, 12]))[None]
         assert torch.equal(document_bounds(fresh, 0, 1, 16, 16, cpu).key_lo, bounds(fresh, 0, 1, 16, 16, cpu).key_lo)
+
+
+def test_nothing_is_remembered_while_a_cuda_graph_is_captured(monkeypatch):
+    # queued during capture, the Bounds (and the peers' masks and offsets, through the same cache)
+    # hold values only once the graph replays: made each call then, remembered again after
+    cpu = torch.device("cpu")
+    doc_ids = torch.repeat_interleave(torch.arange(3), torch.tensor([5, 2, 9]))[None]
+    built = []
+    mask = masking.once_per_batch(lambda ids, window: built.append(window) or len(built))
+    monkeypatch.setattr(masking, "_capturing", lambda device: True)
+    assert [mask(doc_ids, 3) for _ in range(3)] == [1, 2, 3]
+    first = document_bounds(doc_ids, 0, 1, 16, 16, cpu)
+    assert document_bounds(doc_ids, 0, 1, 16, 16, cpu) is not first
+    assert torch.equal(first.key_lo, bounds(doc_ids, 0, 1, 16, 16, cpu).key_lo)
+    assert masking.window_bounds(4, 1, 16, 16, cpu) is not masking.window_bounds(4, 1, 16, 16, cpu)
+    monkeypatch.setattr(masking, "_capturing", lambda device: False)
+    assert [mask(doc_ids, 3) for _ in range(2)] == [4, 4]
+    assert document_bounds(doc_ids, 0, 1, 16, 16, cpu) is document_bounds(doc_ids, 0, 1, 16, 16, cpu)
 
 
 def test_document_bounds_are_traced_not_remembered_under_compile():
