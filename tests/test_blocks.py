@@ -23,9 +23,9 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from kernels import masking
 from kernels.hopper import blocks as gluon_blocks
 from kernels.inputs import checked_bounds
-from kernels import masking
 from kernels.masking import bounds, document_bounds
 from kernels.reference.flash_ref import attention_probs
 from kernels.runtime.interpreter import interpreted, interpreting
