@@ -13,7 +13,9 @@ import triton.experimental.gluon
 from triton.experimental.gluon import language as gl
 
 from kernels import backends, flash_attention, flash_attn_backward, flash_attn_forward
+from kernels.hopper import bwd_passes
 from kernels.hopper import config as hopper
+from kernels.runtime.interpreter import interpreted, interpreting
 from tests.helpers import REPO
 from tests.test_flash_attn import BF16, F16, _case_id, _check_against_float64, _doc_ids, _make_inputs
 
@@ -165,6 +167,22 @@ def test_persistent_kernels_are_chosen_by_their_variables(variable, chosen, defa
     monkeypatch.setenv(variable, "yes")
     with pytest.raises(ValueError, match=f"{variable}=yes: use 0 or 1"):
         chosen()
+
+
+@pytest.mark.parametrize("T, D, block_m", [(300, 64, 128), (200, 128, 64), (64, 64, 64)])
+def test_dq_pass_puts_the_slabs_back_in_row_order(T, D, block_m):
+    """The backward's dQ pass (Triton's interpreter, on the CPU): each Q block's accumulator, in
+    8-column slabs (D / 8, BLOCK_M, 8), comes back scaled, in row order, into dq laid out as
+    kernels/api.py lays it out ((B, T, H, D) memory); the last block's rows past T are left alone."""
+    B, H, scale = 2, 3, 0.125
+    blocks = triton.cdiv(T, block_m)
+    slabs = torch.randn(B, H, blocks, D // 8, block_m, 8)
+    dq = torch.full((B, T, H, D), float("nan")).transpose(1, 2)
+    grid, args = bwd_passes.dq_launch(slabs.view(-1, bwd_passes.LINE), dq, scale, block_m)
+    with interpreting():
+        interpreted(bwd_passes.dq_kernel)[grid](*args)
+    want = slabs.permute(0, 1, 2, 4, 3, 5).reshape(B, H, blocks * block_m, D)[:, :, :T] * scale
+    assert torch.equal(dq, want)
 
 
 def test_backend_variable_is_checked(monkeypatch):

@@ -161,10 +161,13 @@ _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.floa
 
 
 @functools.cache
-def _tile_layout(block: tuple[int, ...], dtype: torch.dtype):
+def _tile_layout(block: tuple[int, ...], dtype: torch.dtype, swizzled: bool):
+    if not swizzled:
+        return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=dtype.itemsize * 8, rank=len(block))
     return gl.NVMMASharedLayout.get_default_for(list(block), _GL_DTYPES[dtype])
 
 
-def descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
-    """A host TMA descriptor over t with this box (rows past an edge read as zeros, writes past it dropped)."""
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, _tile_layout(tuple(block), t.dtype))
+def descriptor(t: torch.Tensor, block: list[int], swizzled: bool = True) -> TensorDescriptor:
+    """A host TMA descriptor over t with this box (rows past an edge read as zeros, writes past it
+    dropped), its shared-memory box swizzled for wgmma (or, not swizzled, in plain row order)."""
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, _tile_layout(tuple(block), t.dtype, swizzled))

@@ -15,18 +15,19 @@ The matmul warpgroups hold a step one of two ways round (config.BwdTiles.by_rows
 shortest or (long causal sequences at D = 128) longest first (config.bwd_longest_first), and the
 fixed order of dQ's adds follows that order: a share waits only on tiles already taken by
 programs that run.
-A Triton pass first lays out LSE * log2(e) and delta = rowsum(dO * O) for TMA; a last one scales
-dQ. docs/flash-attention.md derives the products and the order; tiles: kernels/hopper/config.py.
+Two Triton passes (bwd_passes.py) run around it: LSE * log2(e) and delta = rowsum(dO * O) laid
+out for TMA before, dQ scaled out of the accumulator after. docs/flash-attention.md derives the
+products and the order; tiles: kernels/hopper/config.py.
 """
 
 import torch
 import triton
-import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
+from kernels.hopper import bwd_passes as passes
 from kernels.hopper import config
 from kernels.hopper.blocks import descriptor, dq_layout, dq_turn, q_blocks, tile_masked, visible, visible_t
 from kernels.hopper.pipeline import (BwdBuffers, BwdIO, BwdProgram, BwdWork, bulk_done, hand_out_tile, load_acquire,
@@ -222,6 +223,7 @@ def _bwd_write_tile(io, buffers, program, SEM, KEY_LO, base, CAUSAL: gl.constexp
     H, GROUP, T, S = program.H, program.GROUP, program.T, program.S
     BLOCK_M: gl.constexpr = buffers.q_smem.type.shape[1]
     BLOCK_N: gl.constexpr = buffers.k_smem.type.shape[0]
+    LINES: gl.constexpr = dq_smem.type.shape[1]
     # one lane per thread of the warp: each polls the counter and releases the share it added
     lane_zero = gl.zeros([32], gl.int32, gl.BlockedLayout([1], [32], [1], [0]))
     m_blocks = gl.cdiv(T, BLOCK_M)
@@ -239,7 +241,8 @@ def _bwd_write_tile(io, buffers, program, SEM, KEY_LO, base, CAUSAL: gl.constexp
         if DETERMINISTIC:
             while gl.min(landed, 0) < turn:
                 landed = load_acquire(counter)
-        tma_add(io.dqacc_desc, [off_b, off_h, start_m, 0], dq_smem.index(buf))
+        # the Q block's BLOCK_M x D floats are LINES lines of the accumulator, as in shared memory
+        tma_add(io.dqacc_desc, [((off_b * H + off_h) * m_blocks + start_m // BLOCK_M) * LINES, 0], dq_smem.index(buf))
         bulk_done(lane_zero)  # the add has landed in global memory, and its shared reads are done
         mbarrier.arrive(dq_empty.index(buf), count=1)
         if DETERMINISTIC:
@@ -371,7 +374,13 @@ def _hand_dq(j, dq, dq_smem, dq_full, dq_empty):
     HEAD_DIM: gl.constexpr = dq.type.shape[1]
     buf = j % 2
     mbarrier.wait(dq_empty.index(buf), ((j // 2) & 1) ^ 1)
-    dq_smem.index(buf).reshape([BLOCK_M, HEAD_DIM]).store(dq)
+    # in 8-column slabs (D / 8, BLOCK_M, 8), unswizzled: a wgmma accumulator's thread holds two
+    # adjacent floats of a row and its quad the row's 8, so a half-warp's 64-bit stores fill 4 rows
+    # of a slab, 128 contiguous bytes, one wavefront (row by row under the 128-byte swizzle they
+    # took two, perf-notes v24); the reshape and permute move no data
+    slabs = dq_smem.index(buf)._reinterpret(gl.float32, [HEAD_DIM // 8, BLOCK_M, 8],
+                                            gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
+    slabs.store(gl.permute(gl.reshape(dq, [BLOCK_M, HEAD_DIM // 8, 8]), [1, 0, 2]))
     fence_async_shared()  # the writer's TMA reads what these threads wrote
     gl.thread_barrier()  # every warp's part is written (and, by rows, every warp's dV is done: P is read)
     mbarrier.arrive(dq_full.index(buf), count=1)
@@ -486,7 +495,7 @@ def _bwd_tile_rows(buffers, program, outs, row_bounds, base, t, CAUSAL: gl.const
 def _bwd_kernel(
     q_desc, k_desc, v_desc, do_desc,  # TMA descriptors of (B, H, T, D), (B, H_kv, S, D) x2, (B, H, T, D)
     aux_desc,  # of (B, H, 2, T_pad) fp32: LSE * log2(e) and delta = rowsum(dO * O), zero past T
-    dqacc_desc,  # of (B, H, T, D) fp32, zeroed: the dQ shares added so far
+    dqacc_desc,  # of (lines, 256) fp32, zeroed: the dQ shares added so far, in slabs (bwd_passes.py)
     SEM,  # (B, H, cdiv(T, BLOCK_M)) int32, zeroed: how many writer lanes have released a share per Q block
     ROW_HI, KEY_LO,  # (B, S), (B, T) int32 (BOUNDED: documents, a window): one past the last query that
     # sees each key; each query's first key
@@ -516,7 +525,7 @@ def _bwd_kernel(
     lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, 1, 1, BLOCK_M], aux_desc.layout)
     delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, 1, 1, BLOCK_M], aux_desc.layout)
     ds_smem = gl.allocate_shared_memory(dtype, [2] + ds_shape, ds_tile)
-    dq_smem = gl.allocate_shared_memory(gl.float32, [2, 1, 1, BLOCK_M, HEAD_DIM], dqacc_desc.layout)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [2] + dqacc_desc.block_type.shape, dqacc_desc.layout)
     tile_smem = gl.allocate_shared_memory(gl.int32, [2, 32], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -553,69 +562,28 @@ def _bwd_kernel(
 # launching
 
 
-@triton.jit
-def _lse_delta_kernel(
-    O, DO, LSE, AUX,  # o, do (B, H, T, D), head dim contiguous; LSE (B, H, T); AUX (B, H, 2, T_PAD) fp32
-    o_strides, do_strides,  # each (batch, head, sequence)
-    H, T, T_PAD, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
-):
-    """AUX[b, h] = (LSE * log2(e), rowsum(dO * O)) over T_PAD rows, zero past T."""
-    stride_ob, stride_oh, stride_ot = o_strides
-    stride_dob, stride_doh, stride_dot = do_strides
-    off_h = tl.program_id(1)
-    off_b = tl.program_id(2)
-    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    d = tl.arange(0, HEAD_DIM)
-    ok = rows < T
-    o = tl.load(O + off_b.to(tl.int64) * stride_ob + off_h * stride_oh + rows[:, None].to(tl.int64) * stride_ot
-                + d[None, :], mask=ok[:, None], other=0.0)
-    do = tl.load(DO + off_b.to(tl.int64) * stride_dob + off_h * stride_doh + rows[:, None].to(tl.int64) * stride_dot
-                 + d[None, :], mask=ok[:, None], other=0.0)
-    row0 = (off_b * H + off_h).to(tl.int64)
-    lse = tl.load(LSE + row0 * T + rows, mask=ok, other=0.0) * LOG2E
-    aux = AUX + row0 * 2 * T_PAD + rows
-    tl.store(aux, tl.where(ok, lse, 0.0), mask=rows < T_PAD)
-    tl.store(aux + T_PAD, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=rows < T_PAD)
-
-
-def _buffers(q, block_m: int, device) -> tuple:
-    """The backward's buffers: aux (B, H, 2, T_pad) fp32; dQ's fp32 accumulator, the order
-    counters and the tile counter, zeroed by one fill. The accumulator is (B, H, T, D) in
-    (B, T, H, D) memory order, as kernels/api.py lays out dq: the final scaling pass then reads and
-    writes both in the same order, vectorized (strided, it took twice as long). The tile counter
-    (int32) starts 16 bytes aligned, as the first call's was when the launch was bound."""
-    B, H, T, D = q.shape
-    aux = torch.empty((B, H, 2, triton.cdiv(T, 4) * 4), dtype=torch.float32, device=device)  # 16-byte rows (TMA)
-    n_acc, n_sem = B * H * T * D, B * H * triton.cdiv(T, block_m)
-    zeroed = torch.zeros(n_acc + triton.cdiv(n_sem, 4) * 4 + 1, dtype=torch.float32, device=device)
-    dq_acc = zeroed[:n_acc].view(B, T, H, D).transpose(1, 2)
-    counts = zeroed[n_acc:].view(torch.int32)
-    return aux, dq_acc, counts[:n_sem].view(B, H, n_sem // (B * H)), counts[-1:]
-
-
 def _bound_tensors(bounds: Bounds | None, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(row_hi, key_lo) for the kernel: lse stands in for both where there are no bounds (unread)."""
     return (lse, lse) if bounds is None else (bounds.row_hi, bounds.key_lo)
 
 
-def _launch(do, q, k, v, o, lse, dk, dv, bounds: Bounds | None, causal: bool, scale: float, longest_first: bool,
+def _launch(do, q, k, v, o, lse, dq, dk, dv, bounds: Bounds | None, causal: bool, scale: float, longest_first: bool,
             persistent: bool, deterministic: bool = True, warmup: bool = False):
-    """Launches the backward (its LSE and delta pass first) through Triton's front door; returns
-    the fp32 dQ accumulator, unscaled, and the two launches bound for later calls of this layout
-    (or, with warmup, only compiles the backward kernel and returns it). bounds: as backward's;
-    longest_first, persistent: config.bwd_longest_first's and config.bwd_persistent's choices."""
+    """Launches the backward (the LSE-delta pass, the kernel, the dQ pass) through Triton's front
+    door and returns the three launches bound for later calls of this layout (or, with warmup,
+    only compiles the backward kernel and returns it). bounds: as backward's; longest_first,
+    persistent: config.bwd_longest_first's and config.bwd_persistent's choices."""
     (B, H, T, D), (H_kv, S) = q.shape, k.shape[1:3]
     tiles = config.bwd_tiles(D)
-    aux, dq_acc, sem, counter = _buffers(q, tiles.block_m, "cpu" if warmup else q.device)
-    t_pad = aux.shape[3]
-    aux_grid = (triton.cdiv(t_pad, 64), H, B)
-    aux_args = (o, do, lse, aux, o.stride()[:3], do.stride()[:3], H, T, t_pad, D, 64)  # ..., HEAD_DIM, BLOCK
+    aux, dq_acc, sem, counter = passes.buffers(q, tiles.block_m, "cpu" if warmup else q.device)
     if not warmup:
-        aux_bound = bind(_lse_delta_kernel, _lse_delta_kernel[aux_grid](*aux_args), aux_grid, aux_args, {})
+        aux_grid, aux_args = passes.lse_delta_launch(o, do, lse, aux)
+        aux_bound = bind(passes.lse_delta_kernel, passes.lse_delta_kernel[aux_grid](*aux_args), aux_grid, aux_args, {})
     row_hi, key_lo = _bound_tensors(bounds, lse)
     args = (descriptor(q, [1, 1, tiles.block_m, D]), descriptor(k, [1, 1, tiles.block_n, D]),
             descriptor(v, [1, 1, tiles.block_n, D]), descriptor(do, [1, 1, tiles.block_m, D]),
-            descriptor(aux, [1, 1, 1, tiles.block_m]), descriptor(dq_acc, [1, 1, tiles.block_m, D]), sem, row_hi,
+            descriptor(aux, [1, 1, 1, tiles.block_m]),
+            descriptor(dq_acc, [tiles.block_m * D // passes.LINE, passes.LINE], swizzled=False), sem, row_hi,
             key_lo, counter, dk, dv, dk.stride()[:3], dv.stride()[:3], H, B, H // H_kv, T, S, scale,
             scale * LOG2E.value)
     options = dict(CAUSAL=causal, BOUNDED=bounds is not None, DETERMINISTIC=deterministic, BLOCK_M=tiles.block_m,
@@ -626,11 +594,13 @@ def _launch(do, q, k, v, o, lse, dk, dv, bounds: Bounds | None, causal: bool, sc
     grid = (min(n_tiles, (chips.H100 if warmup else chips.chip(q.device.index)).sms) if persistent else n_tiles,)
     if warmup:
         return _bwd_kernel.warmup(*args, grid=grid, **options)
-    return dq_acc, (aux_bound, bind(_bwd_kernel, _bwd_kernel[grid](*args, **options), grid, args, options))
+    bwd_bound = bind(_bwd_kernel, _bwd_kernel[grid](*args, **options), grid, args, options)
+    dq_grid, dq_args = passes.dq_launch(dq_acc, dq, scale, tiles.block_m)
+    return aux_bound, bwd_bound, bind(passes.dq_kernel, passes.dq_kernel[dq_grid](*dq_args), dq_grid, dq_args, {})
 
 
-# the compiled LSE-delta and backward kernels per input layout, bound as the forward's are
-_BOUND: dict[tuple, tuple[Bound, Bound]] = {}
+# the compiled LSE-delta, backward and dQ kernels per input layout, bound as the forward's are
+_BOUND: dict[tuple, tuple[Bound, Bound, Bound]] = {}
 
 
 def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, bounds: Bounds | None = None,
@@ -638,23 +608,24 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, bounds
     """Writes dq, dk, dv (shaped like q, k, v; head dim contiguous) from the forward's o and lse
     ((B, H, T) fp32, contiguous). bounds: None, or (causal only) kernels/masking.py's Bounds, to
     attend within documents or a window. deterministic: dQ's shares added in a fixed order (the same bits every run), or
-    in the order they come (not)."""
-    # the LSE-delta kernel is compiled for o, do and lse as aligned (or not) as the first call's
+    in the order they come (not). Rows that see no key (causal, T > S) get no share: their dq is zero."""
+    # the two Triton passes are compiled for their tensors as aligned (or not) as the first call's
     tiles = config.bwd_tiles(q.shape[3])
     longest_first = config.bwd_longest_first(q.shape[3], causal, bounds is not None, k.shape[2])
     persistent = config.bwd_persistent()
     layout = (tiles, longest_first, persistent, q.shape, q.stride(), k.shape, k.stride(), v.stride(), do.stride(),
-              o.stride(), dk.stride(), dv.stride(), q.dtype, q.device.index, causal, bounds is None, deterministic,
-              scale, *(t.data_ptr() % 16 == 0 for t in (o, do, lse, *_bound_tensors(bounds, lse))))
+              o.stride(), dq.stride(), dk.stride(), dv.stride(), q.dtype, dq.dtype, q.device.index, causal,
+              bounds is None, deterministic, scale,
+              *(t.data_ptr() % 16 == 0 for t in (o, do, lse, dq, *_bound_tensors(bounds, lse))))
     if bound := _BOUND.get(layout):
-        aux_bound, bwd_bound = bound
-        aux, dq_acc, sem, counter = _buffers(q, tiles.block_m, q.device)
+        aux_bound, bwd_bound, dq_bound = bound
+        aux, dq_acc, sem, counter = passes.buffers(q, tiles.block_m, q.device)
         aux_bound(o, do, lse, aux)
         bwd_bound(q, k, v, do, aux, dq_acc, sem, *_bound_tensors(bounds, lse), counter, dk, dv)
+        dq_bound(dq_acc, dq)
     else:
-        dq_acc, _BOUND[layout] = _launch(do, q, k, v, o, lse, dk, dv, bounds, causal, scale, longest_first,
-                                         persistent, deterministic)
-    torch.mul(dq_acc, scale, out=dq)  # rows that see no key (causal, T > S) got no share: zero
+        _BOUND[layout] = _launch(do, q, k, v, o, lse, dq, dk, dv, bounds, causal, scale, longest_first, persistent,
+                                 deterministic)
 
 
 def compile_only(do, q, k, v, causal: bool, bounded: bool = False):
@@ -663,5 +634,6 @@ def compile_only(do, q, k, v, causal: bool, bounded: bool = False):
     lse = torch.empty((B, H, T), dtype=torch.float32)
     bounds = Bounds(torch.empty((B, T), dtype=torch.int32), torch.empty((B, S), dtype=torch.int32)) if bounded else None
     longest_first = config.bwd_longest_first(q.shape[3], causal, bounded, S)
-    return _launch(do, q, k, v, torch.empty_like(q), lse, torch.empty_like(k), torch.empty_like(v),
-                   bounds, causal, q.shape[3] ** -0.5, longest_first, config.bwd_persistent(), warmup=True)
+    o, dq, dk, dv = torch.empty_like(q), torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return _launch(do, q, k, v, o, lse, dq, dk, dv, bounds, causal, q.shape[3] ** -0.5, longest_first,
+                   config.bwd_persistent(), warmup=True)

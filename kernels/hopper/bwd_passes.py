@@ -1,0 +1,92 @@
+"""The Hopper backward's two Triton passes around its Gluon kernel (bwd.py): before it, LSE and
+delta = rowsum(dO * O) laid out for TMA; after it, dQ scaled out of the fp32 accumulator the
+kernel's dQ writer added into, back in row order.
+
+The accumulator holds each (batch, head, Q block) as the matmul warps store a dQ share: in
+8-column slabs, (D / 8, BLOCK_M, 8), so that the share goes to shared memory without bank
+conflicts and out by one TMA reduce-add of BLOCK_M * D / 256 lines of 256 floats (docs/perf-notes.md
+v25). Plain Triton: they run in Triton's interpreter, where the Gluon kernel cannot.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton.blocks import LOG2E
+
+LINE = 256  # floats of one line of the accumulator's TMA box
+DQ_ROWS = 32  # rows of dQ a program of dq_kernel scales
+
+
+@triton.jit
+def lse_delta_kernel(
+    O, DO, LSE, AUX,  # o, do (B, H, T, D), head dim contiguous; LSE (B, H, T); AUX (B, H, 2, T_PAD) fp32
+    o_strides, do_strides,  # each (batch, head, sequence)
+    H, T, T_PAD, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """AUX[b, h] = (LSE * log2(e), rowsum(dO * O)) over T_PAD rows, zero past T."""
+    stride_ob, stride_oh, stride_ot = o_strides
+    stride_dob, stride_doh, stride_dot = do_strides
+    off_h = tl.program_id(1)
+    off_b = tl.program_id(2)
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    d = tl.arange(0, HEAD_DIM)
+    ok = rows < T
+    o = tl.load(O + off_b.to(tl.int64) * stride_ob + off_h * stride_oh + rows[:, None].to(tl.int64) * stride_ot
+                + d[None, :], mask=ok[:, None], other=0.0)
+    do = tl.load(DO + off_b.to(tl.int64) * stride_dob + off_h * stride_doh + rows[:, None].to(tl.int64) * stride_dot
+                 + d[None, :], mask=ok[:, None], other=0.0)
+    row0 = (off_b * H + off_h).to(tl.int64)
+    lse = tl.load(LSE + row0 * T + rows, mask=ok, other=0.0) * LOG2E
+    aux = AUX + row0 * 2 * T_PAD + rows
+    tl.store(aux, tl.where(ok, lse, 0.0), mask=rows < T_PAD)
+    tl.store(aux + T_PAD, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=rows < T_PAD)
+
+
+@triton.jit
+def dq_kernel(
+    ACC,  # (B, H, cdiv(T, BLOCK_M), D / 8, BLOCK_M, 8) fp32: each Q block's dQ shares, added up, in slabs
+    DQ, dq_strides,  # (B, H, T, D), head dim contiguous; its (batch, head, sequence) strides
+    H, T, scale, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr,
+):
+    """dQ = scale * the accumulator, ROWS rows of a Q block a program, back in row order; rows
+    past T (the last block's padding) are not written."""
+    stride_b, stride_h, stride_t = dq_strides
+    m_block = tl.program_id(0) * ROWS // BLOCK_M
+    off_h = tl.program_id(1)
+    off_b = tl.program_id(2)
+    rows = tl.program_id(0) * ROWS % BLOCK_M + tl.arange(0, ROWS)  # within the Q block
+    d = tl.arange(0, HEAD_DIM)
+    block = ACC + ((off_b * H + off_h) * tl.cdiv(T, BLOCK_M) + m_block).to(tl.int64) * (BLOCK_M * HEAD_DIM)
+    acc = tl.load(block + (d[None, :] // 8) * (BLOCK_M * 8) + rows[:, None] * 8 + d[None, :] % 8)  # slabs of 8
+    t = m_block * BLOCK_M + rows
+    dq = DQ + off_b.to(tl.int64) * stride_b + off_h * stride_h + t[:, None].to(tl.int64) * stride_t + d[None, :]
+    tl.store(dq, (acc * scale).to(DQ.dtype.element_ty), mask=t[:, None] < T)
+
+
+def buffers(q: torch.Tensor, block_m: int, device) -> tuple:
+    """The backward's buffers: aux (B, H, 2, T_pad) fp32; dQ's fp32 accumulator, (lines, 256), in
+    slabs, every Q block whole (the last one's rows past T get zero shares); the order counters
+    (B, H, cdiv(T, BLOCK_M)) and the tile counter (int32), all four zeroed by one fill. The tile
+    counter starts 16 bytes aligned, as the first call's was when the launch was bound."""
+    B, H, T, D = q.shape
+    aux = torch.empty((B, H, 2, triton.cdiv(T, 4) * 4), dtype=torch.float32, device=device)  # 16-byte rows (TMA)
+    n_sem = B * H * triton.cdiv(T, block_m)
+    n_acc = n_sem * block_m * D
+    zeroed = torch.zeros(n_acc + triton.cdiv(n_sem, 4) * 4 + 1, dtype=torch.float32, device=device)
+    counts = zeroed[n_acc:].view(torch.int32)
+    return aux, zeroed[:n_acc].view(-1, LINE), counts[:n_sem].view(B, H, n_sem // (B * H)), counts[-1:]
+
+
+def lse_delta_launch(o, do, lse, aux) -> tuple[tuple, tuple]:
+    """(grid, args) of lse_delta_kernel for the forward's o and lse, dO and the aux buffer."""
+    B, H, T, D = o.shape
+    t_pad = aux.shape[3]
+    return (triton.cdiv(t_pad, 64), H, B), (o, do, lse, aux, o.stride()[:3], do.stride()[:3], H, T, t_pad, D, 64)
+
+
+def dq_launch(dq_acc, dq, scale: float, block_m: int) -> tuple[tuple, tuple]:
+    """(grid, args) of dq_kernel writing dq (B, H, T, D) from the accumulator of buffers()."""
+    B, H, T, D = dq.shape
+    grid = (triton.cdiv(T, block_m) * block_m // DQ_ROWS, H, B)
+    return grid, (dq_acc, dq, dq.stride()[:3], H, T, scale, block_m, D, DQ_ROWS)
