@@ -1,6 +1,7 @@
 """The Hopper kernels (kernels/hopper/): compiled for sm_90 on every machine, checked against
 float64 where an sm_90 GPU is present (Gluon has no interpreter)."""
 
+import math
 import os
 import re
 import subprocess
@@ -173,16 +174,34 @@ def test_persistent_kernels_are_chosen_by_their_variables(variable, chosen, defa
 def test_dq_pass_puts_the_slabs_back_in_row_order(T, D, block_m):
     """The backward's dQ pass (Triton's interpreter, on the CPU): each Q block's accumulator, in
     8-column slabs (D / 8, BLOCK_M, 8), comes back scaled, in row order, into dq laid out as
-    kernels/api.py lays it out ((B, T, H, D) memory); the last block's rows past T are left alone."""
+    kernels/api.py lays it out ((B, T, H, D) memory); the last block's padding rows, past T, are
+    not written."""
     B, H, scale = 2, 3, 0.125
     blocks = triton.cdiv(T, block_m)
     slabs = torch.randn(B, H, blocks, D // 8, block_m, 8)
-    dq = torch.full((B, T, H, D), float("nan")).transpose(1, 2)
+    memory = torch.full((B, T + 3, H, D), float("nan"))  # rows past T: what must stay unwritten
+    dq = memory[:, :T].transpose(1, 2)
     grid, args = bwd_passes.dq_launch(slabs.view(-1, bwd_passes.LINE), dq, scale, block_m)
     with interpreting():
         interpreted(bwd_passes.dq_kernel)[grid](*args)
     want = slabs.permute(0, 1, 2, 4, 3, 5).reshape(B, H, blocks * block_m, D)[:, :, :T] * scale
-    assert torch.equal(dq, want)
+    assert torch.equal(dq, want) and memory[:, T:].isnan().all()
+
+
+def test_lse_delta_pass_lays_out_both_rows_for_tma():
+    """The backward's first pass (Triton's interpreter): per (batch, head), LSE * log2(e) and
+    rowsum(dO * O) over rows padded to a multiple of 4, zero past T, from o and dO in the (B, T, H, D)
+    memory the model makes."""
+    B, H, T, D = 2, 3, 70, 64
+    o, do = (torch.randn(B, T, H, D).transpose(1, 2) for _ in range(2))
+    lse = torch.randn(B, H, T)
+    aux = torch.full((B, H, 2, triton.cdiv(T, 4) * 4), float("nan"))
+    grid, args = bwd_passes.lse_delta_launch(o, do, lse, aux)
+    with interpreting():
+        interpreted(bwd_passes.lse_delta_kernel)[grid](*args)
+    torch.testing.assert_close(aux[:, :, 0, :T], lse / math.log(2))
+    torch.testing.assert_close(aux[:, :, 1, :T], (o * do).sum(-1))
+    assert (aux[:, :, :, T:] == 0).all()
 
 
 def test_backend_variable_is_checked(monkeypatch):

@@ -377,7 +377,8 @@ def _hand_dq(j, dq, dq_smem, dq_full, dq_empty):
     # in 8-column slabs (D / 8, BLOCK_M, 8), unswizzled: a wgmma accumulator's thread holds two
     # adjacent floats of a row and its quad the row's 8, so a half-warp's 64-bit stores fill 4 rows
     # of a slab, 128 contiguous bytes, one wavefront (row by row under the 128-byte swizzle they
-    # took two, perf-notes v24); the reshape and permute move no data
+    # took two, perf-notes v24); the reshape and permute move no data. (_reinterpret: triton 3.6's
+    # name for viewing a buffer under another shape and layout; later releases call it reinterpret)
     slabs = dq_smem.index(buf)._reinterpret(gl.float32, [HEAD_DIM // 8, BLOCK_M, 8],
                                             gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
     slabs.store(gl.permute(gl.reshape(dq, [BLOCK_M, HEAD_DIM // 8, 8]), [1, 0, 2]))
@@ -609,14 +610,15 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, bounds
     ((B, H, T) fp32, contiguous). bounds: None, or (causal only) kernels/masking.py's Bounds, to
     attend within documents or a window. deterministic: dQ's shares added in a fixed order (the same bits every run), or
     in the order they come (not). Rows that see no key (causal, T > S) get no share: their dq is zero."""
-    # the two Triton passes are compiled for their tensors as aligned (or not) as the first call's
+    # each kernel is compiled for its tensors as aligned (or not) as the first call's, and the TMA
+    # descriptors of later calls are not checked again
     tiles = config.bwd_tiles(q.shape[3])
     longest_first = config.bwd_longest_first(q.shape[3], causal, bounds is not None, k.shape[2])
     persistent = config.bwd_persistent()
     layout = (tiles, longest_first, persistent, q.shape, q.stride(), k.shape, k.stride(), v.stride(), do.stride(),
               o.stride(), dq.stride(), dk.stride(), dv.stride(), q.dtype, dq.dtype, q.device.index, causal,
               bounds is None, deterministic, scale,
-              *(t.data_ptr() % 16 == 0 for t in (o, do, lse, dq, *_bound_tensors(bounds, lse))))
+              *(t.data_ptr() % 16 == 0 for t in (q, k, v, do, o, lse, dq, dk, dv, *_bound_tensors(bounds, lse))))
     if bound := _BOUND.get(layout):
         aux_bound, bwd_bound, dq_bound = bound
         aux, dq_acc, sem, counter = passes.buffers(q, tiles.block_m, q.device)

@@ -14,7 +14,7 @@ import triton.language as tl
 
 from kernels.triton.blocks import LOG2E
 
-LINE = 256  # floats of one line of the accumulator's TMA box
+LINE = 256  # floats of one line of the accumulator's TMA box (BLOCK_M * D, 8192 at both head dims, a multiple)
 DQ_ROWS = 32  # rows of dQ a program of dq_kernel scales
 
 
@@ -27,16 +27,16 @@ def lse_delta_kernel(
     """AUX[b, h] = (LSE * log2(e), rowsum(dO * O)) over T_PAD rows, zero past T."""
     stride_ob, stride_oh, stride_ot = o_strides
     stride_dob, stride_doh, stride_dot = do_strides
-    off_h = tl.program_id(1)
-    off_b = tl.program_id(2)
+    off_h = tl.program_id(1).to(tl.int64)  # 64-bit offsets: a head's stride times H may pass 2^31
+    off_b = tl.program_id(2).to(tl.int64)
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     d = tl.arange(0, HEAD_DIM)
     ok = rows < T
-    o = tl.load(O + off_b.to(tl.int64) * stride_ob + off_h * stride_oh + rows[:, None].to(tl.int64) * stride_ot
-                + d[None, :], mask=ok[:, None], other=0.0)
-    do = tl.load(DO + off_b.to(tl.int64) * stride_dob + off_h * stride_doh + rows[:, None].to(tl.int64) * stride_dot
-                 + d[None, :], mask=ok[:, None], other=0.0)
-    row0 = (off_b * H + off_h).to(tl.int64)
+    o = tl.load(O + off_b * stride_ob + off_h * stride_oh + rows[:, None].to(tl.int64) * stride_ot + d[None, :],
+                mask=ok[:, None], other=0.0)
+    do = tl.load(DO + off_b * stride_dob + off_h * stride_doh + rows[:, None].to(tl.int64) * stride_dot + d[None, :],
+                 mask=ok[:, None], other=0.0)
+    row0 = off_b * H + off_h
     lse = tl.load(LSE + row0 * T + rows, mask=ok, other=0.0) * LOG2E
     aux = AUX + row0 * 2 * T_PAD + rows
     tl.store(aux, tl.where(ok, lse, 0.0), mask=rows < T_PAD)
@@ -53,14 +53,14 @@ def dq_kernel(
     past T (the last block's padding) are not written."""
     stride_b, stride_h, stride_t = dq_strides
     m_block = tl.program_id(0) * ROWS // BLOCK_M
-    off_h = tl.program_id(1)
-    off_b = tl.program_id(2)
+    off_h = tl.program_id(1).to(tl.int64)  # as in lse_delta_kernel
+    off_b = tl.program_id(2).to(tl.int64)
     rows = tl.program_id(0) * ROWS % BLOCK_M + tl.arange(0, ROWS)  # within the Q block
     d = tl.arange(0, HEAD_DIM)
-    block = ACC + ((off_b * H + off_h) * tl.cdiv(T, BLOCK_M) + m_block).to(tl.int64) * (BLOCK_M * HEAD_DIM)
+    block = ACC + ((off_b * H + off_h) * tl.cdiv(T, BLOCK_M) + m_block) * (BLOCK_M * HEAD_DIM)
     acc = tl.load(block + (d[None, :] // 8) * (BLOCK_M * 8) + rows[:, None] * 8 + d[None, :] % 8)  # slabs of 8
     t = m_block * BLOCK_M + rows
-    dq = DQ + off_b.to(tl.int64) * stride_b + off_h * stride_h + t[:, None].to(tl.int64) * stride_t + d[None, :]
+    dq = DQ + off_b * stride_b + off_h * stride_h + t[:, None].to(tl.int64) * stride_t + d[None, :]
     tl.store(dq, (acc * scale).to(DQ.dtype.element_ty), mask=t[:, None] < T)
 
 

@@ -116,7 +116,8 @@ class FwdProgram:
 @aggregate
 class BwdIO:
     """The program's global memory, by TMA: q, k, v, do (B, H, T, D); aux (B, H, 2, T_pad) fp32,
-    LSE * log2(e) and delta; dq_acc (B, H, T, D) fp32, the dQ shares added so far."""
+    LSE * log2(e) and delta; dq_acc (lines, 256) fp32, the dQ shares added so far, each Q block's
+    in 8-column slabs (bwd_passes.py)."""
     q_desc: tensor_descriptor
     k_desc: tensor_descriptor
     v_desc: tensor_descriptor
