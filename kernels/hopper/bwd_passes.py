@@ -14,7 +14,7 @@ import triton.language as tl
 
 from kernels.triton.blocks import LOG2E
 
-LINE = 256  # floats of one line of the accumulator's TMA box (BLOCK_M * D, 8192 at both head dims, a multiple)
+LINE = 256  # floats in a line of the accumulator's TMA box; BLOCK_M * D (8192 at both head dims) is a multiple
 DQ_ROWS = 32  # rows of dQ a program of dq_kernel scales
 
 
