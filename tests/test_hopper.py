@@ -50,7 +50,8 @@ def backend(request, monkeypatch):
 # or tested here)
 VARIANTS = {hopper.FWD_ORDER_VARIABLE: "heads", hopper.FWD_OVERLAP_VARIABLE: "1", hopper.FWD_STAGES_VARIABLE: "2",
             hopper.FWD_PERSISTENT_VARIABLE: "0", hopper.BWD_BLOCK_M_VARIABLE: "64",
-            hopper.BWD_ORDER_VARIABLE: "longest", hopper.BWD_PERSISTENT_VARIABLE: "0"}
+            hopper.BWD_ORDER_VARIABLE: "longest", hopper.BWD_PERSISTENT_VARIABLE: "0",
+            hopper.FWD_TURNS_VARIABLE: "1"}
 
 
 def loop_spills(sass: str) -> tuple[int, list[str]]:
@@ -72,6 +73,8 @@ def loop_spills(sass: str) -> tuple[int, list[str]]:
 def variant(variable: str, head_dim: int) -> str | None:
     """The variable's value other than the default at this head dim; None where it has none."""
     if variable == hopper.FWD_OVERLAP_VARIABLE and head_dim in hopper.FWD_OVERLAP_HEAD_DIMS:
+        return "0"
+    if variable == hopper.FWD_TURNS_VARIABLE and head_dim in hopper.FWD_TURNS_HEAD_DIMS:
         return "0"
     if variable == hopper.BWD_BLOCK_M_VARIABLE and head_dim not in hopper.BWD_BY_KEYS:
         return None

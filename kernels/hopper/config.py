@@ -128,6 +128,7 @@ BWD_BLOCK_M_VARIABLE = "FLASH_ATTENTION_BWD_BLOCK_M"  # 64 at D = 64: the backwa
 BWD_ORDER_VARIABLE = "FLASH_ATTENTION_BWD_ORDER"  # shortest / longest: which backward programs launch first
 FWD_PERSISTENT_VARIABLE = "FLASH_ATTENTION_FWD_PERSISTENT"  # 1 / 0: one forward program per SM taking tiles, or not
 BWD_PERSISTENT_VARIABLE = "FLASH_ATTENTION_BWD_PERSISTENT"  # 1 / 0: the same for the backward
+FWD_TURNS_VARIABLE = "FLASH_ATTENTION_FWD_TURNS"  # 1 / 0: the forward's consumers issue matmuls in turn, or not
 L2_BYTES = 50 * 1024 * 1024  # the H100's L2: a section's K and V stay in it while its programs run
 
 
@@ -194,3 +195,16 @@ def fwd_overlap(head_dim: int) -> bool:
     while P V is on the tensor cores (a slot is freed one block later); unset, 1 at
     FWD_OVERLAP_HEAD_DIMS."""
     return _switch(FWD_OVERLAP_VARIABLE, head_dim in FWD_OVERLAP_HEAD_DIMS)
+
+
+# the head dims where the forward's consumers take turns on the tensor cores unless
+# FLASH_ATTENTION_FWD_TURNS=0: none. In turn the forward read 0.996-1.016x at D = 64 and 0.92-1.01x at
+# D = 128, its tensor pipes as busy as without (perf-notes v26)
+FWD_TURNS_HEAD_DIMS = ()
+
+
+def fwd_turns(head_dim: int) -> bool:
+    """FLASH_ATTENTION_FWD_TURNS: 1, each forward consumer issues a ring slot's matmuls once the one
+    before it has issued its own, round the consumers (kernels/hopper/pipeline.py: Turns); 0, each
+    issues as soon as its operands are ready; unset, 1 at FWD_TURNS_HEAD_DIMS."""
+    return _switch(FWD_TURNS_VARIABLE, head_dim in FWD_TURNS_HEAD_DIMS)

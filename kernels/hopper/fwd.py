@@ -6,13 +6,15 @@ K/V blocks by TMA into a STAGES-deep ring; each consumer warpgroup owns FWD_ROWS
 the online softmax over every block (S = Q K_j^T by wgmma, P straight from registers as the A
 operand of P V_j) and frees the slot when its matmuls are done. While one consumer waits on its
 matmuls the other's exp2s run: the overlap FlashAttention-3 gets from its second warpgroup,
-without a hand-written schedule. At D = 128 (config.fwd_overlap; FLASH_ATTENTION_FWD_OVERLAP=0
-or 1 chooses) it adds the overlap FlashAttention-3 gets within a warpgroup: each block's P V is
-issued behind the next block's S and runs during that block's softmax. Q arrives by TMA once a
-tile; O leaves by TMA through Q's buffer. The program is persistent (config.fwd_persistent): one
-per SM, it takes tile after tile in launch order from a counter zeroed for the launch, and the
-ring runs on from one tile into the next, so that the next tile's first loads overlap this one's
-last blocks and its epilogue; or (FLASH_ATTENTION_FWD_PERSISTENT=0) a program per tile.
+without its hand-written schedule (FLASH_ATTENTION_FWD_TURNS=1 adds that schedule, the consumers
+issuing in turn, pipeline.Turns: no faster). At D = 128 (config.fwd_overlap;
+FLASH_ATTENTION_FWD_OVERLAP=0 or 1 chooses) it adds the overlap FlashAttention-3 gets within a
+warpgroup: each block's P V is issued behind the next block's S and runs during that block's
+softmax. Q arrives by TMA once a tile; O leaves by TMA through Q's buffer. The program is
+persistent (config.fwd_persistent): one per SM, it takes tile after tile in launch order from a
+counter zeroed for the launch, and the ring runs on from one tile into the next, so that the next
+tile's first loads overlap this one's last blocks and its epilogue; or
+(FLASH_ATTENTION_FWD_PERSISTENT=0) a program per tile.
 Tiles, stages and registers: kernels/hopper/config.py. docs/flash-attention.md derives it.
 """
 
@@ -25,7 +27,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from kernels.hopper import config
 from kernels.hopper.blocks import descriptor, kv_blocks, kv_runs, visible
-from kernels.hopper.pipeline import FwdBuffers, FwdIO, FwdProgram, FwdWork, hand_out_tile, skip_slot, take_tile
+from kernels.hopper.pipeline import FwdBuffers, FwdIO, FwdProgram, FwdWork, Turns, hand_out_tile, skip_slot, take_tile
 from kernels.runtime import chips
 from kernels.runtime.launch import Bound, bind
 from kernels.triton.blocks import LOG2E
@@ -122,12 +124,16 @@ def _rescale(acc, alpha):
 
 @gluon.jit
 def _fwd_step(i, j, acc, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready, kv_empty, rows, cols, key_lo, T, S,
-              qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr):
-    """Key block j (ring slot i) of the online softmax; frees the slot when its matmuls are done."""
+              qk_scale, turns, MASKED: gl.constexpr, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr):
+    """Key block j (ring slot i) of the online softmax, S issued in turn; frees the slot when its
+    matmuls are done."""
     STAGES: gl.constexpr = k_smem.type.shape[0]
     stage = i % STAGES
     phase = (i // STAGES) & 1
-    qk = _scores(i, q_t, k_smem, k_ready, False)
+    turns.take(i)
+    qk = _scores(i, q_t, k_smem, k_ready, True)
+    turns.done()
+    qk = warpgroup_mma_wait(0, deps=[qk])
     p, alpha, l_i, m_new = _softmax(qk, j, m_i, l_i, rows, cols, key_lo, T, S, qk_scale, MASKED, CAUSAL, BOUNDED)
     acc = _rescale(acc, alpha)
     # -- O += P V, then the slot is free --
@@ -139,14 +145,18 @@ def _fwd_step(i, j, acc, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready, kv_emp
 
 @gluon.jit
 def _fwd_step_overlap(i, j, acc, p_prev, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready, kv_empty, rows, cols,
-                      key_lo, T, S, qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr):
+                      key_lo, T, S, qk_scale, turns, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
+                      BOUNDED: gl.constexpr):
     """Key block j (ring slot i) while block j - 1's P V (p_prev, slot i - 1, its V landed) runs
-    on the tensor cores: S of block j and that P V are issued in turn, the softmax waits for S
-    alone, and slot i - 1 is freed once its P V is done. Returns block j's P for the next step."""
+    on the tensor cores: S of block j and that P V are issued one after the other, in turn, the
+    softmax waits for S alone, and slot i - 1 is freed once its P V is done. Returns block j's P
+    for the next step."""
     STAGES: gl.constexpr = k_smem.type.shape[0]
     prev = (i - 1) % STAGES
+    turns.take(i)
     qk = _scores(i, q_t, k_smem, k_ready, True)
     acc = warpgroup_mma(p_prev, v_smem.index(prev), acc, is_async=True)
+    turns.done()
     qk = warpgroup_mma_wait(1, deps=[qk])  # wgmma groups complete in order: S, then P V
     p, alpha, l_i, m_new = _softmax(qk, j, m_i, l_i, rows, cols, key_lo, T, S, qk_scale, MASKED, CAUSAL, BOUNDED)
     # block j's V, for the next step's P V; its wait loop also ends ptxas's scheduling region
@@ -159,7 +169,7 @@ def _fwd_step_overlap(i, j, acc, p_prev, l_i, m_i, q_t, k_smem, v_smem, k_ready,
 
 @gluon.jit
 def _fwd_blocks_overlap(acc, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready, kv_empty, rows, cols, key_lo, origin,
-                        own_lo, full_lo, n_full, n_blocks, T, S, qk_scale, CAUSAL: gl.constexpr,
+                        own_lo, full_lo, n_full, n_blocks, T, S, qk_scale, turns, CAUSAL: gl.constexpr,
                         BOUNDED: gl.constexpr):
     """The consumer's key blocks own_lo .. n_blocks - 1 with each P V one block late
     (FLASH_ATTENTION_FWD_OVERLAP): the first block's S and softmax alone, then the steps, then the
@@ -172,7 +182,10 @@ def _fwd_blocks_overlap(acc, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready, kv
     p = gl.zeros([ROWS, BLOCK_N], q_t.dtype, p_layout)
     if own_lo < n_blocks:  # masked: the first block may need it (visible is exact on a mask-free one)
         i = own_lo - origin
-        qk = _scores(i, q_t, k_smem, k_ready, False)
+        turns.take(i)
+        qk = _scores(i, q_t, k_smem, k_ready, True)
+        turns.done()
+        qk = warpgroup_mma_wait(0, deps=[qk])
         p_first, _, l_i, m_i = _softmax(qk, own_lo, m_i, l_i, rows, cols, key_lo, T, S, qk_scale, True, CAUSAL,
                                         BOUNDED)
         p = _operand(p_first, acc, q_t.dtype)
@@ -180,13 +193,14 @@ def _fwd_blocks_overlap(acc, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready, kv
     start = own_lo + 1
     for j in range(start, gl.minimum(full_lo, n_full)):
         acc, p, l_i, m_i = _fwd_step_overlap(j - origin, j, acc, p, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready,
-                                             kv_empty, rows, cols, key_lo, T, S, qk_scale, True, CAUSAL, BOUNDED)
+                                             kv_empty, rows, cols, key_lo, T, S, qk_scale, turns, True, CAUSAL, BOUNDED)
     for j in range(gl.maximum(full_lo, start), n_full):
         acc, p, l_i, m_i = _fwd_step_overlap(j - origin, j, acc, p, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready,
-                                             kv_empty, rows, cols, key_lo, T, S, qk_scale, False, CAUSAL, BOUNDED)
+                                             kv_empty, rows, cols, key_lo, T, S, qk_scale, turns, False, CAUSAL,
+                                             BOUNDED)
     for j in range(gl.maximum(start, n_full), n_blocks):
         acc, p, l_i, m_i = _fwd_step_overlap(j - origin, j, acc, p, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready,
-                                             kv_empty, rows, cols, key_lo, T, S, qk_scale, True, CAUSAL, BOUNDED)
+                                             kv_empty, rows, cols, key_lo, T, S, qk_scale, turns, True, CAUSAL, BOUNDED)
     if own_lo < n_blocks:  # the last block's P V (its V landed), and its slot
         stage = (n_blocks - 1 - origin) % STAGES
         acc = warpgroup_mma(p, v_smem.index(stage), acc)
@@ -206,7 +220,8 @@ def _fwd_consume(io, buffers, work, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr,
     base = tile * 0  # the key blocks through the ring so far: its slots and phases run on across tiles
     while tile < n_tiles:
         program = _program(tile, n_m, work, CAUSAL, BOUNDED, CONSUMERS * ROWS, BLOCK_N)
-        _fwd_tile(io, buffers, program, program.lo - base, t, CAUSAL, BOUNDED, OVERLAP, C)
+        _fwd_tile(io, buffers, program, program.lo - base, t, Turns(buffers.turn, C, work.TURNS), CAUSAL, BOUNDED,
+                  OVERLAP, C)
         base += gl.maximum(program.n_blocks - program.lo, 0)
         t += 1
         if work.PERSISTENT:
@@ -216,10 +231,10 @@ def _fwd_consume(io, buffers, work, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr,
 
 
 @gluon.jit
-def _fwd_tile(io, buffers, program, origin, t, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr, OVERLAP: gl.constexpr,
-              C: gl.constexpr):
+def _fwd_tile(io, buffers, program, origin, t, turns, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr,
+              OVERLAP: gl.constexpr, C: gl.constexpr):
     """Consumer warpgroup C's rows start_m + 64 C .. + 63 of the program's t-th tile against its key
-    blocks; key block j is ring slot j - origin."""
+    blocks, its matmuls issued in turn (Turns); key block j is ring slot j - origin."""
     q_smem, k_smem, v_smem = buffers.q_smem, buffers.k_smem, buffers.v_smem
     k_ready, v_ready, kv_empty = buffers.k_ready, buffers.v_ready, buffers.kv_empty
     lo, n_blocks, T, S, qk_scale = program.lo, program.n_blocks, program.T, program.S, program.qk_scale
@@ -245,21 +260,23 @@ def _fwd_tile(io, buffers, program, origin, t, CAUSAL: gl.constexpr, BOUNDED: gl
     mbarrier.wait(buffers.q_bar.index(C), t & 1)
     # -- the key blocks: other consumers' (passed unread), masked, mask-free, masked --
     for j in range(lo, own_lo):
+        turns.take(j - origin)
         skip_slot(j - origin, k_ready, v_ready, kv_empty, STAGES)
+        turns.done()
     if OVERLAP:
         acc, l_i, m_i = _fwd_blocks_overlap(acc, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready, kv_empty, rows, cols,
                                             key_lo, origin, own_lo, full_lo, n_full, n_blocks, T, S, qk_scale,
-                                            CAUSAL, BOUNDED)
+                                            turns, CAUSAL, BOUNDED)
     else:
         for j in range(own_lo, gl.minimum(full_lo, n_full)):
             acc, l_i, m_i = _fwd_step(j - origin, j, acc, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready, kv_empty,
-                                      rows, cols, key_lo, T, S, qk_scale, True, CAUSAL, BOUNDED)
+                                      rows, cols, key_lo, T, S, qk_scale, turns, True, CAUSAL, BOUNDED)
         for j in range(full_lo, n_full):
             acc, l_i, m_i = _fwd_step(j - origin, j, acc, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready, kv_empty,
-                                      rows, cols, key_lo, T, S, qk_scale, False, CAUSAL, BOUNDED)
+                                      rows, cols, key_lo, T, S, qk_scale, turns, False, CAUSAL, BOUNDED)
         for j in range(gl.maximum(own_lo, n_full), n_blocks):
             acc, l_i, m_i = _fwd_step(j - origin, j, acc, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready, kv_empty,
-                                      rows, cols, key_lo, T, S, qk_scale, True, CAUSAL, BOUNDED)
+                                      rows, cols, key_lo, T, S, qk_scale, turns, True, CAUSAL, BOUNDED)
 
     # -- epilogue: LSE, and O through Q's buffer --
     l_safe = gl.where(l_i == 0.0, 1.0, l_i)  # rows that attend no key: O = 0, LSE = -inf
@@ -362,6 +379,7 @@ def _fwd_kernel(
     SECTION: gl.constexpr,  # 0, or the (batch, head) pairs per L2 section (config.fwd_section)
     OVERLAP: gl.constexpr,  # config.fwd_overlap
     PERSISTENT: gl.constexpr,  # config.fwd_persistent: a grid of at most one program per SM
+    TURNS: gl.constexpr,  # config.fwd_turns: the consumers take turns on the tensor cores
 ):
     dtype: gl.constexpr = q_desc.dtype
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
@@ -380,9 +398,11 @@ def _fwd_kernel(
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     tile_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     tile_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     for c in gl.static_range(CONSUMERS):
         mbarrier.init(q_bar.index(c), count=1)
         mbarrier.init(q_empty.index(c), count=1)
+        mbarrier.init(turn.index(c), count=1)
     for s in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(s), count=1)
         mbarrier.init(v_ready.index(s), count=1)
@@ -393,8 +413,8 @@ def _fwd_kernel(
 
     io = FwdIO(q_desc, k_desc, v_desc, o_desc, LSE)
     buffers = FwdBuffers(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty, tile_smem, tile_ready,
-                         tile_empty)
-    work = FwdWork(COUNTER, KEY_LO, H, B, GROUP, T, S, qk_scale, PERSISTENT, SECTION)
+                         tile_empty, turn)
+    work = FwdWork(COUNTER, KEY_LO, H, B, GROUP, T, S, qk_scale, PERSISTENT, SECTION, TURNS)
     # -- the partitions: consumer 0 in the kernel's own warps, the others and the producer beside it --
     if CONSUMERS == 2:
         gl.warp_specialize([(_fwd_consume, (io, buffers, work, CAUSAL, BOUNDED, OVERLAP, 0)),
@@ -414,12 +434,13 @@ def _fwd_kernel(
 
 
 def _options(causal: bool, bounded: bool, tiles: config.FwdTiles, section: int, overlap: bool,
-             persistent: bool) -> dict:
+             persistent: bool, turns: bool) -> dict:
     """The kernel's constexprs and compile options for these tiles, order (config.fwd_section) and
     schedule (config.fwd_overlap, config.fwd_persistent)."""
     maxnreg, consumer_regs = config.fwd_registers(tiles.consumers)
     return dict(CAUSAL=causal, BOUNDED=bounded, CONSUMERS=tiles.consumers, STAGES=tiles.stages,
-                CONSUMER_REGS=consumer_regs, SECTION=section, OVERLAP=overlap, PERSISTENT=persistent, num_warps=4,
+                CONSUMER_REGS=consumer_regs, SECTION=section, OVERLAP=overlap, PERSISTENT=persistent, TURNS=turns,
+                num_warps=4,
                 maxnreg=maxnreg)
 
 
@@ -459,19 +480,20 @@ def forward(q, k, v, o, lse, causal: bool, scale: float, key_lo: torch.Tensor | 
     section = _section(q, k)
     overlap = config.fwd_overlap(q.shape[3])
     persistent = config.fwd_persistent()
+    turns = config.fwd_turns(q.shape[3])
     # zeroed for each launch: a counter kept from call to call and left zero by every launch would
     # break under CUDA graphs (a capture records its launches, and a graph's pool may reuse memory)
     counter = torch.zeros(1, dtype=torch.int32, device=q.device) if persistent else lse  # lse: unread
     tiles = config.fwd_tiles(q.shape[3], q.shape[2])
     layout = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), o.stride(), q.dtype, q.device.index, causal,
               bounded, scale, lse.data_ptr() % 16 == 0, key_lo.data_ptr() % 16 == 0, section,
-              overlap, persistent, tiles)
+              overlap, persistent, turns, tiles)
     if bound := _BOUND.get(layout):
         bound(q, k, v, o, lse, key_lo, counter)
         return
     args = _args(q, k, v, o, lse, key_lo, counter, scale, tiles)
     grid = _grid(q, tiles, persistent, chips.chip(q.device.index))
-    options = _options(causal, bounded, tiles, section, overlap, persistent)
+    options = _options(causal, bounded, tiles, section, overlap, persistent, turns)
     _BOUND[layout] = bind(_fwd_kernel, _fwd_kernel[grid](*args, **options), grid, args, options)
 
 
@@ -483,4 +505,5 @@ def compile_only(q, k, v, causal: bool, bounded: bool = False):
     args = _args(q, k, v, torch.empty_like(q), torch.empty((B, H, T), dtype=torch.float32),
                  torch.empty((B, T), dtype=torch.int32), torch.zeros(1, dtype=torch.int32), D ** -0.5, tiles)
     return _fwd_kernel.warmup(*args, grid=_grid(q, tiles, persistent, chips.H100),
-                              **_options(causal, bounded, tiles, _section(q, k), config.fwd_overlap(D), persistent))
+                              **_options(causal, bounded, tiles, _section(q, k), config.fwd_overlap(D), persistent,
+                                       config.fwd_turns(D)))

@@ -41,8 +41,8 @@ class FwdIO:
 class FwdBuffers:
     """Shared memory and its barriers: a Q tile per consumer (q_bar: loaded; q_empty: its O has left
     through it), the STAGES-deep K/V ring (k_ready, v_ready: loaded; kv_empty: freed by every
-    consumer), and (persistent) a 2-slot ring of the next tiles' numbers (tile_ready: written by
-    the producer; tile_empty: read by every consumer)."""
+    consumer), (persistent) a 2-slot ring of the next tiles' numbers (tile_ready: written by the
+    producer; tile_empty: read by every consumer), and the consumers' turns (Turns)."""
     q_smem: gl.shared_memory_descriptor
     k_smem: gl.shared_memory_descriptor
     v_smem: gl.shared_memory_descriptor
@@ -54,20 +54,22 @@ class FwdBuffers:
     tile_smem: gl.shared_memory_descriptor
     tile_ready: gl.shared_memory_descriptor
     tile_empty: gl.shared_memory_descriptor
+    turn: gl.shared_memory_descriptor
 
     @gluon.constexpr_function
     def __init__(self, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty, tile_smem, tile_ready,
-                 tile_empty):
+                 tile_empty, turn):
         self.q_smem, self.k_smem, self.v_smem = q_smem, k_smem, v_smem
         self.q_bar, self.q_empty, self.k_ready, self.v_ready, self.kv_empty = q_bar, q_empty, k_ready, v_ready, kv_empty
-        self.tile_smem, self.tile_ready, self.tile_empty = tile_smem, tile_ready, tile_empty
+        self.tile_smem, self.tile_ready, self.tile_empty, self.turn = tile_smem, tile_ready, tile_empty, turn
 
 
 @aggregate
 class FwdWork:
     """The launch's work: tiles of a query block (CONSUMERS * FWD_ROWS rows) of one head and batch
     row, numbered in launch order (fwd._tile_of: SECTION); with PERSISTENT, COUNTER (int32, zeroed
-    for the launch): the tiles handed out past the first num_programs; the sizes and the scale."""
+    for the launch): the tiles handed out past the first num_programs; the sizes and the scale;
+    TURNS: whether the consumers take turns on the tensor cores (Turns)."""
     COUNTER: gl.tensor
     KEY_LO: gl.tensor
     H: Scalar
@@ -78,12 +80,48 @@ class FwdWork:
     qk_scale: gl.tensor
     PERSISTENT: gl.constexpr
     SECTION: gl.constexpr
+    TURNS: gl.constexpr
 
     @gluon.constexpr_function
-    def __init__(self, COUNTER, KEY_LO, H, B, GROUP, T, S, qk_scale, PERSISTENT, SECTION):
+    def __init__(self, COUNTER, KEY_LO, H, B, GROUP, T, S, qk_scale, PERSISTENT, SECTION, TURNS):
         self.COUNTER, self.KEY_LO, self.H, self.B, self.GROUP = COUNTER, KEY_LO, scalar(H), scalar(B), scalar(GROUP)
         self.T, self.S, self.qk_scale = scalar(T), scalar(S), qk_scale
-        self.PERSISTENT, self.SECTION = gl.constexpr(PERSISTENT), gl.constexpr(SECTION)
+        self.PERSISTENT, self.SECTION, self.TURNS = gl.constexpr(PERSISTENT), gl.constexpr(SECTION), gl.constexpr(TURNS)
+
+
+@aggregate
+class Turns:
+    """Consumer C's turn on the tensor cores (FlashAttention-3's warp-scheduler barriers, as
+    mbarriers): it issues its matmuls of ring slot i once consumer C - 1 has issued its own (consumer
+    0: once the last consumer has issued slot i - 1's). The consumers' matmuls then reach the tensor
+    cores one consumer at a time, round the ring, so that each runs its softmax while the next one's
+    matmuls run; FlashAttention-3 schedules its warpgroups so, lest they issue together and then all
+    wait. (Here the tensor pipes were as busy without it: perf-notes v26.) Every consumer takes one
+    turn per ring slot, the slots it skips too, so no turn waits for a pass that never comes, and
+    none gets a turn ahead of the others: a parity wait suffices. ON false: no waits, no passes."""
+    bars: gl.shared_memory_descriptor  # (CONSUMERS, 1) mbarriers of count 1: consumer C waits on bars[C]
+    C: gl.constexpr
+    ON: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, bars, C, ON):
+        self.bars, self.C, self.ON = bars, gl.constexpr(C), gl.constexpr(ON)
+
+    @gluon.jit
+    def take(self, i):
+        """Waits for this consumer's turn at ring slot i."""
+        if self.ON:
+            phase = i & 1
+            if self.C == 0:  # its pass comes from slot i - 1; the first wait passes a fresh barrier
+                phase = phase ^ 1
+            mbarrier.wait(self.bars.index(self.C), phase)
+
+    @gluon.jit
+    def done(self):
+        """This consumer has issued its matmuls of the slot: the next consumer's turn."""
+        if self.ON:
+            CONSUMERS: gl.constexpr = self.bars.type.shape[0]
+            mbarrier.arrive(self.bars.index((self.C + 1) % CONSUMERS), count=1)
 
 
 @aggregate
