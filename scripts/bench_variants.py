@@ -1,7 +1,8 @@
 """Benchmark the Hopper kernels' schedule variants against each other and the peers, in one process.
 
 Each variant is an environment variable kernels/hopper/config.py reads per call (FLASH_ATTENTION_
-FWD_ORDER, _FWD_OVERLAP, _FWD_STAGES, _FWD_PERSISTENT, _BWD_BLOCK_M, _BWD_ORDER, _BWD_PERSISTENT). The forward's
+FWD_ORDER, _FWD_OVERLAP, _FWD_STAGES, _FWD_PERSISTENT, _FWD_TURNS, _BWD_BLOCK_M, _BWD_ORDER,
+_BWD_PERSISTENT). The forward's
 baseline is the kernel before them ("before": head by head, a program per tile, each block's P V
 after its softmax, a 2-deep K/V ring at D = 128); the persistent kernels', a program per tile;
 the backward's (at D = 64, where it has two forms) is its form before v18, by keys; the order's
@@ -36,10 +37,12 @@ from scripts.stopping import stoppable
 FWD, BACKEND, BLOCK_M = hopper.FWD_ORDER_VARIABLE, backends.BACKEND_VARIABLE, hopper.BWD_BLOCK_M_VARIABLE
 OVERLAP, STAGES, ORDER = hopper.FWD_OVERLAP_VARIABLE, hopper.FWD_STAGES_VARIABLE, hopper.BWD_ORDER_VARIABLE
 PERSISTENT, BWD_PERSISTENT = hopper.FWD_PERSISTENT_VARIABLE, hopper.BWD_PERSISTENT_VARIABLE
+TURNS = hopper.FWD_TURNS_VARIABLE
 # the ring's depth before v17 (3 at D 64, 2 at D 128), and a row's value per head dim where it differs
 RING = {64: "3", 128: "2"}
 # every row sets every variable
-UNSET = {BACKEND: "", FWD: "", OVERLAP: "", STAGES: "", PERSISTENT: "", BLOCK_M: "", ORDER: "", BWD_PERSISTENT: ""}
+UNSET = {BACKEND: "", FWD: "", OVERLAP: "", STAGES: "", PERSISTENT: "", TURNS: "", BLOCK_M: "", ORDER: "",
+         BWD_PERSISTENT: ""}
 BEFORE = {**UNSET, FWD: "heads", OVERLAP: "0", STAGES: RING, PERSISTENT: "0", BWD_PERSISTENT: "0"}
 # (group, label, environment); a group's first row is what its others are compared with; the
 # backward's rows force the Hopper kernels (unset, shorter sequences than MIN_SEQ run Triton's)
@@ -51,6 +54,8 @@ VARIANTS = [("default", "before", BEFORE),
             ("persistent", "a program per tile", {**UNSET, PERSISTENT: "0", BWD_PERSISTENT: "0"}),
             ("persistent", "persistent forward", {**UNSET, PERSISTENT: "1", BWD_PERSISTENT: "0"}),
             ("persistent", "persistent both ways", {**UNSET, PERSISTENT: "1", BWD_PERSISTENT: "1"}),
+            ("turns", "each consumer when ready", {**UNSET, TURNS: "0"}),
+            ("turns", "the consumers in turn", {**UNSET, TURNS: "1"}),
             ("backward", "bwd_block_m=64 (by keys)", {**UNSET, BACKEND: "gluon", BLOCK_M: "64"}),
             ("backward", "by rows (the default)", {**UNSET, BACKEND: "gluon"}),
             ("backward", "triton (portable) both ways", {**UNSET, BACKEND: "triton"}),
@@ -96,14 +101,14 @@ def main(argv=None):
     p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--head-dims", type=positive_ints, default=[64, 128], help="comma list of 64, 128")
     p.add_argument("--seq-lens", type=positive_ints, default=[2048, 4096, 8192, 16384], help="comma list")
-    p.add_argument("--groups", default="default,persistent,backward,order",
-                   help="comma list of the groups to time: default, persistent, backward, order")
+    p.add_argument("--groups", default="default,persistent,turns,backward,order",
+                   help="comma list of the groups to time: default, persistent, turns, backward, order")
     args = p.parse_args(argv)
     if bad := [D for D in args.head_dims if D not in hopper.HEAD_DIMS]:
         p.error(f"--head-dims {bad[0]}: the Hopper kernels take {', '.join(map(str, hopper.HEAD_DIMS))}")
     groups = [g.strip() for g in args.groups.split(",")]
     if bad := sorted(set(groups) - {g for g, _, _ in VARIANTS}):
-        p.error(f"--groups {bad[0]}: use default, persistent, backward or order")
+        p.error(f"--groups {bad[0]}: use default, persistent, turns, backward or order")
     require_cuda("bench_variants.py")
     print(environment())
     print(f"{'D':>4} {'T':>6} {'variant':<28} {'fwd TF/s':>9} {'x':>6} {'f+b TF/s':>9} {'x':>6}  max|diff| o dq dk dv")

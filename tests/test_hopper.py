@@ -45,7 +45,8 @@ def backend(request, monkeypatch):
 
 # the schedule variants (kernels/hopper/config.py), each the value its variable's default is not
 # (the forward's ring one slot shallower; its overlap is the default at FWD_OVERLAP_HEAD_DIMS, so
-# there its variant is 0; the backward has other tiles only at BWD_BY_KEYS' head dims: `variant`;
+# there its variant is 0, and its consumers' turns, at FWD_TURNS_HEAD_DIMS (none); the backward
+# has other tiles only at BWD_BY_KEYS' head dims: `variant`;
 # its longest-first order is the default only from BWD_LONGEST_FIRST_FROM keys, more than compiled
 # or tested here)
 VARIANTS = {hopper.FWD_ORDER_VARIABLE: "heads", hopper.FWD_OVERLAP_VARIABLE: "1", hopper.FWD_STAGES_VARIABLE: "2",

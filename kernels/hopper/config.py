@@ -204,7 +204,8 @@ FWD_TURNS_HEAD_DIMS = ()
 
 
 def fwd_turns(head_dim: int) -> bool:
-    """FLASH_ATTENTION_FWD_TURNS: 1, each forward consumer issues a ring slot's matmuls once the one
-    before it has issued its own, round the consumers (kernels/hopper/pipeline.py: Turns); 0, each
-    issues as soon as its operands are ready; unset, 1 at FWD_TURNS_HEAD_DIMS."""
+    """FLASH_ATTENTION_FWD_TURNS: 1, each forward consumer issues a ring slot's matmuls (S, and with
+    the overlap the previous block's P V) once the one before it has issued its own, round the
+    consumers (kernels/hopper/pipeline.py: Turns); 0, each issues as soon as its operands are ready;
+    unset, 1 at FWD_TURNS_HEAD_DIMS."""
     return _switch(FWD_TURNS_VARIABLE, head_dim in FWD_TURNS_HEAD_DIMS)

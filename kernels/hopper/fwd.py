@@ -436,12 +436,11 @@ def _fwd_kernel(
 def _options(causal: bool, bounded: bool, tiles: config.FwdTiles, section: int, overlap: bool,
              persistent: bool, turns: bool) -> dict:
     """The kernel's constexprs and compile options for these tiles, order (config.fwd_section) and
-    schedule (config.fwd_overlap, config.fwd_persistent)."""
+    schedule (config.fwd_overlap, config.fwd_persistent, config.fwd_turns)."""
     maxnreg, consumer_regs = config.fwd_registers(tiles.consumers)
     return dict(CAUSAL=causal, BOUNDED=bounded, CONSUMERS=tiles.consumers, STAGES=tiles.stages,
                 CONSUMER_REGS=consumer_regs, SECTION=section, OVERLAP=overlap, PERSISTENT=persistent, TURNS=turns,
-                num_warps=4,
-                maxnreg=maxnreg)
+                num_warps=4, maxnreg=maxnreg)
 
 
 def _section(q, k) -> int:
@@ -506,4 +505,4 @@ def compile_only(q, k, v, causal: bool, bounded: bool = False):
                  torch.empty((B, T), dtype=torch.int32), torch.zeros(1, dtype=torch.int32), D ** -0.5, tiles)
     return _fwd_kernel.warmup(*args, grid=_grid(q, tiles, persistent, chips.H100),
                               **_options(causal, bounded, tiles, _section(q, k), config.fwd_overlap(D), persistent,
-                                       config.fwd_turns(D)))
+                                         config.fwd_turns(D)))

@@ -93,12 +93,15 @@ class FwdWork:
 class Turns:
     """Consumer C's turn on the tensor cores (FlashAttention-3's warp-scheduler barriers, as
     mbarriers): it issues its matmuls of ring slot i once consumer C - 1 has issued its own (consumer
-    0: once the last consumer has issued slot i - 1's). The consumers' matmuls then reach the tensor
-    cores one consumer at a time, round the ring, so that each runs its softmax while the next one's
-    matmuls run; FlashAttention-3 schedules its warpgroups so, lest they issue together and then all
-    wait. (Here the tensor pipes were as busy without it: perf-notes v26.) Every consumer takes one
-    turn per ring slot, the slots it skips too, so no turn waits for a pass that never comes, and
-    none gets a turn ahead of the others: a parity wait suffices. ON false: no waits, no passes."""
+    0: once the last consumer has issued slot i - 1's). With the forward's overlap a turn covers S
+    and the previous block's P V; without it, S alone (P V follows the softmax). The consumers'
+    matmuls then reach the tensor cores one consumer at a time, round the ring, so that each runs
+    its softmax while the next one's matmuls run; FlashAttention-3 schedules its warpgroups so, lest
+    they issue together and then all wait. (Here the tensor pipes were as busy without it:
+    perf-notes v26.) Every consumer takes one turn per ring slot of its tile, lo .. n_blocks - 1, the
+    slots it skips too (blocks.kv_runs keeps lo <= own_lo <= n_blocks), so no turn waits for a pass
+    that never comes, and none gets a turn ahead of the others: a parity wait suffices. ON false:
+    no waits, no passes."""
     bars: gl.shared_memory_descriptor  # (CONSUMERS, 1) mbarriers of count 1: consumer C waits on bars[C]
     C: gl.constexpr
     ON: gl.constexpr
