@@ -61,6 +61,7 @@ VARIANTS = [("default", "before", BEFORE),
             ("backward", "triton (portable) both ways", {**UNSET, BACKEND: "triton"}),
             ("order", "shortest first", {**UNSET, BACKEND: "gluon", ORDER: "shortest"}),
             ("order", "longest first", {**UNSET, BACKEND: "gluon", ORDER: "longest"})]
+GROUPS = list(dict.fromkeys(group for group, _, _ in VARIANTS))  # in order
 BACKWARD_AT = tuple(hopper.BWD_BY_KEYS)  # elsewhere the backward has one form: its rows add nothing
 
 
@@ -101,14 +102,14 @@ def main(argv=None):
     p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--head-dims", type=positive_ints, default=[64, 128], help="comma list of 64, 128")
     p.add_argument("--seq-lens", type=positive_ints, default=[2048, 4096, 8192, 16384], help="comma list")
-    p.add_argument("--groups", default="default,persistent,turns,backward,order",
-                   help="comma list of the groups to time: default, persistent, turns, backward, order")
+    p.add_argument("--groups", default=",".join(GROUPS),
+                   help=f"comma list of the groups to time: {', '.join(GROUPS)}")
     args = p.parse_args(argv)
     if bad := [D for D in args.head_dims if D not in hopper.HEAD_DIMS]:
         p.error(f"--head-dims {bad[0]}: the Hopper kernels take {', '.join(map(str, hopper.HEAD_DIMS))}")
     groups = [g.strip() for g in args.groups.split(",")]
-    if bad := sorted(set(groups) - {g for g, _, _ in VARIANTS}):
-        p.error(f"--groups {bad[0]}: use default, persistent, turns, backward or order")
+    if bad := sorted(set(groups) - set(GROUPS)):
+        p.error(f"--groups {bad[0]}: use {', '.join(GROUPS[:-1])} or {GROUPS[-1]}")
     require_cuda("bench_variants.py")
     print(environment())
     print(f"{'D':>4} {'T':>6} {'variant':<28} {'fwd TF/s':>9} {'x':>6} {'f+b TF/s':>9} {'x':>6}  max|diff| o dq dk dv")

@@ -34,7 +34,7 @@ from kernels.hopper.pipeline import (BwdBuffers, BwdIO, BwdProgram, BwdWork, bul
                                      take_tile, tma_add)
 from kernels.masking import Bounds
 from kernels.runtime import chips
-from kernels.runtime.launch import Bound, bind
+from kernels.runtime.launch import Bound, launch_and_bind
 from kernels.triton.blocks import LOG2E
 # --------------------------------------------------------------------------------------------
 # the order of work
@@ -579,7 +579,7 @@ def _launch(do, q, k, v, o, lse, dq, dk, dv, bounds: Bounds | None, causal: bool
     aux, dq_acc, sem, counter = passes.buffers(q, tiles.block_m, "cpu" if warmup else q.device)
     if not warmup:
         aux_grid, aux_args = passes.lse_delta_launch(o, do, lse, aux)
-        aux_bound = bind(passes.lse_delta_kernel, passes.lse_delta_kernel[aux_grid](*aux_args), aux_grid, aux_args, {})
+        aux_bound = launch_and_bind(passes.lse_delta_kernel, aux_grid, aux_args)
     row_hi, key_lo = _bound_tensors(bounds, lse)
     args = (descriptor(q, [1, 1, tiles.block_m, D]), descriptor(k, [1, 1, tiles.block_n, D]),
             descriptor(v, [1, 1, tiles.block_n, D]), descriptor(do, [1, 1, tiles.block_m, D]),
@@ -595,9 +595,9 @@ def _launch(do, q, k, v, o, lse, dq, dk, dv, bounds: Bounds | None, causal: bool
     grid = (min(n_tiles, (chips.H100 if warmup else chips.chip(q.device.index)).sms) if persistent else n_tiles,)
     if warmup:
         return _bwd_kernel.warmup(*args, grid=grid, **options)
-    bwd_bound = bind(_bwd_kernel, _bwd_kernel[grid](*args, **options), grid, args, options)
+    bwd_bound = launch_and_bind(_bwd_kernel, grid, args, options)
     dq_grid, dq_args = passes.dq_launch(dq_acc, dq, scale, tiles.block_m)
-    return aux_bound, bwd_bound, bind(passes.dq_kernel, passes.dq_kernel[dq_grid](*dq_args), dq_grid, dq_args, {})
+    return aux_bound, bwd_bound, launch_and_bind(passes.dq_kernel, dq_grid, dq_args)
 
 
 # the compiled LSE-delta, backward and dQ kernels per input layout, bound as the forward's are

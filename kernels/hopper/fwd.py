@@ -29,7 +29,7 @@ from kernels.hopper import config
 from kernels.hopper.blocks import descriptor, kv_blocks, kv_runs, visible
 from kernels.hopper.pipeline import FwdBuffers, FwdIO, FwdProgram, FwdWork, Turns, hand_out_tile, skip_slot, take_tile
 from kernels.runtime import chips
-from kernels.runtime.launch import Bound, bind
+from kernels.runtime.launch import Bound, launch_and_bind
 from kernels.triton.blocks import LOG2E
 
 PRODUCER_REGS = gl.constexpr(config.FWD_PRODUCER_REGS)  # the producer issues TMA copies, waits and hands out tiles
@@ -402,7 +402,8 @@ def _fwd_kernel(
     for c in gl.static_range(CONSUMERS):
         mbarrier.init(q_bar.index(c), count=1)
         mbarrier.init(q_empty.index(c), count=1)
-        mbarrier.init(turn.index(c), count=1)
+        if TURNS:
+            mbarrier.init(turn.index(c), count=1)
     for s in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(s), count=1)
         mbarrier.init(v_ready.index(s), count=1)
@@ -493,7 +494,7 @@ def forward(q, k, v, o, lse, causal: bool, scale: float, key_lo: torch.Tensor | 
     args = _args(q, k, v, o, lse, key_lo, counter, scale, tiles)
     grid = _grid(q, tiles, persistent, chips.chip(q.device.index))
     options = _options(causal, bounded, tiles, section, overlap, persistent, turns)
-    _BOUND[layout] = bind(_fwd_kernel, _fwd_kernel[grid](*args, **options), grid, args, options)
+    _BOUND[layout] = launch_and_bind(_fwd_kernel, grid, args, options)
 
 
 def compile_only(q, k, v, causal: bool, bounded: bool = False):

@@ -221,6 +221,13 @@ def bind(kernel, compiled, grid: tuple[int, ...], args: tuple, named: dict, tma:
     return Bound(compiled, (*grid, 1, 1)[:3], tail, args[n_descs].device.index, tma, kept)
 
 
+def launch_and_bind(kernel, grid: tuple[int, ...], args: tuple, named: dict | None = None) -> Bound:
+    """Launches kernel(*args, **named) on `grid` through Triton's front door (compiling it for these
+    arguments) and returns it bound for later launches of the same layout (bind)."""
+    named = named or {}
+    return bind(kernel, kernel[grid](*args, **named), grid, args, named)
+
+
 def launch_compiled(compiled, grid: tuple[int, int, int], device: int, args: tuple) -> None:
     """Launches a compiled kernel through Triton's C launcher on the device's current stream, every
     argument given in order (tensors as addresses or tensors, constexprs included), without the
