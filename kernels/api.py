@@ -8,17 +8,18 @@ CPU through Triton's interpreter, whose bf16 tl.dot is wrong: there bf16 is comp
 rounded) or kernels/hopper/ (sm_90).
 """
 
-import os
+import functools
 
 import torch
 
 from kernels import backends
 from kernels.inputs import autocast_inputs, check_inputs, checked_bounds, empty_bhtd, layout, softmax_scale_of
 from kernels.masking import Bounds
-from kernels.runtime.launch import interprets, on_device
+from kernels.runtime.launch import interprets
 from kernels.triton import bwd, fwd
 
 
+@functools.cache
 def _hopper(direction: str):
     """kernels/hopper/fwd.py or bwd.py, imported on first use: Gluon's API is triton 3.6's, which
     other triton versions need not have."""
@@ -34,6 +35,13 @@ def _bf16_in_interpreter(q) -> bool:
     return q.dtype == torch.bfloat16 and interprets(q.device)
 
 
+def _signature(tensors: tuple, causal: bool, scale: float, bounds: Bounds | None) -> tuple:
+    """What a call's kernels and launches depend on, and the key they are kept by: the tensors'
+    layouts (the outputs are fresh from torch's allocator, 512-byte aligned, shaped by them), the
+    flags, the bounds' layout, and the variables that choose kernels (kernels/backends.py)."""
+    return (*layout(*tensors), causal, scale, None if bounds is None else layout(*bounds), backends.variables())
+
+
 def _forward(q, k, v, causal, scale, bounds):
     """(o, lse) of checked inputs."""
     if _bf16_in_interpreter(q):
@@ -43,12 +51,9 @@ def _forward(q, k, v, causal, scale, bounds):
     o = empty_bhtd(B, H, T, D, q)
     lse = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
     key_lo = None if bounds is None else bounds.key_lo
-    # o, lse (and the bounds) are fresh from torch's allocator, 512-byte aligned: q, k, v decide
-    signature = (*layout(q, k, v), causal, scale, bounds is None, os.environ.get("FLASH_ATTENTION_TMA"),
-                 os.environ.get(backends.BACKEND_VARIABLE))
+    signature = _signature((q, k, v), causal, scale, bounds)
     if backends.kernels_for("forward", signature, (q, k, v)) == "gluon":
-        with on_device(q):
-            _hopper("forward").forward(q, k, v, o, lse, causal, scale, key_lo)
+        _hopper("forward").forward(q, k, v, o, lse, causal, scale, key_lo, signature)
     else:
         fwd.forward(q, k, v, o, lse, causal, scale, key_lo, signature)
     return o, lse
@@ -62,13 +67,10 @@ def _backward(do, q, k, v, o, lse, causal, scale, bounds):
         return tuple(g.to(torch.bfloat16) for g in grads)
     (B, H, T, D), (H_kv, S) = q.shape, k.shape[1:3]
     dq, dk, dv = empty_bhtd(B, H, T, D, q), empty_bhtd(B, H_kv, S, D, k), empty_bhtd(B, H_kv, S, D, v)
-    # the outputs and delta are fresh from torch's allocator (512-byte aligned), shaped by q and k
-    signature = (*layout(q, k, v, do, o, lse), causal, scale, bounds is None, os.environ.get("FLASH_ATTENTION_TMA"),
-                 os.environ.get(backends.BACKEND_VARIABLE), os.environ.get(backends.DETERMINISTIC_VARIABLE))
+    signature = _signature((q, k, v, do, o, lse), causal, scale, bounds)
     if backends.kernels_for("backward", signature, (q, k, v, do)) == "gluon":
-        with on_device(q):
-            _hopper("backward").backward(do, q, k, v, o, lse, dq, dk, dv, causal, scale, bounds,
-                                         backends.deterministic())
+        _hopper("backward").backward(do, q, k, v, o, lse, dq, dk, dv, causal, scale, bounds,
+                                     backends.deterministic(), signature)
     else:
         bwd.backward(do, q, k, v, o, lse, dq, dk, dv, causal, scale, bounds, signature)
     return dq, dk, dv

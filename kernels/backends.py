@@ -8,6 +8,8 @@ gluon, the Hopper kernels both ways, or a ValueError saying why not.
 FLASH_ATTENTION_DETERMINISTIC: "1" (unset) or "0": whether the Gluon backward adds dQ's shares in
 a fixed order (the same bits every run) or as they come (not reproducible, and no faster:
 docs/perf-notes.md v13); the Triton backward has no atomics to order.
+These two, FLASH_ATTENTION_TMA and the Hopper kernels' schedule variables are VARIABLES: a call
+reads them all at once (variables()), and its choices and launches are kept per value of each.
 """
 
 import os
@@ -26,8 +28,19 @@ from kernels.triton.fwd import FWD
 
 BACKEND_VARIABLE = "FLASH_ATTENTION_BACKEND"
 DETERMINISTIC_VARIABLE = "FLASH_ATTENTION_DETERMINISTIC"
+# every variable that chooses the kernels or their schedule: a call's choices and launches are kept
+# per value of each (variables())
+VARIABLES = (BACKEND_VARIABLE, DETERMINISTIC_VARIABLE, inputs.TMA_VARIABLE, *hopper.VARIABLES)
+_ENCODED = tuple(map(os.environ.encodekey, VARIABLES))
 LAUNCHERS = {"fwd": FWD, "dq": DQ, "dkdv": DKDV}  # the tuned Triton kernels by name (tests, tune_attention.py)
 _CHOSEN: dict[tuple, str] = {}  # (direction, input signature) -> the kernels that run it
+
+
+def variables() -> tuple:
+    """VARIABLES' values now, as the environment holds them (None where unset), read once per call:
+    os.environ.get encodes the name and decodes the value (about a microsecond a variable, ten of
+    them a call); the mapping under it answers for all of them in less than one."""
+    return tuple(map(os.environ._data.get, _ENCODED))
 
 
 def unsupported(head_dim: int, dtype: torch.dtype, device: torch.device, kernels: str = "triton") -> str | None:

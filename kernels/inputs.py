@@ -11,6 +11,8 @@ from kernels.runtime import chips
 from kernels.runtime.launch import interprets
 from kernels.triton.config import DTYPES, MAX_HEAD_DIM
 
+TMA_VARIABLE = "FLASH_ATTENTION_TMA"  # 0: the kernels read their inputs without TMA (for comparison)
+
 
 def check_inputs(q, k, v):
     """Raise ValueError, saying what is supported, for inputs the kernels do not handle."""
@@ -117,7 +119,7 @@ def uses_tma(*streamed: torch.Tensor) -> bool:
     t = streamed[0]
     if interprets(t.device) or not chips.chip(t.device.index).tma:
         return False
-    if os.environ.get("FLASH_ATTENTION_TMA", "1") == "0":
+    if os.environ.get(TMA_VARIABLE, "1") == "0":
         return False
     return all(x.stride(3) == 1 and x.stride(2) >= x.shape[3] and x.data_ptr() % 16 == 0
                and all(s * x.element_size() % 16 == 0 for s in x.stride()[:3]) for x in streamed)

@@ -192,20 +192,45 @@ def test_dq_pass_puts_the_slabs_back_in_row_order(T, D, block_m):
     assert torch.equal(dq, want) and memory[:, T:].isnan().all()
 
 
-def test_lse_delta_pass_lays_out_both_rows_for_tma():
+@pytest.mark.parametrize("T, D, block_m", [(70, 64, 128), (130, 128, 64), (1, 64, 64)])
+def test_lse_delta_pass_lays_out_both_rows_for_tma_and_zeroes_the_rest(T, D, block_m):
     """The backward's first pass (Triton's interpreter): per (batch, head), LSE * log2(e) and
     rowsum(dO * O) over rows padded to a multiple of 4, zero past T, from o and dO in the (B, T, H, D)
-    memory the model makes."""
-    B, H, T, D = 2, 3, 70, 64
+    memory the model makes; and every float of the buffers after aux (the dQ accumulator, the order
+    counters, the tile counter) zeroed, whatever the allocation held before."""
+    B, H = 2, 3
     o, do = (torch.randn(B, T, H, D).transpose(1, 2) for _ in range(2))
     lse = torch.randn(B, H, T)
-    aux = torch.full((B, H, 2, triton.cdiv(T, 4) * 4), float("nan"))
-    grid, args = bwd_passes.lse_delta_launch(o, do, lse, aux)
+    scratch, (aux, dq_acc, sem, counter, zeroed) = bwd_passes.buffers(o, block_m, "cpu")
+    scratch.fill_(float("nan"))
+    grid, args = bwd_passes.lse_delta_launch(o, do, lse, aux, zeroed, block_m)
     with interpreting():
         interpreted(bwd_passes.lse_delta_kernel)[grid](*args)
     torch.testing.assert_close(aux[:, :, 0, :T], lse / math.log(2))
     torch.testing.assert_close(aux[:, :, 1, :T], (o * do).sum(-1))
     assert (aux[:, :, :, T:] == 0).all()
+    assert aux.numel() + zeroed.numel() == scratch.numel() and (zeroed == 0).all()
+    assert (sem == 0).all() and counter.item() == 0 and counter.data_ptr() % 16 == 0
+    assert dq_acc.numel() == B * H * triton.cdiv(T, block_m) * block_m * D
+
+
+def test_every_variable_that_chooses_kernels_is_in_the_calls_signature(monkeypatch):
+    """A call's launches are kept per signature (kernels/api.py), and the signature reads the
+    variables that choose kernels all at once (backends.variables): each must be in VARIABLES, or a
+    change of it between calls would run the launch made before. Every FLASH_ATTENTION_* name the
+    kernels read but FLASH_ATTENTION_AUTOTUNE (how a config is first chosen, kept per shape) is."""
+    read = set()
+    for path in (REPO / "kernels").rglob("*.py"):
+        read |= set(re.findall(r'"(FLASH_ATTENTION_[A-Z0-9_]+)"', path.read_text()))
+    assert read - {"FLASH_ATTENTION_AUTOTUNE"} == set(backends.VARIABLES)
+    for name in backends.VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    assert backends.variables() == (None,) * len(backends.VARIABLES)
+    for name in backends.VARIABLES:
+        before = backends.variables()
+        monkeypatch.setenv(name, "1")
+        after = backends.variables()
+        assert [a != b for a, b in zip(after, before)] == [n == name for n in backends.VARIABLES]
 
 
 def test_backend_variable_is_checked(monkeypatch):

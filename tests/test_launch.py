@@ -8,6 +8,7 @@ recorder.
     .venv/bin/python -m pytest tests/test_launch.py -q
 """
 
+from types import SimpleNamespace
 from typing import NamedTuple
 
 import torch
@@ -47,7 +48,7 @@ def test_a_bound_launch_rebuilds_descriptors_and_fixes_the_rest(monkeypatch):
     (compiled, grid, _, passed), = calls
     assert compiled == "compiled" and grid == (3, 2, 1)
     for got, tensor, desc in zip(passed[:2], later[:2], descs, strict=True):
-        assert got == launch.HostDescriptor(launch._Address(tensor.data_ptr()), desc.shape, desc.strides, "zero")
+        assert got == launch.HostDescriptor(launch.Address(tensor.data_ptr()), desc.shape, desc.strides, "zero")
         assert got.base.data_ptr() == tensor.data_ptr()
     assert passed[2:] == (later[2].data_ptr(), later[3].data_ptr(), (8, 1), 7, 0.5, 16, True)
 
@@ -61,3 +62,43 @@ def test_a_triton_launch_binds_its_tensors_as_addresses(monkeypatch):
     assert bound.descriptors == ()
     bound(*tensors)
     assert calls == [(*(t.data_ptr() for t in tensors), (2, 1), 3, 1.0, 8, False)]
+
+
+def test_a_direct_launch_calls_the_c_function_and_encodes_each_address_once(monkeypatch):
+    """Triton 3.6's launcher object is skipped: its C function gets the grid, the stream, the
+    kernel's handle and metadata, each descriptor expanded (encoded once per address, then kept),
+    the other tensors' addresses and the fixed tail, as the launcher object would pass them."""
+    monkeypatch.setattr(launch.triton, "__version__", "3.6.0")
+    expanded = []
+
+    def expand(desc, meta):
+        expanded.append(desc.base.data_ptr())
+        return [("map", desc.base.data_ptr()), *desc.shape, *desc.strides]
+    monkeypatch.setattr(launch, "_expand", expand)
+    calls = []
+
+    def c_launch(*args):
+        calls.append(args)
+    c_launch.__name__ = "launch"
+
+    def expanding(*args):  # as Triton wraps the C function of a kernel that takes descriptors
+        return c_launch(*args)
+    run = SimpleNamespace(launch=expanding, global_scratch_size=0, profile_scratch_size=0,
+                          launch_cooperative_grid=False, launch_pdl=False)
+    compiled = SimpleNamespace(run=run, function=1234, packed_metadata=(4, 1, 0),
+                               metadata=SimpleNamespace(tensordesc_meta=None))
+    monkeypatch.setattr(launch, "_hooked", lambda: False)
+    monkeypatch.setattr(launch, "_stream_of", lambda: lambda device: 77)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: None)  # CPU tensors' device index
+    first = [torch.zeros(4, 8) for _ in range(4)]
+    descs = [_Descriptor(t, list(t.shape), list(t.stride()), [2, 8], "zero") for t in first[:2]]
+    bound = launch.bind(_kernel, compiled, (3, 2), (*descs, first[2], first[3], (8, 1), 7, 0.5),
+                        {"WIDTH": 16, "FLAG": True})
+    later = [torch.ones(4, 8) for _ in range(4)]
+    for tensors in (first, later, first):
+        bound(*tensors)
+    head = (3, 2, 1, 77, 1234, False, False, None, None, (4, 1, 0), None, None, None)
+    for call, tensors in zip(calls, (first, later, first), strict=True):
+        a, b, c, d = (t.data_ptr() for t in tensors)
+        assert call == (*head, ("map", a), 4, 8, 8, 1, ("map", b), 4, 8, 8, 1, c, d, (8, 1), 7, 0.5, 16, True)
+    assert expanded == [t.data_ptr() for t in (*first[:2], *later[:2])]  # the third call encoded nothing

@@ -20,6 +20,8 @@ out for TMA before, dQ scaled out of the accumulator after. docs/flash-attention
 products and the order; tiles: kernels/hopper/config.py.
 """
 
+from typing import NamedTuple
+
 import torch
 import triton
 from triton.experimental import gluon
@@ -34,7 +36,7 @@ from kernels.hopper.pipeline import (BwdBuffers, BwdIO, BwdProgram, BwdWork, bul
                                      take_tile, tma_add)
 from kernels.masking import Bounds
 from kernels.runtime import chips
-from kernels.runtime.launch import Bound, launch_and_bind
+from kernels.runtime.launch import Address, Bound, launch_and_bind, on_device
 from kernels.triton.blocks import LOG2E
 # --------------------------------------------------------------------------------------------
 # the order of work
@@ -568,6 +570,15 @@ def _bound_tensors(bounds: Bounds | None, lse: torch.Tensor) -> tuple[torch.Tens
     return (lse, lse) if bounds is None else (bounds.row_hi, bounds.key_lo)
 
 
+class _Launches(NamedTuple):
+    """A layout's three launches, bound, and where its buffers lie in their one allocation."""
+    aux: Bound  # the LSE-delta pass (it zeroes the accumulator and the counters too)
+    main: Bound  # the backward kernel
+    dq: Bound  # the dQ pass
+    floats: int  # the size of the buffers' allocation
+    offsets: tuple[int, ...]  # bytes from its start to each of passes.buffers' views
+
+
 def _launch(do, q, k, v, o, lse, dq, dk, dv, bounds: Bounds | None, causal: bool, scale: float, longest_first: bool,
             persistent: bool, deterministic: bool = True, warmup: bool = False):
     """Launches the backward (the LSE-delta pass, the kernel, the dQ pass) through Triton's front
@@ -576,9 +587,10 @@ def _launch(do, q, k, v, o, lse, dq, dk, dv, bounds: Bounds | None, causal: bool
     persistent: config.bwd_longest_first's and config.bwd_persistent's choices."""
     (B, H, T, D), (H_kv, S) = q.shape, k.shape[1:3]
     tiles = config.bwd_tiles(D)
-    aux, dq_acc, sem, counter = passes.buffers(q, tiles.block_m, "cpu" if warmup else q.device)
+    scratch, views = passes.buffers(q, tiles.block_m, "cpu" if warmup else q.device)
+    aux, dq_acc, sem, counter, zeroed = views
     if not warmup:
-        aux_grid, aux_args = passes.lse_delta_launch(o, do, lse, aux)
+        aux_grid, aux_args = passes.lse_delta_launch(o, do, lse, aux, zeroed, tiles.block_m)
         aux_bound = launch_and_bind(passes.lse_delta_kernel, aux_grid, aux_args)
     row_hi, key_lo = _bound_tensors(bounds, lse)
     args = (descriptor(q, [1, 1, tiles.block_m, D]), descriptor(k, [1, 1, tiles.block_n, D]),
@@ -597,37 +609,35 @@ def _launch(do, q, k, v, o, lse, dq, dk, dv, bounds: Bounds | None, causal: bool
         return _bwd_kernel.warmup(*args, grid=grid, **options)
     bwd_bound = launch_and_bind(_bwd_kernel, grid, args, options)
     dq_grid, dq_args = passes.dq_launch(dq_acc, dq, scale, tiles.block_m)
-    return aux_bound, bwd_bound, launch_and_bind(passes.dq_kernel, dq_grid, dq_args)
+    return _Launches(aux_bound, bwd_bound, launch_and_bind(passes.dq_kernel, dq_grid, dq_args), scratch.numel(),
+                     tuple(view.data_ptr() - scratch.data_ptr() for view in views))
 
 
 # the compiled LSE-delta, backward and dQ kernels per input layout, bound as the forward's are
-_BOUND: dict[tuple, tuple[Bound, Bound, Bound]] = {}
+_BOUND: dict[tuple, _Launches] = {}
 
 
-def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, bounds: Bounds | None = None,
-             deterministic: bool = True) -> None:
+def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, bounds: Bounds | None,
+             deterministic: bool, signature: tuple) -> None:
     """Writes dq, dk, dv (shaped like q, k, v; head dim contiguous) from the forward's o and lse
     ((B, H, T) fp32, contiguous). bounds: None, or (causal only) kernels/masking.py's Bounds, to
-    attend within documents or a window. deterministic: dQ's shares added in a fixed order (the same bits every run), or
-    in the order they come (not). Rows that see no key (causal, T > S) get no share: their dq is zero."""
-    # each kernel is compiled for its tensors as aligned (or not) as the first call's, and the TMA
-    # descriptors of later calls are not checked again
-    tiles = config.bwd_tiles(q.shape[3])
+    attend within documents or a window. deterministic: dQ's shares added in a fixed order (the
+    same bits every run), or in the order they come (not). signature: kernels/api.py's, which fixes
+    all the launches depend on but the addresses, the schedule's variables included. Rows that see
+    no key (causal, T > S) get no share: their dq is zero."""
+    if launches := _BOUND.get(signature):
+        # the buffers by address alone: the launches read nothing else of them
+        scratch = torch.empty(launches.floats, dtype=torch.float32, device=q.device)
+        base = scratch.data_ptr()
+        aux, dq_acc, sem, counter, zeroed = (Address(base + offset) for offset in launches.offsets)
+        launches.aux(o, do, lse, aux, zeroed)
+        launches.main(q, k, v, do, aux, dq_acc, sem, *_bound_tensors(bounds, lse), counter, dk, dv)
+        launches.dq(dq_acc, dq)
+        return
     longest_first = config.bwd_longest_first(q.shape[3], causal, bounds is not None, k.shape[2])
-    persistent = config.bwd_persistent()
-    layout = (tiles, longest_first, persistent, q.shape, q.stride(), k.shape, k.stride(), v.stride(), do.stride(),
-              o.stride(), dq.stride(), dk.stride(), dv.stride(), q.dtype, dq.dtype, q.device.index, causal,
-              bounds is None, deterministic, scale,
-              *(t.data_ptr() % 16 == 0 for t in (q, k, v, do, o, lse, dq, dk, dv, *_bound_tensors(bounds, lse))))
-    if bound := _BOUND.get(layout):
-        aux_bound, bwd_bound, dq_bound = bound
-        aux, dq_acc, sem, counter = passes.buffers(q, tiles.block_m, q.device)
-        aux_bound(o, do, lse, aux)
-        bwd_bound(q, k, v, do, aux, dq_acc, sem, *_bound_tensors(bounds, lse), counter, dk, dv)
-        dq_bound(dq_acc, dq)
-    else:
-        _BOUND[layout] = _launch(do, q, k, v, o, lse, dq, dk, dv, bounds, causal, scale, longest_first, persistent,
-                                 deterministic)
+    with on_device(q):
+        _BOUND[signature] = _launch(do, q, k, v, o, lse, dq, dk, dv, bounds, causal, scale, longest_first,
+                                    config.bwd_persistent(), deterministic)
 
 
 def compile_only(do, q, k, v, causal: bool, bounded: bool = False):

@@ -21,10 +21,13 @@ DQ_ROWS = 32  # rows of dQ a program of dq_kernel scales
 @triton.jit
 def lse_delta_kernel(
     O, DO, LSE, AUX,  # o, do (B, H, T, D), head dim contiguous; LSE (B, H, T); AUX (B, H, 2, T_PAD) fp32
+    ZEROED, N_ZEROED,  # the dQ accumulator and the counters after it (floats), zeroed here
     o_strides, do_strides,  # each (batch, head, sequence)
     H, T, T_PAD, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """AUX[b, h] = (LSE * log2(e), rowsum(dO * O)) over T_PAD rows, zero past T."""
+    """AUX[b, h] = (LSE * log2(e), rowsum(dO * O)) over T_PAD rows, zero past T; and ZEROED[:N_ZEROED]
+    = 0, BLOCK * HEAD_DIM floats a program and 8 of what is left past them (the grid covers every
+    Q block's rows, T_PAD or more)."""
     stride_ob, stride_oh, stride_ot = o_strides
     stride_dob, stride_doh, stride_dot = do_strides
     off_h = tl.program_id(1).to(tl.int64)  # 64-bit offsets: a head's stride times H may pass 2^31
@@ -41,6 +44,13 @@ def lse_delta_kernel(
     aux = AUX + row0 * 2 * T_PAD + rows
     tl.store(aux, tl.where(ok, lse, 0.0), mask=rows < T_PAD)
     tl.store(aux + T_PAD, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=rows < T_PAD)
+    # the zeroing rides on this launch (one launch fewer than a fill of its own; FlashAttention-3's
+    # preprocessing clears its dQ accumulator the same way)
+    program = row0 * tl.num_programs(0) + tl.program_id(0)
+    chunk: tl.constexpr = BLOCK * HEAD_DIM
+    tl.store(ZEROED + program * chunk + tl.arange(0, chunk), tl.zeros([chunk], tl.float32))
+    rest = tl.num_programs(0).to(tl.int64) * H * tl.num_programs(2) * chunk + program * 8 + tl.arange(0, 8)
+    tl.store(ZEROED + rest, tl.zeros([8], tl.float32), mask=rest < N_ZEROED)
 
 
 @triton.jit
@@ -64,25 +74,29 @@ def dq_kernel(
     tl.store(dq, (acc * scale).to(DQ.dtype.element_ty), mask=t[:, None] < T)
 
 
-def buffers(q: torch.Tensor, block_m: int, device) -> tuple:
-    """The backward's buffers: aux (B, H, 2, T_pad) fp32; dQ's fp32 accumulator, (lines, 256), in
-    slabs, every Q block whole (the last one's rows past T get zero shares); the order counters
-    (B, H, cdiv(T, BLOCK_M)) and the tile counter (int32), all four zeroed by one fill. The tile
-    counter starts 16 bytes aligned, as the first call's was when the launch was bound."""
+def buffers(q: torch.Tensor, block_m: int, device) -> tuple[torch.Tensor, tuple]:
+    """(scratch, views): the backward's buffers as views of one fp32 allocation. The views: aux
+    (B, H, 2, T_pad); dQ's fp32 accumulator, (lines, 256), in slabs, every Q block whole (the last
+    one's rows past T get zero shares); the order counters (B, H, cdiv(T, BLOCK_M)) int32; the tile
+    counter (1,) int32, 16 bytes aligned, as the first call's was when the launch was bound; and
+    the region lse_delta_kernel zeroes, everything after aux, flat."""
     B, H, T, D = q.shape
-    aux = torch.empty((B, H, 2, triton.cdiv(T, 4) * 4), dtype=torch.float32, device=device)  # 16-byte rows (TMA)
+    t_pad = triton.cdiv(T, 4) * 4  # 16-byte rows (TMA)
     n_sem = B * H * triton.cdiv(T, block_m)
-    n_acc = n_sem * block_m * D
-    zeroed = torch.zeros(n_acc + triton.cdiv(n_sem, 4) * 4 + 1, dtype=torch.float32, device=device)
-    counts = zeroed[n_acc:].view(torch.int32)
-    return aux, zeroed[:n_acc].view(-1, LINE), counts[:n_sem].view(B, H, n_sem // (B * H)), counts[-1:]
+    n_aux, n_acc, n_counts = B * H * 2 * t_pad, n_sem * block_m * D, triton.cdiv(n_sem, 4) * 4 + 4
+    scratch = torch.empty(n_aux + n_acc + n_counts, dtype=torch.float32, device=device)
+    counts = scratch[n_aux + n_acc:].view(torch.int32)
+    return scratch, (scratch[:n_aux].view(B, H, 2, t_pad), scratch[n_aux:n_aux + n_acc].view(-1, LINE),
+                     counts[:n_sem].view(B, H, n_sem // (B * H)), counts[-4:-3], scratch[n_aux:])
 
 
-def lse_delta_launch(o, do, lse, aux) -> tuple[tuple, tuple]:
-    """(grid, args) of lse_delta_kernel for the forward's o and lse, dO and the aux buffer."""
+def lse_delta_launch(o, do, lse, aux, zeroed, block_m: int) -> tuple[tuple, tuple]:
+    """(grid, args) of lse_delta_kernel for the forward's o and lse, dO, and buffers()' aux and
+    zeroed region; the grid covers aux's rows and every Q block's (cdiv(T, block_m) * block_m)."""
     B, H, T, D = o.shape
     t_pad = aux.shape[3]
-    return (triton.cdiv(t_pad, 64), H, B), (o, do, lse, aux, o.stride()[:3], do.stride()[:3], H, T, t_pad, D, 64)
+    grid = (triton.cdiv(T, block_m) * block_m // 64, H, B)
+    return grid, (o, do, lse, aux, zeroed, zeroed.numel(), o.stride()[:3], do.stride()[:3], H, T, t_pad, D, 64)
 
 
 def dq_launch(dq_acc, dq, scale: float, block_m: int) -> tuple[tuple, tuple]:

@@ -129,6 +129,8 @@ BWD_ORDER_VARIABLE = "FLASH_ATTENTION_BWD_ORDER"  # shortest / longest: which ba
 FWD_PERSISTENT_VARIABLE = "FLASH_ATTENTION_FWD_PERSISTENT"  # 1 / 0: one forward program per SM taking tiles, or not
 BWD_PERSISTENT_VARIABLE = "FLASH_ATTENTION_BWD_PERSISTENT"  # 1 / 0: the same for the backward
 FWD_TURNS_VARIABLE = "FLASH_ATTENTION_FWD_TURNS"  # 1 / 0: the forward's consumers issue matmuls in turn, or not
+VARIABLES = (FWD_ORDER_VARIABLE, FWD_OVERLAP_VARIABLE, FWD_STAGES_VARIABLE, BWD_BLOCK_M_VARIABLE, BWD_ORDER_VARIABLE,
+             FWD_PERSISTENT_VARIABLE, BWD_PERSISTENT_VARIABLE, FWD_TURNS_VARIABLE)
 L2_BYTES = 50 * 1024 * 1024  # the H100's L2: a section's K and V stay in it while its programs run
 
 

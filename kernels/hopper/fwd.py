@@ -29,7 +29,7 @@ from kernels.hopper import config
 from kernels.hopper.blocks import descriptor, kv_blocks, kv_runs, visible
 from kernels.hopper.pipeline import FwdBuffers, FwdIO, FwdProgram, FwdWork, Turns, hand_out_tile, skip_slot, take_tile
 from kernels.runtime import chips
-from kernels.runtime.launch import Bound, launch_and_bind
+from kernels.runtime.launch import Bound, launch_and_bind, on_device
 from kernels.triton.blocks import LOG2E
 
 PRODUCER_REGS = gl.constexpr(config.FWD_PRODUCER_REGS)  # the producer issues TMA copies, waits and hands out tiles
@@ -464,37 +464,33 @@ def _args(q, k, v, o, lse, key_lo, counter, scale: float, tiles: config.FwdTiles
             H // H_kv, T, S, scale * LOG2E.value)
 
 
-# the compiled forward per input layout: later calls launch it directly with descriptors rebuilt
-# from the new addresses, where Triton's front door would bind every argument again and
-# TensorDescriptor would re-check what the layout already fixes (52 us per call against 41 on the
-# H100 machine's host, perf-notes v12)
-_BOUND: dict[tuple, Bound] = {}
+# the compiled forward per call signature, and whether it is persistent: later calls launch it
+# directly with descriptors over the new addresses, where Triton's front door would bind every
+# argument again and TensorDescriptor would re-check what the signature fixes (perf-notes v12, v27)
+_BOUND: dict[tuple, tuple[Bound, bool]] = {}
 
 
-def forward(q, k, v, o, lse, causal: bool, scale: float, key_lo: torch.Tensor | None = None) -> None:
+def forward(q, k, v, o, lse, causal: bool, scale: float, key_lo: torch.Tensor | None, signature: tuple) -> None:
     """Writes o (shaped like q, head dim contiguous) and lse ((B, H, T) fp32, contiguous, natural
     log). key_lo ((B, T) int32, contiguous; causal only): each query's first key, to attend within
-    documents or a window (kernels/masking.py's Bounds.key_lo)."""
+    documents or a window (kernels/masking.py's Bounds.key_lo). signature: kernels/api.py's, which
+    fixes all the launch depends on but the addresses, the schedule's variables included."""
     bounded = key_lo is not None
     key_lo = lse if key_lo is None else key_lo  # lse stands in for absent bounds: unread
-    section = _section(q, k)
-    overlap = config.fwd_overlap(q.shape[3])
-    persistent = config.fwd_persistent()
-    turns = config.fwd_turns(q.shape[3])
+    bound, persistent = _BOUND.get(signature) or (None, config.fwd_persistent())
     # zeroed for each launch: a counter kept from call to call and left zero by every launch would
     # break under CUDA graphs (a capture records its launches, and a graph's pool may reuse memory)
     counter = torch.zeros(1, dtype=torch.int32, device=q.device) if persistent else lse  # lse: unread
-    tiles = config.fwd_tiles(q.shape[3], q.shape[2])
-    layout = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), o.stride(), q.dtype, q.device.index, causal,
-              bounded, scale, lse.data_ptr() % 16 == 0, key_lo.data_ptr() % 16 == 0, section,
-              overlap, persistent, turns, tiles)
-    if bound := _BOUND.get(layout):
+    if bound:
         bound(q, k, v, o, lse, key_lo, counter)
         return
+    tiles = config.fwd_tiles(q.shape[3], q.shape[2])
     args = _args(q, k, v, o, lse, key_lo, counter, scale, tiles)
     grid = _grid(q, tiles, persistent, chips.chip(q.device.index))
-    options = _options(causal, bounded, tiles, section, overlap, persistent, turns)
-    _BOUND[layout] = launch_and_bind(_fwd_kernel, grid, args, options)
+    options = _options(causal, bounded, tiles, _section(q, k), config.fwd_overlap(q.shape[3]), persistent,
+                       config.fwd_turns(q.shape[3]))
+    with on_device(q):
+        _BOUND[signature] = launch_and_bind(_fwd_kernel, grid, args, options), persistent
 
 
 def compile_only(q, k, v, causal: bool, bounded: bool = False):

@@ -11,8 +11,9 @@ A launch through Triton's front door binds and specializes every argument again 
 Python per launch on the H100 machine's host, more than a short sequence's kernel takes). A
 `Bound` is a compiled kernel with its grid and every argument that is not a tensor fixed for one
 input signature; calling it passes the tensors' addresses straight to Triton's C launcher, and
-rebuilds the host TMA descriptors that Gluon kernels take from the shapes and strides the
-signature fixes. `Launcher.bind` binds a Triton kernel's launch, `bind` any compiled kernel's.
+the host TMA descriptors that Gluon kernels take, encoded once per address from the shapes and
+strides the signature fixes. `Launcher.bind` binds a Triton kernel's launch, `bind` any compiled
+kernel's.
 """
 
 import contextlib
@@ -166,13 +167,13 @@ class HostDescriptor(NamedTuple):
     """What triton 3.6's C launcher reads of a host TensorDescriptor (base address, shape, strides,
     padding) and nothing more: the tensor itself is not kept, and none of TensorDescriptor's checks
     run again (the first launch of the signature ran them)."""
-    base: "_Address"
+    base: "Address"
     shape: list
     strides: list
     padding: str
 
 
-class _Address(NamedTuple):
+class Address(NamedTuple):
     """A device address where a descriptor wants its base tensor: all a later launch reads of it."""
     ptr: int
 
@@ -180,14 +181,18 @@ class _Address(NamedTuple):
         return self.ptr
 
 
-class Bound(NamedTuple):
+class Bound:
     """One compiled kernel launched with a fixed grid and fixed non-tensor arguments."""
-    compiled: object  # triton's CompiledKernel
-    grid: tuple[int, int, int]
-    tail: tuple  # every argument after the leading tensors, constexprs included, in order
-    device: int
-    tma: bool  # the kernel makes TMA descriptors itself: it needs a scratch allocator
-    descriptors: tuple = ()  # (shape, strides, padding) of the leading host TMA descriptors, one each
+
+    def __init__(self, compiled, grid: tuple[int, int, int], tail: tuple, device: int, tma: bool,
+                 descriptors: tuple = ()):
+        self.compiled = compiled  # triton's CompiledKernel
+        self.grid = grid
+        self.tail = tail  # every argument after the leading tensors, constexprs included, in order
+        self.device = device
+        self.tma = tma  # the kernel makes TMA descriptors itself: it needs a scratch allocator
+        self.descriptors = descriptors  # (shape, strides, padding) of the leading host TMA descriptors, one each
+        self._direct = _Direct.of(compiled, descriptors)  # None: through Triton's launcher object
 
     def __call__(self, *tensors: torch.Tensor) -> None:
         """Launches on the current stream of the tensors' device: the first len(descriptors) go in
@@ -200,14 +205,77 @@ class Bound(NamedTuple):
             with on_device_index(self.device):
                 self.compiled[self.grid](*self._descriptors(tensors), *tensors[n:], *self.tail)
             return
+        if self._direct is not None:
+            self._direct(self.grid, self.device, tensors, self.tail)
+            return
         if n:
             args = (*self._descriptors(tensors), *[t.data_ptr() for t in tensors[n:]], *self.tail)
-        else:  # the Triton kernels: every launch of a training step takes this path, kept short
+        else:
             args = (*[t.data_ptr() for t in tensors], *self.tail)
         launch_compiled(self.compiled, self.grid, self.device, args)
 
     def _descriptors(self, tensors) -> list:
-        return [HostDescriptor(_Address(t.data_ptr()), *d) for t, d in zip(tensors, self.descriptors)]
+        return [HostDescriptor(Address(t.data_ptr()), *d) for t, d in zip(tensors, self.descriptors)]
+
+
+class _Direct:
+    """Triton 3.6's C launch function of one compiled kernel, called as Triton's launcher object
+    calls it, less that object's per-call Python: the scratch it asks for (none here), and the
+    expansion of each host TMA descriptor into an encoded tensor map, its shape and strides, which
+    is made once per address here and kept (a training step's tensors come back at the same
+    addresses from torch's caching allocator, step after step)."""
+
+    KEPT = 256  # encoded descriptors kept per descriptor argument; past that they are made anew
+
+    def __init__(self, launch, head: tuple, expand, descriptors: tuple):
+        self.launch = launch
+        self.head = head  # function, cooperative, pdl, scratch (2), kernel metadata, launch metadata, hooks (2)
+        self.expand = expand  # (HostDescriptor, index) -> [tensor map, *shape, *strides]
+        self.descriptors = descriptors
+        self.encoded = [{} for _ in descriptors]  # per descriptor argument: address -> its expansion
+
+    @classmethod
+    def of(cls, compiled, descriptors: tuple) -> "_Direct | None":
+        """The direct launch of `compiled`, or None where its launcher is not the one known here
+        (another Triton, scratch memory to allocate per launch, a stand-in)."""
+        run = getattr(compiled, "run", None)
+        if run is None or not triton.__version__.startswith("3.6.") or getattr(run, "global_scratch_size", 1) \
+                or getattr(run, "profile_scratch_size", 1):
+            return None
+        launch = run.launch
+        if descriptors:  # the C function sits inside the wrapper that expands descriptors
+            launch = next((c.cell_contents for c in launch.__closure__ or ()
+                           if getattr(c.cell_contents, "__name__", "") == "launch"), None)
+        if not callable(launch) or getattr(launch, "__name__", "") != "launch":
+            return None
+        metas = getattr(compiled.metadata, "tensordesc_meta", None) or [None] * len(descriptors)
+        head = (compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None, compiled.packed_metadata,
+                None, None, None)
+        return cls(launch, head, lambda desc, i: _expand(desc, metas[i]), descriptors)
+
+    def __call__(self, grid: tuple[int, int, int], device: int, tensors: tuple, tail: tuple) -> None:
+        args = []
+        for i, (t, encoded) in enumerate(zip(tensors, self.encoded)):
+            address = t.data_ptr()
+            expanded = encoded.get(address)
+            if expanded is None:
+                if len(encoded) >= self.KEPT:
+                    encoded.clear()
+                expanded = encoded[address] = self.expand(HostDescriptor(Address(address), *self.descriptors[i]), i)
+            args += expanded
+        args += [t.data_ptr() for t in tensors[len(self.encoded):]]
+        if torch.cuda.current_device() != device:
+            with torch.cuda.device(device):
+                self.launch(*grid, _stream_of()(device), *self.head, *args, *tail)
+            return
+        self.launch(*grid, _stream_of()(device), *self.head, *args, *tail)
+
+
+def _expand(descriptor: HostDescriptor, meta: dict | None) -> list:
+    """What Triton 3.6's launcher passes for a host TMA descriptor: the encoded tensor map (where
+    the kernel was compiled to take one), its shape and strides."""
+    from triton.backends.nvidia.driver import make_tensordesc_arg
+    return make_tensordesc_arg(descriptor, meta)
 
 
 def bind(kernel, compiled, grid: tuple[int, ...], args: tuple, named: dict, tma: bool = False) -> Bound:
