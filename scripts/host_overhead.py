@@ -17,20 +17,30 @@ per call over a burst of calls whose GPU work is queued, not waited on. Rows:
                                 the same for SDPA (the backend torch picks), C++ end to end
 
 then a cProfile of the calling-thread variant (the engine thread is invisible to cProfile).
+
+--against-cudnn measures only where the Hopper kernels start, T = 2048 at D = 64 and 128 in the
+training layout (q, k, v views of one (B, T, 3, H, D) tensor, B * T = 16384, H * D = 1024), ours
+beside SDPA's cuDNN backend: host time per forward+backward, the GPU held busy by a spin kernel
+(torch.cuda._sleep) so that the host never waits, min and median of 12 bursts of 40 calls; and
+the GPU's time per forward+backward alone, the call captured in a CUDA graph and replayed. Where
+the host's time passes the GPU's, an eager benchmark reads the host (docs/perf-notes.md v26, v27).
 Needs a CUDA GPU:
 
     python scripts/host_overhead.py
+    python scripts/host_overhead.py --against-cudnn
 """
 
 import argparse
 import cProfile
 import io
 import pstats
+import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/ sits beside kernels/
@@ -62,10 +72,69 @@ def host_ms(fn, calls: int = 50) -> float:
     return elapsed / calls * 1e3
 
 
+def burst_us(fn, calls: int = 40, bursts: int = 12) -> tuple[float, float]:
+    """(min, median) host us per call over bursts of `calls` calls, each burst queued behind a spin
+    kernel longer than it, so that the host never waits on the GPU."""
+    fn()
+    torch.cuda.synchronize()
+    per_call = []
+    for _ in range(bursts):
+        torch.cuda._sleep(150_000_000)  # ~80 ms at the H100's clock: longer than a burst's host time
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        per_call.append((time.perf_counter() - start) / calls * 1e6)
+        torch.cuda.synchronize()
+    return min(per_call), statistics.median(per_call)
+
+
+def graphed_us(fn) -> float:
+    """GPU us per call of fn (autograd's backward included), captured in a CUDA graph and replayed:
+    the host is out of the loop."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the default stream, as capture wants
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return do_bench(graph.replay, warmup=25, rep=100, return_mode="median") * 1e3
+
+
+def against_cudnn() -> None:
+    """T = 2048, the training layout: host and GPU time of a forward+backward, ours and cuDNN's."""
+    def cudnn(q, k, v):
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    T = 2048
+    for D in (64, 128):
+        B, H = 16384 // T, 1024 // D
+        qkv = torch.randn(B, T, 3, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        do = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+        print(f"D={D} T={T} B={B} H={H}, forward+backward, us per call:")
+        for name, attend in (("ours", flash_attention), ("cuDNN", cudnn)):
+            def step():
+                qkv.grad = None  # as a benchmark's grad_to_none: no accumulation
+                attend(*(x.transpose(1, 2) for x in qkv.unbind(2))).backward(do)
+
+            def captured():
+                torch.autograd.grad(attend(*(x.transpose(1, 2) for x in qkv.unbind(2))), qkv, do)
+            low, median = burst_us(step)
+            print(f"  {name:5s} host {low:6.0f} (min) {median:6.0f} (median); GPU {graphed_us(captured):6.0f}")
+
+
 def main() -> None:
-    # no options, but --help says what this does and a flag is refused
-    ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--against-cudnn", action="store_true",
+                        help="only T = 2048 in the training layout, ours beside cuDNN: host and GPU time")
+    args = parser.parse_args()
     require_cuda("host_overhead.py")
+    if args.against_cudnn:
+        against_cudnn()
+        return
     for D, T in ((64, 1024), (64, 8192)):
         B, H = 16384 // T, 1024 // D
         q, k, v, do = (torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
