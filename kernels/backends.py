@@ -38,9 +38,13 @@ _CHOSEN: dict[tuple, str] = {}  # (direction, input signature) -> the kernels th
 
 def variables() -> tuple:
     """VARIABLES' values now, as the environment holds them (None where unset), read once per call:
-    os.environ.get encodes the name and decodes the value (about a microsecond a variable, ten of
-    them a call); the mapping under it answers for all of them in less than one."""
-    return tuple(map(os.environ._data.get, _ENCODED))
+    os.environ.get encodes the name and decodes the value (about a microsecond a variable, eleven
+    of them a call); the mapping under it answers for all of them in less than one. Where
+    os.environ was replaced by a plain mapping (a test's patch), it is read name by name."""
+    raw = getattr(os.environ, "_data", None)
+    if raw is None:
+        return tuple(map(os.environ.get, VARIABLES))
+    return tuple(map(raw.get, _ENCODED))
 
 
 def unsupported(head_dim: int, dtype: torch.dtype, device: torch.device, kernels: str = "triton") -> str | None:

@@ -22,8 +22,9 @@ then a cProfile of the calling-thread variant (the engine thread is invisible to
 training layout (q, k, v views of one (B, T, 3, H, D) tensor, B * T = 16384, H * D = 1024), ours
 beside SDPA's cuDNN backend: host time per forward+backward, the GPU held busy by a spin kernel
 (torch.cuda._sleep) so that the host never waits, min and median of 12 bursts of 40 calls; and
-the GPU's time per forward+backward alone, the call captured in a CUDA graph and replayed. Where
-the host's time passes the GPU's, an eager benchmark reads the host (docs/perf-notes.md v26, v27).
+the GPU's time per forward+backward alone, the call captured in a CUDA graph and replayed (both
+sides' include the backward of the q, k, v views, one copy kernel). Where the host's time passes
+the GPU's, an eager benchmark reads the host (docs/perf-notes.md v26, v27).
 Needs a CUDA GPU:
 
     python scripts/host_overhead.py
@@ -45,7 +46,7 @@ from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/ sits beside kernels/
 
-from kernels import flash_attention, flash_attn_backward, flash_attn_forward  # noqa: E402
+from kernels import backends, flash_attention, flash_attn_backward, flash_attn_forward  # noqa: E402
 from scripts.args import ArgumentParser, require_cuda  # noqa: E402
 from scripts.stopping import stoppable  # noqa: E402
 
@@ -114,7 +115,9 @@ def against_cudnn() -> None:
         B, H = 16384 // T, 1024 // D
         qkv = torch.randn(B, T, 3, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         do = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
-        print(f"D={D} T={T} B={B} H={H}, forward+backward, us per call:")
+        ran = backends.backends(D, torch.bfloat16, qkv.device, T)  # Gluon on an H100; Triton's elsewhere
+        print(f"D={D} T={T} B={B} H={H}, forward+backward, us per call (ours: {ran['forward']} forward, "
+              f"{ran['backward']} backward):")
         for name, attend in (("ours", flash_attention), ("cuDNN", cudnn)):
             def step():
                 qkv.grad = None  # as a benchmark's grad_to_none: no accumulation

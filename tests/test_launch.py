@@ -102,3 +102,11 @@ def test_a_direct_launch_calls_the_c_function_and_encodes_each_address_once(monk
         a, b, c, d = (t.data_ptr() for t in tensors)
         assert call == (*head, ("map", a), 4, 8, 8, 1, ("map", b), 4, 8, 8, 1, c, d, (8, 1), 7, 0.5, 16, True)
     assert expanded == [t.data_ptr() for t in (*first[:2], *later[:2])]  # the third call encoded nothing
+
+    # past KEPT addresses a descriptor argument drops its oldest: here first's, which comes back anew
+    monkeypatch.setattr(launch._Direct, "KEPT", 2)
+    third = [torch.full((4, 8), 2.0) for _ in range(4)]
+    expanded.clear()
+    for tensors in (third, later, first):
+        bound(*tensors)
+    assert expanded == [t.data_ptr() for t in (*third[:2], *first[:2])]

@@ -225,7 +225,7 @@ class _Direct:
     is made once per address here and kept (a training step's tensors come back at the same
     addresses from torch's caching allocator, step after step)."""
 
-    KEPT = 256  # encoded descriptors kept per descriptor argument; past that they are made anew
+    KEPT = 1024  # encoded descriptors kept per descriptor argument, the oldest dropped first past that
 
     def __init__(self, launch, head: tuple, expand, descriptors: tuple):
         self.launch = launch
@@ -260,7 +260,7 @@ class _Direct:
             expanded = encoded.get(address)
             if expanded is None:
                 if len(encoded) >= self.KEPT:
-                    encoded.clear()
+                    del encoded[next(iter(encoded))]  # dicts keep insertion order: the oldest
                 expanded = encoded[address] = self.expand(HostDescriptor(Address(address), *self.descriptors[i]), i)
             args += expanded
         args += [t.data_ptr() for t in tensors[len(self.encoded):]]
