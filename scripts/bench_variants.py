@@ -41,8 +41,7 @@ TURNS = hopper.FWD_TURNS_VARIABLE
 # the ring's depth before v17 (3 at D 64, 2 at D 128), and a row's value per head dim where it differs
 RING = {64: "3", 128: "2"}
 # every row sets every variable
-UNSET = {BACKEND: "", FWD: "", OVERLAP: "", STAGES: "", PERSISTENT: "", TURNS: "", BLOCK_M: "", ORDER: "",
-         BWD_PERSISTENT: ""}
+UNSET = dict.fromkeys((BACKEND, *hopper.VARIABLES), "")
 BEFORE = {**UNSET, FWD: "heads", OVERLAP: "0", STAGES: RING, PERSISTENT: "0", BWD_PERSISTENT: "0"}
 # (group, label, environment); a group's first row is what its others are compared with; the
 # backward's rows force the Hopper kernels (unset, shorter sequences than MIN_SEQ run Triton's)

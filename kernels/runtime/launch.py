@@ -264,11 +264,8 @@ class _Direct:
                 expanded = encoded[address] = self.expand(HostDescriptor(Address(address), *self.descriptors[i]), i)
             args += expanded
         args += [t.data_ptr() for t in tensors[len(self.encoded):]]
-        if torch.cuda.current_device() != device:
-            with torch.cuda.device(device):
-                self.launch(*grid, _stream_of()(device), *self.head, *args, *tail)
-            return
-        self.launch(*grid, _stream_of()(device), *self.head, *args, *tail)
+        with on_device_index(device):
+            self.launch(*grid, _stream_of()(device), *self.head, *args, *tail)
 
 
 def _expand(descriptor: HostDescriptor, meta: dict | None) -> list:
