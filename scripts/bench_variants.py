@@ -1,11 +1,11 @@
 """Benchmark the Hopper kernels' schedule variants against each other and the peers, in one process.
 
 Each variant is an environment variable kernels/hopper/config.py reads per call (FLASH_ATTENTION_
-FWD_ORDER, _FWD_OVERLAP, _FWD_STAGES, _FWD_PERSISTENT, _FWD_TURNS, _BWD_BLOCK_M, _BWD_ORDER,
+FWD_ORDER, _FWD_OVERLAP, _FWD_STAGES, _FWD_PERSISTENT, _FWD_TURNS, _BWD_BY_KEYS, _BWD_ORDER,
 _BWD_PERSISTENT). The forward's
 baseline is the kernel before them ("before": head by head, a program per tile, each block's P V
 after its softmax, a 2-deep K/V ring at D = 128); the persistent kernels', a program per tile;
-the backward's (at D = 64, where it has two forms) is its form before v18, by keys; the order's
+the backward's (at D = 64, where it has two forms) is by keys, FlashAttention-3's; the order's
 (both head dims) is shortest first, the order before v19. Inputs as `bench_attention.py --layout
 btHd`: causal bf16, q, k, v views of one (B, T, 3, H, D) tensor as the model makes them,
 B·T = 16384, H·D = 1024. Prints TFLOP/s forward and forward+backward (3.5× the forward's FLOPs),
@@ -34,7 +34,7 @@ from scripts.args import ArgumentParser, positive_ints, require_cuda
 from scripts.bench_attention import environ, environment
 from scripts.stopping import stoppable
 
-FWD, BACKEND, BLOCK_M = hopper.FWD_ORDER_VARIABLE, backends.BACKEND_VARIABLE, hopper.BWD_BLOCK_M_VARIABLE
+FWD, BACKEND, BY_KEYS = hopper.FWD_ORDER_VARIABLE, backends.BACKEND_VARIABLE, hopper.BWD_BY_KEYS_VARIABLE
 OVERLAP, STAGES, ORDER = hopper.FWD_OVERLAP_VARIABLE, hopper.FWD_STAGES_VARIABLE, hopper.BWD_ORDER_VARIABLE
 PERSISTENT, BWD_PERSISTENT = hopper.FWD_PERSISTENT_VARIABLE, hopper.BWD_PERSISTENT_VARIABLE
 TURNS = hopper.FWD_TURNS_VARIABLE
@@ -55,7 +55,7 @@ VARIANTS = [("default", "before", BEFORE),
             ("persistent", "persistent both ways", {**UNSET, PERSISTENT: "1", BWD_PERSISTENT: "1"}),
             ("turns", "each consumer when ready", {**UNSET, TURNS: "0"}),
             ("turns", "the consumers in turn", {**UNSET, TURNS: "1"}),
-            ("backward", "bwd_block_m=64 (by keys)", {**UNSET, BACKEND: "gluon", BLOCK_M: "64"}),
+            ("backward", "bwd_by_keys=1 (by keys)", {**UNSET, BACKEND: "gluon", BY_KEYS: "1"}),
             ("backward", "by rows (the default)", {**UNSET, BACKEND: "gluon"}),
             ("backward", "triton (portable) both ways", {**UNSET, BACKEND: "triton"}),
             ("order", "shortest first", {**UNSET, BACKEND: "gluon", ORDER: "shortest"}),

@@ -50,7 +50,7 @@ def backend(request, monkeypatch):
 # its longest-first order is the default only from BWD_LONGEST_FIRST_FROM keys, more than compiled
 # or tested here)
 VARIANTS = {hopper.FWD_ORDER_VARIABLE: "heads", hopper.FWD_OVERLAP_VARIABLE: "1", hopper.FWD_STAGES_VARIABLE: "2",
-            hopper.FWD_PERSISTENT_VARIABLE: "0", hopper.BWD_BLOCK_M_VARIABLE: "64",
+            hopper.FWD_PERSISTENT_VARIABLE: "0", hopper.BWD_BY_KEYS_VARIABLE: "1",
             hopper.BWD_ORDER_VARIABLE: "longest", hopper.BWD_PERSISTENT_VARIABLE: "0",
             hopper.FWD_TURNS_VARIABLE: "1"}
 
@@ -77,7 +77,7 @@ def variant(variable: str, head_dim: int) -> str | None:
         return "0"
     if variable == hopper.FWD_TURNS_VARIABLE and head_dim in hopper.FWD_TURNS_HEAD_DIMS:
         return "0"
-    if variable == hopper.BWD_BLOCK_M_VARIABLE and head_dim not in hopper.BWD_BY_KEYS:
+    if variable == hopper.BWD_BY_KEYS_VARIABLE and head_dim not in hopper.BWD_BY_KEYS:
         return None
     return VARIANTS[variable]
 

@@ -11,7 +11,8 @@ share to an fp32 accumulator with one TMA reduce-add: in a fixed order, so that 
 bits every run (deterministic), or as the shares come. dK and dV stay in registers to the tile's
 end.
 The matmul warpgroups hold a step one of two ways round (config.BwdTiles.by_rows): by rows
-(_bwd_tile_rows, D = 64) or by keys, transposed (_bwd_tile_keys, D = 128). The tiles go out
+(_bwd_tile_rows, D = 64) or by keys, transposed (_bwd_tile_keys, D = 128, and D = 64 with
+FLASH_ATTENTION_BWD_BY_KEYS=1). The tiles go out
 shortest or (long causal sequences at D = 128) longest first (config.bwd_longest_first), and the
 fixed order of dQ's adds follows that order: a share waits only on tiles already taken by
 programs that run.
@@ -293,9 +294,9 @@ def _kv_read(kv_empty):
 def _bwd_tile_keys(buffers, program, outs, row_bounds, base, t, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr,
                    NUM_WARPS: gl.constexpr):
     """The t-th tile with S^T by keys (two warpgroups, one wgmma M of BLOCK_N keys; BLOCK_M = 64
-    at D = 128): the five products of every step, P^T and dS^T kept in registers as dV's and dK's
-    A operands, dK and dV in registers to the end, each dQ share handed to the writer; step j is
-    ring slot base + j."""
+    at D = 128, 128 at D = 64 with config.BWD_BY_KEYS): the five products of every step, P^T and
+    dS^T kept in registers as dV's and dK's A operands, dK and dV in registers to the end, each dQ
+    share handed to the writer; step j is ring slot base + j."""
     k_smem, v_smem, q_smem, do_smem = buffers.k_smem, buffers.v_smem, buffers.q_smem, buffers.do_smem
     lse_smem, delta_smem, ds_smem = buffers.lse_smem, buffers.delta_smem, buffers.ds_smem
     n, steps = program.n, program.steps
@@ -341,23 +342,49 @@ def _bwd_tile_keys(buffers, program, outs, row_bounds, base, t, CAUSAL: gl.const
         q_t, do_t = _landed(r, q_smem, do_smem, buffers.ready)
         st = warpgroup_mma(k_smem, q_t.permute((1, 0)), zero_t, use_acc=False, is_async=True)
         dpt = warpgroup_mma(v_smem, do_t.permute((1, 0)), zero_t, use_acc=False, is_async=True)
-        # -- P^T from LSE --
-        # rows past T arrive as zero Q and dO with LSE = delta = 0: P = 1 there but dP = dS = 0, dO = 0
-        lse = lse_smem.index(stage).reshape([BLOCK_M]).load(row_layout)
-        st = warpgroup_mma_wait(1, deps=[st])
-        pt = gl.exp2(st * qk_scale - lse[None, :])
-        # selected after exp2: a row with LSE = -inf (it sees no key) is dropped, never NaN
-        if tile_masked(start_m, start_n, past_s, full_hi, T, S, CAUSAL, BOUNDED, BLOCK_M, BLOCK_N):
-            pt = gl.where(visible_t(cols_t, start_m, offs_m_t, T, S, row_hi, CAUSAL, BOUNDED), pt, 0.0)
-        # -- dV += P^T dO; dS^T = P^T (dP^T - delta); dK += dS^T Q --
-        dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do_t, dv, is_async=True)
-        delta = delta_smem.index(stage).reshape([BLOCK_M]).load(row_layout)
-        dpt = warpgroup_mma_wait(1, deps=[dpt])
-        ds_lo = (pt * (dpt - delta[None, :])).to(dtype)
-        dk = warpgroup_mma(gl.convert_layout(ds_lo, a_layout), q_t, dk, is_async=True)
-        # -- dQ's share dS K, handed to the writer --
-        ds_buf = ds_smem.index(r % 2)  # two buffers: the barrier below also ends step j - 1's reads
-        ds_buf.store(ds_lo)
+        if BLOCK_M == 64:
+            # -- P^T from LSE --
+            # rows past T arrive as zero Q and dO with LSE = delta = 0: P = 1 there but dP = dS = 0, dO = 0
+            lse = lse_smem.index(stage).reshape([BLOCK_M]).load(row_layout)
+            st = warpgroup_mma_wait(1, deps=[st])
+            pt = gl.exp2(st * qk_scale - lse[None, :])
+            # selected after exp2: a row with LSE = -inf (it sees no key) is dropped, never NaN
+            if tile_masked(start_m, start_n, past_s, full_hi, T, S, CAUSAL, BOUNDED, BLOCK_M, BLOCK_N):
+                pt = gl.where(visible_t(cols_t, start_m, offs_m_t, T, S, row_hi, CAUSAL, BOUNDED), pt, 0.0)
+            # -- dV += P^T dO; dS^T = P^T (dP^T - delta); dK += dS^T Q --
+            dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do_t, dv, is_async=True)
+            delta = delta_smem.index(stage).reshape([BLOCK_M]).load(row_layout)
+            dpt = warpgroup_mma_wait(1, deps=[dpt])
+            ds_lo = (pt * (dpt - delta[None, :])).to(dtype)
+            dk = warpgroup_mma(gl.convert_layout(ds_lo, a_layout), q_t, dk, is_async=True)
+            # -- dQ's share dS K, handed to the writer --
+            ds_buf = ds_smem.index(r % 2)  # two buffers: the barrier below also ends step j - 1's reads
+            ds_buf.store(ds_lo)
+        else:
+            # the same for the step's 128 queries, 64 at a time: a thread holds 16 LSE and 16 delta
+            # values at once, not 32 each (which spill), while S^T and dP^T stay one m64n128
+            # product each, FlashAttention-3's D = 64 step (perf-notes v28)
+            lse_row = lse_smem.index(stage).reshape([BLOCK_M])
+            delta_row = delta_smem.index(stage).reshape([BLOCK_M])
+            ds_buf = ds_smem.index(r % 2)
+            keys = (cols_t, row_hi, tile_masked(start_m, start_n, past_s, full_hi, T, S, CAUSAL, BOUNDED, BLOCK_M,
+                                                BLOCK_N))
+            st = warpgroup_mma_wait(1, deps=[st])
+            st0, st1 = _column_halves(st)
+            cols: gl.constexpr = gl.SliceLayout(0, st0.type.layout)
+            pt0 = _probs_t(st0, lse_row.slice(0, 64).load(cols), start_m, 0, keys, qk_scale, T, S, CAUSAL, BOUNDED)
+            dv = warpgroup_mma(gl.convert_layout(pt0.to(dtype), a_layout), do_t.slice(0, 64), dv, is_async=True)
+            dpt = warpgroup_mma_wait(1, deps=[dpt])
+            dpt0, dpt1 = _column_halves(dpt)
+            ds0 = (pt0 * (dpt0 - delta_row.slice(0, 64).load(cols)[None, :])).to(dtype)
+            dk = warpgroup_mma(gl.convert_layout(ds0, a_layout), q_t.slice(0, 64), dk, is_async=True)
+            ds_buf.slice(0, 64, dim=1).store(ds0)
+            pt1 = _probs_t(st1, lse_row.slice(64, 64).load(cols), start_m, 64, keys, qk_scale, T, S, CAUSAL,
+                           BOUNDED)
+            dv = warpgroup_mma(gl.convert_layout(pt1.to(dtype), a_layout), do_t.slice(64, 64), dv, is_async=True)
+            ds1 = (pt1 * (dpt1 - delta_row.slice(64, 64).load(cols)[None, :])).to(dtype)
+            dk = warpgroup_mma(gl.convert_layout(ds1, a_layout), q_t.slice(64, 64), dk, is_async=True)
+            ds_buf.slice(64, 64, dim=1).store(ds1)
         fence_async_shared()
         gl.thread_barrier()
         dq = warpgroup_mma(ds_buf.permute((1, 0)), k_smem, zero_q, use_acc=False, is_async=True)
@@ -366,6 +393,32 @@ def _bwd_tile_keys(buffers, program, outs, row_bounds, base, t, CAUSAL: gl.const
         _hand_dq(r, dq, buffers.dq_smem, buffers.dq_full, buffers.dq_empty)
     _kv_read(buffers.kv_empty)
     _store_dkv(dk, dv, outs, program.off_b, program.off_hkv, start_n, S)
+
+
+@gluon.jit
+def _column_halves(x):
+    """x (R, 2 H) as its columns [0, H) and [H, 2 H), no data moved: a wgmma accumulator thread
+    holds columns of both halves."""
+    R: gl.constexpr = x.shape[0]
+    H: gl.constexpr = x.shape[1] // 2
+    return gl.split(gl.permute(gl.reshape(x, [R, 2, H]), [0, 2, 1]))
+
+
+@gluon.jit
+def _probs_t(st, lse, start_m, FIRST: gl.constexpr, keys, qk_scale, T, S, CAUSAL: gl.constexpr,
+             BOUNDED: gl.constexpr):
+    """P^T = exp2(S^T * scale * log2(e) - LSE) for one column half of a 128-row step, S^T (keys, the
+    queries start_m + FIRST..), masked where keys = (the keys, their row_hi, whether the tile needs
+    the mask) says; the queries' offsets are made only there (held across the loop, they spill).
+    Rows past T arrive as zero Q and dO with LSE = delta = 0: P = 1 there but dP = dS = 0, dO = 0."""
+    pt = gl.exp2(st * qk_scale - lse[None, :])
+    cols_t, row_hi, masked = keys
+    if masked:  # selected after exp2: a row with LSE = -inf (it sees no key) is dropped, never NaN
+        key_layout: gl.constexpr = gl.SliceLayout(1, st.type.layout)
+        offs_m = FIRST + gl.arange(0, st.shape[1], layout=gl.SliceLayout(0, st.type.layout))
+        pt = gl.where(visible_t(gl.convert_layout(cols_t, key_layout), start_m, offs_m, T, S,
+                                gl.convert_layout(row_hi, key_layout), CAUSAL, BOUNDED), pt, 0.0)
+    return pt
 
 
 @gluon.jit

@@ -31,7 +31,8 @@ class BwdTiles(NamedTuple):
     block_n: int  # keys per program
     stages: int  # depth of the Q/dO ring
     by_rows: bool = False  # S = Q K^T by query rows, P and dS through shared memory; else S^T =
-    # K Q^T by keys, P^T and dS^T kept in registers as dV's and dK's A operands (64 rows at most)
+    # K Q^T by keys, P^T and dS^T kept in registers as dV's and dK's A operands (128 rows in two
+    # column halves)
 
 
 FWD_ROWS = 64  # query rows per consumer warpgroup: one wgmma M
@@ -40,10 +41,13 @@ FWD_ROWS = 64  # query rows per consumer warpgroup: one wgmma M
 FWD_LONG = 2048
 FWD_TILES = {64: (FwdTiles(2, 128, 3), FwdTiles(3, 128, 3)),
              128: (FwdTiles(2, 128, 3), FwdTiles(2, 128, 3))}
-# by rows at D = 64 (1.04-1.14x the by-keys tiles, perf-notes v18); at 128, 128-row tiles by rows
-# would not fit shared memory
+# by rows at D = 64 (1.04-1.14x the 64-row tiles by keys, perf-notes v18); at 128, 128-row tiles by
+# rows would not fit shared memory
 BWD_TILES = {64: BwdTiles(128, 128, 2, by_rows=True), 128: BwdTiles(64, 128, 2)}
-BWD_BY_KEYS = {64: BwdTiles(64, 128, 3)}  # FLASH_ATTENTION_BWD_BLOCK_M=64: the tiles before v18
+# FLASH_ATTENTION_BWD_BY_KEYS=1: FlashAttention-3's tiles at D = 64, 128 rows by keys taken in two
+# column halves, 1.01-1.04x by rows with the same bits (perf-notes v28; opt-in until the GPU suite
+# runs with it)
+BWD_BY_KEYS = {64: BwdTiles(128, 128, 2)}
 HEAD_DIMS = tuple(FWD_TILES)
 BWD_WARPS = 8  # the backward's matmul warps: two warpgroups
 # head dim -> from how many keys a plain causal backward launches its longest programs first (v19:
@@ -78,14 +82,14 @@ def fwd_tiles(head_dim: int, seq_len: int) -> FwdTiles:
 
 
 def bwd_tiles(head_dim: int) -> BwdTiles:
-    """The backward's tiles: BWD_TILES', or with FLASH_ATTENTION_BWD_BLOCK_M=64 at BWD_BY_KEYS' head
-    dims, 64 query rows a step by keys."""
+    """The backward's tiles: BWD_TILES', or with FLASH_ATTENTION_BWD_BY_KEYS=1 at BWD_BY_KEYS' head
+    dims, those tiles by keys (=0: by rows, where BWD_TILES' are)."""
     tiles = BWD_TILES[head_dim]
-    block_m = _variant(BWD_BLOCK_M_VARIABLE, ("64", "128"))
-    if block_m and int(block_m) != tiles.block_m:
+    choice = _variant(BWD_BY_KEYS_VARIABLE, ("0", "1"))
+    if choice and (choice == "1") == tiles.by_rows:
         if head_dim not in BWD_BY_KEYS:
-            raise ValueError(f"{BWD_BLOCK_M_VARIABLE}={block_m}: at head dim {head_dim} the backward takes "
-                             f"{tiles.block_m} query rows a step")
+            raise ValueError(f"{BWD_BY_KEYS_VARIABLE}={choice}: at head dim {head_dim} the backward is held by "
+                             f"{'rows' if tiles.by_rows else 'keys'} only")
         tiles = BWD_BY_KEYS[head_dim]
     return tiles
 
@@ -124,12 +128,12 @@ def bwd_maxnreg() -> int:
 FWD_ORDER_VARIABLE = "FLASH_ATTENTION_FWD_ORDER"  # heads: the forward's tiles head by head (unset: l2)
 FWD_OVERLAP_VARIABLE = "FLASH_ATTENTION_FWD_OVERLAP"  # 1 / 0: block j-1's P V during block j's softmax, or not
 FWD_STAGES_VARIABLE = "FLASH_ATTENTION_FWD_STAGES"  # the forward's K/V ring depth (unset: FWD_TILES')
-BWD_BLOCK_M_VARIABLE = "FLASH_ATTENTION_BWD_BLOCK_M"  # 64 at D = 64: the backward by keys (unset: by rows)
+BWD_BY_KEYS_VARIABLE = "FLASH_ATTENTION_BWD_BY_KEYS"  # 1 at D = 64: the backward by keys (unset: by rows)
 BWD_ORDER_VARIABLE = "FLASH_ATTENTION_BWD_ORDER"  # shortest / longest: which backward programs launch first
 FWD_PERSISTENT_VARIABLE = "FLASH_ATTENTION_FWD_PERSISTENT"  # 1 / 0: one forward program per SM taking tiles, or not
 BWD_PERSISTENT_VARIABLE = "FLASH_ATTENTION_BWD_PERSISTENT"  # 1 / 0: the same for the backward
 FWD_TURNS_VARIABLE = "FLASH_ATTENTION_FWD_TURNS"  # 1 / 0: the forward's consumers issue matmuls in turn, or not
-VARIABLES = (FWD_ORDER_VARIABLE, FWD_OVERLAP_VARIABLE, FWD_STAGES_VARIABLE, BWD_BLOCK_M_VARIABLE, BWD_ORDER_VARIABLE,
+VARIABLES = (FWD_ORDER_VARIABLE, FWD_OVERLAP_VARIABLE, FWD_STAGES_VARIABLE, BWD_BY_KEYS_VARIABLE, BWD_ORDER_VARIABLE,
              FWD_PERSISTENT_VARIABLE, BWD_PERSISTENT_VARIABLE, FWD_TURNS_VARIABLE)
 L2_BYTES = 50 * 1024 * 1024  # the H100's L2: a section's K and V stay in it while its programs run
 
