@@ -143,6 +143,24 @@ def test_forward_ring_depth_is_checked_against_shared_memory(monkeypatch):
         hopper.fwd_tiles(64, 4096)
 
 
+def test_backward_tiles_by_keys_are_chosen_or_refused_per_head_dim(monkeypatch):
+    # every head dim held by rows has tiles by keys to switch to
+    assert {D for D, tiles in hopper.BWD_TILES.items() if tiles.by_rows} <= set(hopper.BWD_BY_KEYS)
+    for choice, by_rows_64 in (("", True), ("0", True), ("1", False)):
+        monkeypatch.setenv(hopper.BWD_BY_KEYS_VARIABLE, choice)
+        assert hopper.bwd_tiles(64).by_rows == by_rows_64
+        assert hopper.bwd_tiles(64).block_m == 128  # both ways round, 128 queries a step
+        if choice != "0":
+            assert hopper.bwd_tiles(128) == hopper.BWD_TILES[128]
+    monkeypatch.setenv(hopper.BWD_BY_KEYS_VARIABLE, "0")
+    with pytest.raises(ValueError, match="FLASH_ATTENTION_BWD_BY_KEYS=0: at head dim 128 the backward is held by "
+                                         "keys only: use 1 or leave it unset"):
+        hopper.bwd_tiles(128)
+    monkeypatch.setenv(hopper.BWD_BY_KEYS_VARIABLE, "2")
+    with pytest.raises(ValueError, match="FLASH_ATTENTION_BWD_BY_KEYS=2: use 0 or 1"):
+        hopper.bwd_tiles(64)
+
+
 def test_backward_order_is_chosen_per_head_dim_mask_and_keys(monkeypatch):
     # longest first by default only where it measured faster: plain causal, D = 128, from 8192 keys
     monkeypatch.delenv(hopper.BWD_ORDER_VARIABLE, raising=False)

@@ -361,30 +361,32 @@ def _bwd_tile_keys(buffers, program, outs, row_bounds, base, t, CAUSAL: gl.const
             ds_buf = ds_smem.index(r % 2)  # two buffers: the barrier below also ends step j - 1's reads
             ds_buf.store(ds_lo)
         else:
-            # the same for the step's 128 queries, 64 at a time: a thread holds 16 LSE and 16 delta
-            # values at once, not 32 each (which spill), while S^T and dP^T stay one m64n128
-            # product each, FlashAttention-3's D = 64 step (perf-notes v28)
+            # 128 queries (FlashAttention-3's D = 64 step, perf-notes v28): S^T and dP^T whole, one
+            # m64n128 product each; P^T, dS^T, dV and dK one 64-query column half at a time, so a
+            # thread holds 16 LSE and 16 delta values at once, not 32 each (which spill)
+            gl.static_assert(BLOCK_M == 128)
+            HALF: gl.constexpr = BLOCK_M // 2
             lse_row = lse_smem.index(stage).reshape([BLOCK_M])
             delta_row = delta_smem.index(stage).reshape([BLOCK_M])
             ds_buf = ds_smem.index(r % 2)
-            keys = (cols_t, row_hi, tile_masked(start_m, start_n, past_s, full_hi, T, S, CAUSAL, BOUNDED, BLOCK_M,
-                                                BLOCK_N))
+            masked = tile_masked(start_m, start_n, past_s, full_hi, T, S, CAUSAL, BOUNDED, BLOCK_M, BLOCK_N)
             st = warpgroup_mma_wait(1, deps=[st])
             st0, st1 = _column_halves(st)
-            cols: gl.constexpr = gl.SliceLayout(0, st0.type.layout)
-            pt0 = _probs_t(st0, lse_row.slice(0, 64).load(cols), start_m, 0, keys, qk_scale, T, S, CAUSAL, BOUNDED)
-            dv = warpgroup_mma(gl.convert_layout(pt0.to(dtype), a_layout), do_t.slice(0, 64), dv, is_async=True)
+            query_layout: gl.constexpr = gl.SliceLayout(0, st0.type.layout)  # a vector over a half's queries
+            pt0 = _probs_t(st0, lse_row.slice(0, HALF).load(query_layout), start_m, 0, cols_t, row_hi, masked,
+                           qk_scale, T, S, CAUSAL, BOUNDED)
+            dv = warpgroup_mma(gl.convert_layout(pt0.to(dtype), a_layout), do_t.slice(0, HALF), dv, is_async=True)
             dpt = warpgroup_mma_wait(1, deps=[dpt])
             dpt0, dpt1 = _column_halves(dpt)
-            ds0 = (pt0 * (dpt0 - delta_row.slice(0, 64).load(cols)[None, :])).to(dtype)
-            dk = warpgroup_mma(gl.convert_layout(ds0, a_layout), q_t.slice(0, 64), dk, is_async=True)
-            ds_buf.slice(0, 64, dim=1).store(ds0)
-            pt1 = _probs_t(st1, lse_row.slice(64, 64).load(cols), start_m, 64, keys, qk_scale, T, S, CAUSAL,
-                           BOUNDED)
-            dv = warpgroup_mma(gl.convert_layout(pt1.to(dtype), a_layout), do_t.slice(64, 64), dv, is_async=True)
-            ds1 = (pt1 * (dpt1 - delta_row.slice(64, 64).load(cols)[None, :])).to(dtype)
-            dk = warpgroup_mma(gl.convert_layout(ds1, a_layout), q_t.slice(64, 64), dk, is_async=True)
-            ds_buf.slice(64, 64, dim=1).store(ds1)
+            ds0 = (pt0 * (dpt0 - delta_row.slice(0, HALF).load(query_layout)[None, :])).to(dtype)
+            dk = warpgroup_mma(gl.convert_layout(ds0, a_layout), q_t.slice(0, HALF), dk, is_async=True)
+            ds_buf.slice(0, HALF, dim=1).store(ds0)
+            pt1 = _probs_t(st1, lse_row.slice(HALF, HALF).load(query_layout), start_m, HALF, cols_t, row_hi, masked,
+                           qk_scale, T, S, CAUSAL, BOUNDED)
+            dv = warpgroup_mma(gl.convert_layout(pt1.to(dtype), a_layout), do_t.slice(HALF, HALF), dv, is_async=True)
+            ds1 = (pt1 * (dpt1 - delta_row.slice(HALF, HALF).load(query_layout)[None, :])).to(dtype)
+            dk = warpgroup_mma(gl.convert_layout(ds1, a_layout), q_t.slice(HALF, HALF), dk, is_async=True)
+            ds_buf.slice(HALF, HALF, dim=1).store(ds1)
         fence_async_shared()
         gl.thread_barrier()
         dq = warpgroup_mma(ds_buf.permute((1, 0)), k_smem, zero_q, use_acc=False, is_async=True)
@@ -405,15 +407,15 @@ def _column_halves(x):
 
 
 @gluon.jit
-def _probs_t(st, lse, start_m, FIRST: gl.constexpr, keys, qk_scale, T, S, CAUSAL: gl.constexpr,
+def _probs_t(st, lse, start_m, FIRST: gl.constexpr, cols_t, row_hi, masked, qk_scale, T, S, CAUSAL: gl.constexpr,
              BOUNDED: gl.constexpr):
-    """P^T = exp2(S^T * scale * log2(e) - LSE) for one column half of a 128-row step, S^T (keys, the
-    queries start_m + FIRST..), masked where keys = (the keys, their row_hi, whether the tile needs
-    the mask) says; the queries' offsets are made only there (held across the loop, they spill).
-    Rows past T arrive as zero Q and dO with LSE = delta = 0: P = 1 there but dP = dS = 0, dO = 0."""
+    """P^T = exp2(S^T * softmax_scale * log2(e) - LSE * log2(e)) for one column half of a 128-query
+    step: S^T (keys cols_t, queries start_m + FIRST..), lse its queries' LSE * log2(e). Where the
+    tile is masked, keys a query does not see get 0; the queries' offsets are made only there (held
+    across the loop, they spill). Queries past T arrive as zero Q and dO with LSE = delta = 0:
+    P = 1 there, but dP = dS = 0 and dO = 0."""
     pt = gl.exp2(st * qk_scale - lse[None, :])
-    cols_t, row_hi, masked = keys
-    if masked:  # selected after exp2: a row with LSE = -inf (it sees no key) is dropped, never NaN
+    if masked:  # selected after exp2: a query with LSE = -inf (it sees no key) is dropped, never NaN
         key_layout: gl.constexpr = gl.SliceLayout(1, st.type.layout)
         offs_m = FIRST + gl.arange(0, st.shape[1], layout=gl.SliceLayout(0, st.type.layout))
         pt = gl.where(visible_t(gl.convert_layout(cols_t, key_layout), start_m, offs_m, T, S,

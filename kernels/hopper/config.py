@@ -31,8 +31,8 @@ class BwdTiles(NamedTuple):
     block_n: int  # keys per program
     stages: int  # depth of the Q/dO ring
     by_rows: bool = False  # S = Q K^T by query rows, P and dS through shared memory; else S^T =
-    # K Q^T by keys, P^T and dS^T kept in registers as dV's and dK's A operands (128 rows in two
-    # column halves)
+    # K Q^T by keys, P^T and dS^T kept in registers as dV's and dK's A operands (a step of 128 rows
+    # takes them in two column halves)
 
 
 FWD_ROWS = 64  # query rows per consumer warpgroup: one wgmma M
@@ -82,14 +82,15 @@ def fwd_tiles(head_dim: int, seq_len: int) -> FwdTiles:
 
 
 def bwd_tiles(head_dim: int) -> BwdTiles:
-    """The backward's tiles: BWD_TILES', or with FLASH_ATTENTION_BWD_BY_KEYS=1 at BWD_BY_KEYS' head
-    dims, those tiles by keys (=0: by rows, where BWD_TILES' are)."""
+    """The backward's tiles: BWD_TILES', or with FLASH_ATTENTION_BWD_BY_KEYS=1 where those are by
+    rows, BWD_BY_KEYS'. FLASH_ATTENTION_BWD_BY_KEYS=0 keeps a head dim's tiles by rows, and is
+    refused where the backward has tiles by keys only."""
     tiles = BWD_TILES[head_dim]
     choice = _variant(BWD_BY_KEYS_VARIABLE, ("0", "1"))
-    if choice and (choice == "1") == tiles.by_rows:
-        if head_dim not in BWD_BY_KEYS:
-            raise ValueError(f"{BWD_BY_KEYS_VARIABLE}={choice}: at head dim {head_dim} the backward is held by "
-                             f"{'rows' if tiles.by_rows else 'keys'} only")
+    if choice == "0" and not tiles.by_rows:
+        raise ValueError(f"{BWD_BY_KEYS_VARIABLE}=0: at head dim {head_dim} the backward is held by keys only: "
+                         "use 1 or leave it unset")
+    if choice == "1" and tiles.by_rows:
         tiles = BWD_BY_KEYS[head_dim]
     return tiles
 
@@ -128,7 +129,7 @@ def bwd_maxnreg() -> int:
 FWD_ORDER_VARIABLE = "FLASH_ATTENTION_FWD_ORDER"  # heads: the forward's tiles head by head (unset: l2)
 FWD_OVERLAP_VARIABLE = "FLASH_ATTENTION_FWD_OVERLAP"  # 1 / 0: block j-1's P V during block j's softmax, or not
 FWD_STAGES_VARIABLE = "FLASH_ATTENTION_FWD_STAGES"  # the forward's K/V ring depth (unset: FWD_TILES')
-BWD_BY_KEYS_VARIABLE = "FLASH_ATTENTION_BWD_BY_KEYS"  # 1 at D = 64: the backward by keys (unset: by rows)
+BWD_BY_KEYS_VARIABLE = "FLASH_ATTENTION_BWD_BY_KEYS"  # 1 at D = 64: the backward by keys (unset: BWD_TILES')
 BWD_ORDER_VARIABLE = "FLASH_ATTENTION_BWD_ORDER"  # shortest / longest: which backward programs launch first
 FWD_PERSISTENT_VARIABLE = "FLASH_ATTENTION_FWD_PERSISTENT"  # 1 / 0: one forward program per SM taking tiles, or not
 BWD_PERSISTENT_VARIABLE = "FLASH_ATTENTION_BWD_PERSISTENT"  # 1 / 0: the same for the backward
