@@ -5,7 +5,7 @@ FWD_ORDER, _FWD_OVERLAP, _FWD_STAGES, _FWD_PERSISTENT, _FWD_TURNS, _BWD_BY_KEYS,
 _BWD_PERSISTENT). The forward's
 baseline is the kernel before them ("before": head by head, a program per tile, each block's P V
 after its softmax, a 2-deep K/V ring at D = 128); the persistent kernels', a program per tile;
-the backward's (at D = 64, where it has two forms) is by keys, FlashAttention-3's; the order's
+the backward's (at D = 64, where it has two forms) is by rows, the default before v29; the order's
 (both head dims) is shortest first, the order before v19. Inputs as `bench_attention.py --layout
 btHd`: causal bf16, q, k, v views of one (B, T, 3, H, D) tensor as the model makes them,
 B·T = 16384, H·D = 1024. Prints TFLOP/s forward and forward+backward (3.5× the forward's FLOPs),
@@ -55,13 +55,13 @@ VARIANTS = [("default", "before", BEFORE),
             ("persistent", "persistent both ways", {**UNSET, PERSISTENT: "1", BWD_PERSISTENT: "1"}),
             ("turns", "each consumer when ready", {**UNSET, TURNS: "0"}),
             ("turns", "the consumers in turn", {**UNSET, TURNS: "1"}),
-            ("backward", "bwd_by_keys=1 (by keys)", {**UNSET, BACKEND: "gluon", BY_KEYS: "1"}),
-            ("backward", "by rows (the default)", {**UNSET, BACKEND: "gluon"}),
+            ("backward", "bwd_by_keys=0 (by rows)", {**UNSET, BACKEND: "gluon", BY_KEYS: "0"}),
+            ("backward", "by keys (the default)", {**UNSET, BACKEND: "gluon"}),
             ("backward", "triton (portable) both ways", {**UNSET, BACKEND: "triton"}),
             ("order", "shortest first", {**UNSET, BACKEND: "gluon", ORDER: "shortest"}),
             ("order", "longest first", {**UNSET, BACKEND: "gluon", ORDER: "longest"})]
 GROUPS = list(dict.fromkeys(group for group, _, _ in VARIANTS))  # in order
-BACKWARD_AT = tuple(hopper.BWD_BY_KEYS)  # elsewhere the backward has one form: its rows add nothing
+BACKWARD_AT = tuple(hopper.BWD_BY_ROWS)  # elsewhere the backward has one form: its rows add nothing
 
 
 def cudnn(q, k, v):

@@ -6,6 +6,7 @@
   each config instead.
 - Markers: `gpu` tests need CUDA and are skipped, with that reason, where there is none; `slow`
   tests start processes or train for tens of steps (`-m "not slow"` leaves them out while iterating).
+- Every test ends with TF32 as it found it (training turns it on for its process).
 - `data_root`: the real Shakespeare dataset, prepared once per session into a temp dir;
   `short_docs`: overrides for a dataset of short documents (a local JSON corpus through the
   Hugging Face path), so that a training window holds several of them.
@@ -40,6 +41,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("gpu"):
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _float32_matmuls_as_found():
+    # training turns TF32 on for its process (train.py: setup); a test that trains in this process
+    # must not hand it to the float32 tests after it, whose tolerances assume full float32 products
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
 
 
 @pytest.fixture(scope="session")

@@ -46,11 +46,11 @@ def backend(request, monkeypatch):
 # the schedule variants (kernels/hopper/config.py), each the value its variable's default is not
 # (the forward's ring one slot shallower; its overlap is the default at FWD_OVERLAP_HEAD_DIMS, so
 # there its variant is 0, and its consumers' turns, at FWD_TURNS_HEAD_DIMS (none); the backward
-# has other tiles only at BWD_BY_KEYS' head dims: `variant`;
+# has other tiles only at BWD_BY_ROWS' head dims: `variant`;
 # its longest-first order is the default only from BWD_LONGEST_FIRST_FROM keys, more than compiled
 # or tested here)
 VARIANTS = {hopper.FWD_ORDER_VARIABLE: "heads", hopper.FWD_OVERLAP_VARIABLE: "1", hopper.FWD_STAGES_VARIABLE: "2",
-            hopper.FWD_PERSISTENT_VARIABLE: "0", hopper.BWD_BY_KEYS_VARIABLE: "1",
+            hopper.FWD_PERSISTENT_VARIABLE: "0", hopper.BWD_BY_KEYS_VARIABLE: "0",
             hopper.BWD_ORDER_VARIABLE: "longest", hopper.BWD_PERSISTENT_VARIABLE: "0",
             hopper.FWD_TURNS_VARIABLE: "1"}
 
@@ -77,7 +77,7 @@ def variant(variable: str, head_dim: int) -> str | None:
         return "0"
     if variable == hopper.FWD_TURNS_VARIABLE and head_dim in hopper.FWD_TURNS_HEAD_DIMS:
         return "0"
-    if variable == hopper.BWD_BY_KEYS_VARIABLE and head_dim not in hopper.BWD_BY_KEYS:
+    if variable == hopper.BWD_BY_KEYS_VARIABLE and head_dim not in hopper.BWD_BY_ROWS:
         return None
     return VARIANTS[variable]
 
@@ -96,14 +96,18 @@ def test_compiles_for_sm90_without_a_gpu(variants, tmp_path):
     # a fresh process: the stand-in driver replaces Triton's for the process, and Gluon must not
     # see TRITON_INTERPRET (it has no interpreter)
     env = {key: value for key, value in os.environ.items() if key not in ("TRITON_INTERPRET", *VARIANTS)}
-    env.update(variants)
     if not GLUON:
         env["PYTHONPATH"] = os.pathsep.join([str(GLUON_TRITON_DIR), str(REPO)])
-    out = subprocess.run([sys.executable, "-m", "kernels.runtime.sm90", "--sass", "--out", str(tmp_path)], cwd=REPO, env=env,
-                         capture_output=True, text=True, timeout=1800)
-    assert out.returncode == 0, out.stderr[-3000:]
-    lines = out.stdout.strip().splitlines()
-    assert len(lines) == 12, out.stdout  # forward and backward, D 64 and 128, full, causal and documents
+    stdout = ""
+    for D in hopper.HEAD_DIMS:  # one process per head dim: a variant a head dim lacks is left unset there
+        chosen = {key: value for key, value in variants.items() if variant(key, D) is not None}
+        out = subprocess.run([sys.executable, "-m", "kernels.runtime.sm90", "--sass", "--out", str(tmp_path),
+                              "--head-dims", str(D)], cwd=REPO, env={**env, **chosen}, capture_output=True,
+                             text=True, timeout=1800)
+        assert out.returncode == 0, out.stderr[-3000:]
+        stdout += out.stdout
+    lines = stdout.strip().splitlines()
+    assert len(lines) == 12, stdout  # forward and backward, D 64 and 128, full, causal and documents
     overlap = variants.get(hopper.FWD_OVERLAP_VARIABLE)
     for line in lines:
         assert int(re.search(r"(\d+) HGMMA", line)[1]) > 0, line  # the matmuls run on Hopper's wgmma
@@ -143,10 +147,11 @@ def test_forward_ring_depth_is_checked_against_shared_memory(monkeypatch):
         hopper.fwd_tiles(64, 4096)
 
 
-def test_backward_tiles_by_keys_are_chosen_or_refused_per_head_dim(monkeypatch):
-    # every head dim held by rows has tiles by keys to switch to
-    assert {D for D, tiles in hopper.BWD_TILES.items() if tiles.by_rows} <= set(hopper.BWD_BY_KEYS)
-    for choice, by_rows_64 in (("", True), ("0", True), ("1", False)):
+def test_backward_tiles_by_rows_are_chosen_or_refused_per_head_dim(monkeypatch):
+    # by keys by default at every head dim; by rows where there are tiles by rows
+    assert not any(tiles.by_rows for tiles in hopper.BWD_TILES.values())
+    assert all(tiles.by_rows for tiles in hopper.BWD_BY_ROWS.values())
+    for choice, by_rows_64 in (("", False), ("1", False), ("0", True)):
         monkeypatch.setenv(hopper.BWD_BY_KEYS_VARIABLE, choice)
         assert hopper.bwd_tiles(64).by_rows == by_rows_64
         assert hopper.bwd_tiles(64).block_m == 128  # both ways round, 128 queries a step

@@ -10,9 +10,9 @@ dP = dO V^T, dV += P^T dO, dK += dS^T Q and a dQ share dS K, and a dQ-writer war
 share to an fp32 accumulator with one TMA reduce-add: in a fixed order, so that dQ has the same
 bits every run (deterministic), or as the shares come. dK and dV stay in registers to the tile's
 end.
-The matmul warpgroups hold a step one of two ways round (config.BwdTiles.by_rows): by rows
-(_bwd_tile_rows, D = 64) or by keys, transposed (_bwd_tile_keys, D = 128, and D = 64 with
-FLASH_ATTENTION_BWD_BY_KEYS=1). The tiles go out
+The matmul warpgroups hold a step one of two ways round (config.BwdTiles.by_rows): by keys,
+transposed (_bwd_tile_keys, the default), or by rows (_bwd_tile_rows, D = 64 with
+FLASH_ATTENTION_BWD_BY_KEYS=0). The tiles go out
 shortest or (long causal sequences at D = 128) longest first (config.bwd_longest_first), and the
 fixed order of dQ's adds follows that order: a share waits only on tiles already taken by
 programs that run.
@@ -294,7 +294,7 @@ def _kv_read(kv_empty):
 def _bwd_tile_keys(buffers, program, outs, row_bounds, base, t, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr,
                    NUM_WARPS: gl.constexpr):
     """The t-th tile with S^T by keys (two warpgroups, one wgmma M of BLOCK_N keys; BLOCK_M = 64
-    at D = 128, 128 at D = 64 with config.BWD_BY_KEYS): the five products of every step, P^T and
+    at D = 128, 128 at D = 64): the five products of every step, P^T and
     dS^T kept in registers as dV's and dK's A operands, dK and dV in registers to the end, each dQ
     share handed to the writer; step j is ring slot base + j."""
     k_smem, v_smem, q_smem, do_smem = buffers.k_smem, buffers.v_smem, buffers.q_smem, buffers.do_smem

@@ -41,18 +41,17 @@ FWD_ROWS = 64  # query rows per consumer warpgroup: one wgmma M
 FWD_LONG = 2048
 FWD_TILES = {64: (FwdTiles(2, 128, 3), FwdTiles(3, 128, 3)),
              128: (FwdTiles(2, 128, 3), FwdTiles(2, 128, 3))}
-# by rows at D = 64 (1.04-1.14x the 64-row tiles by keys, perf-notes v18); at 128, 128-row tiles by
-# rows would not fit shared memory
-BWD_TILES = {64: BwdTiles(128, 128, 2, by_rows=True), 128: BwdTiles(64, 128, 2)}
-# FLASH_ATTENTION_BWD_BY_KEYS=1: FlashAttention-3's tiles at D = 64, 128 rows by keys taken in two
-# column halves, 1.01-1.04x by rows with the same bits (perf-notes v28; opt-in until the GPU suite
-# runs with it)
-BWD_BY_KEYS = {64: BwdTiles(128, 128, 2)}
+# by keys, FlashAttention-3's tiles: at D = 64 a step of 128 rows taken in two column halves,
+# 1.01-1.04x by rows with the same bits (perf-notes v28, v29); at D = 128 a step of 64
+BWD_TILES = {64: BwdTiles(128, 128, 2), 128: BwdTiles(64, 128, 2)}
+# FLASH_ATTENTION_BWD_BY_KEYS=0: by rows at D = 64 (1.04-1.14x the 64-row tiles by keys of v18); at
+# 128, 128-row tiles by rows would not fit shared memory
+BWD_BY_ROWS = {64: BwdTiles(128, 128, 2, by_rows=True)}
 HEAD_DIMS = tuple(FWD_TILES)
 BWD_WARPS = 8  # the backward's matmul warps: two warpgroups
 # head dim -> from how many keys a plain causal backward launches its longest programs first (v19:
 # at D = 128 from 8,192 keys 1.03-1.08x in 10 of 12 measurements, 0.94 and 0.99 in the others; at
-# D = 64, whose programs take half as many steps by rows, 0.96-1.05x)
+# D = 64, whose programs take half as many steps, 0.96-1.05x by rows)
 BWD_LONGEST_FIRST_FROM = {128: 8192}
 
 # Registers are shared out per warpgroup, 64K in all. The backward's 1-warp workers (its producer
@@ -82,17 +81,14 @@ def fwd_tiles(head_dim: int, seq_len: int) -> FwdTiles:
 
 
 def bwd_tiles(head_dim: int) -> BwdTiles:
-    """The backward's tiles: BWD_TILES', or with FLASH_ATTENTION_BWD_BY_KEYS=1 where those are by
-    rows, BWD_BY_KEYS'. FLASH_ATTENTION_BWD_BY_KEYS=0 keeps a head dim's tiles by rows, and is
-    refused where the backward has tiles by keys only."""
-    tiles = BWD_TILES[head_dim]
-    choice = _variant(BWD_BY_KEYS_VARIABLE, ("0", "1"))
-    if choice == "0" and not tiles.by_rows:
+    """The backward's tiles: BWD_TILES', or with FLASH_ATTENTION_BWD_BY_KEYS=0 BWD_BY_ROWS', refused
+    at a head dim that has no tiles by rows."""
+    if _variant(BWD_BY_KEYS_VARIABLE, ("0", "1")) != "0":
+        return BWD_TILES[head_dim]
+    if head_dim not in BWD_BY_ROWS:
         raise ValueError(f"{BWD_BY_KEYS_VARIABLE}=0: at head dim {head_dim} the backward is held by keys only: "
                          "use 1 or leave it unset")
-    if choice == "1" and tiles.by_rows:
-        tiles = BWD_BY_KEYS[head_dim]
-    return tiles
+    return BWD_BY_ROWS[head_dim]
 
 
 def bwd_longest_first(head_dim: int, causal: bool, bounded: bool, seq_k: int) -> bool:
@@ -129,7 +125,7 @@ def bwd_maxnreg() -> int:
 FWD_ORDER_VARIABLE = "FLASH_ATTENTION_FWD_ORDER"  # heads: the forward's tiles head by head (unset: l2)
 FWD_OVERLAP_VARIABLE = "FLASH_ATTENTION_FWD_OVERLAP"  # 1 / 0: block j-1's P V during block j's softmax, or not
 FWD_STAGES_VARIABLE = "FLASH_ATTENTION_FWD_STAGES"  # the forward's K/V ring depth (unset: FWD_TILES')
-BWD_BY_KEYS_VARIABLE = "FLASH_ATTENTION_BWD_BY_KEYS"  # 1 at D = 64: the backward by keys (unset: BWD_TILES')
+BWD_BY_KEYS_VARIABLE = "FLASH_ATTENTION_BWD_BY_KEYS"  # 0 at D = 64: the backward by rows (unset: by keys)
 BWD_ORDER_VARIABLE = "FLASH_ATTENTION_BWD_ORDER"  # shortest / longest: which backward programs launch first
 FWD_PERSISTENT_VARIABLE = "FLASH_ATTENTION_FWD_PERSISTENT"  # 1 / 0: one forward program per SM taking tiles, or not
 BWD_PERSISTENT_VARIABLE = "FLASH_ATTENTION_BWD_PERSISTENT"  # 1 / 0: the same for the backward
