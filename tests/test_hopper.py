@@ -137,6 +137,14 @@ def test_compiles_for_sm90_without_a_gpu(variants, tmp_path):
             assert step.split("WARPGROUP.DEPBAR")[0].count("MUFU.EX2") >= 64, sass.name
 
 
+def test_compiling_refuses_a_head_dim_without_kernels_in_one_line(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "kernels.runtime.sm90", "--head-dims", "64,96", "--out",
+                          str(tmp_path / "sass")], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2
+    assert out.stderr.splitlines()[-1].endswith("--head-dims 64,96: the Hopper kernels have head dims 64, 128")
+    assert not (tmp_path / "sass").exists()  # refused before anything is written
+
+
 def test_forward_ring_depth_is_checked_against_shared_memory(monkeypatch):
     monkeypatch.setenv(hopper.FWD_STAGES_VARIABLE, "4")
     assert hopper.fwd_tiles(64, 4096).stages == 4

@@ -294,9 +294,9 @@ def _kv_read(kv_empty):
 def _bwd_tile_keys(buffers, program, outs, row_bounds, base, t, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr,
                    NUM_WARPS: gl.constexpr):
     """The t-th tile with S^T by keys (two warpgroups, one wgmma M of BLOCK_N keys; BLOCK_M = 64
-    at D = 128, 128 at D = 64): the five products of every step, P^T and
-    dS^T kept in registers as dV's and dK's A operands, dK and dV in registers to the end, each dQ
-    share handed to the writer; step j is ring slot base + j."""
+    at D = 128, 128 at D = 64): the five products of every step, P^T and dS^T kept in registers as
+    dV's and dK's A operands, dK and dV in registers to the end, each dQ share handed to the
+    writer; step j is ring slot base + j."""
     k_smem, v_smem, q_smem, do_smem = buffers.k_smem, buffers.v_smem, buffers.q_smem, buffers.do_smem
     lse_smem, delta_smem, ds_smem = buffers.lse_smem, buffers.delta_smem, buffers.ds_smem
     n, steps = program.n, program.steps
@@ -466,13 +466,14 @@ def _store_dkv(dk, dv, outs, off_b, off_hkv, start_n, S):
 @gluon.jit
 def _bwd_tile_rows(buffers, program, outs, row_bounds, base, t, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr,
                    NUM_WARPS: gl.constexpr):
-    """The t-th tile with S by query rows (128 x 128 tiles at D = 64): each warpgroup computes S =
-    Q K^T and dP = dO V^T for 64 of the step's query rows against all BLOCK_N keys. dV += P^T dO
-    and dK += dS^T Q need P and dS transposed, so they go to shared memory; the dQ share dS K takes
-    this warpgroup's own rows of dS from registers. Twice _bwd_tile_keys's rows a step in the same
-    registers: no P^T or dS^T held for the tensor cores, and LSE and delta are per row, 2 values a
-    thread instead of 32. Each product is issued as soon as its operands are ready: dV while dS
-    is made, dK while the dQ share is handed over. Step j is ring slot base + j."""
+    """The t-th tile with S by query rows (128 x 128 tiles at D = 64 with
+    FLASH_ATTENTION_BWD_BY_KEYS=0): each warpgroup computes S = Q K^T and dP = dO V^T for 64 of the
+    step's query rows against all BLOCK_N keys. dV += P^T dO and dK += dS^T Q need P and dS
+    transposed, so they go to shared memory; the dQ share dS K takes this warpgroup's own rows of
+    dS from registers. Twice the 64-row _bwd_tile_keys's rows a step in the same registers: no P^T
+    or dS^T held for the tensor cores, and LSE and delta are per row, 2 values a thread instead of
+    32. Each product is issued as soon as its operands are ready: dV while dS is made, dK while
+    the dQ share is handed over. Step j is ring slot base + j."""
     k_smem, v_smem, q_smem, do_smem = buffers.k_smem, buffers.v_smem, buffers.q_smem, buffers.do_smem
     lse_smem, delta_smem = buffers.lse_smem, buffers.delta_smem
     p_smem, ds_smem = buffers.ds_smem.index(0), buffers.ds_smem.index(1)  # (BLOCK_M, BLOCK_N) each

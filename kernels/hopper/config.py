@@ -1,6 +1,6 @@
 """The Hopper kernels' table (sm_90, Gluon): where they run, their tiles and register budgets.
 
-Every number was measured best on the H100 (docs/perf-notes.md v10-v13, v16-v21). Adding a head dim is a
+Every number was measured best on the H100 (docs/perf-notes.md v10-v13, v16-v21, v28-v29). Adding a head dim is a
 row in FWD_TILES and BWD_TILES; kernels/backends.py reads the rest to say where they run.
 Plain Python, importable with any triton: Gluon's API is imported only by the kernels' files.
 The schedule variants are switched per call by environment variables read here (unset: the

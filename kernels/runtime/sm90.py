@@ -8,7 +8,7 @@ SASS without spending GPU time:
 
     python -m kernels.runtime.sm90            # registers, spills, shared memory of each Hopper kernel
     python -m kernels.runtime.sm90 --sass     # and their SASS, beside the cubins under bench/sass/
-    python -m kernels.runtime.sm90 --head-dims 64
+    python -m kernels.runtime.sm90 --head-dims 64  # one head dim's kernels
 
 The schedule variants' environment variables (kernels/hopper/config.py) compile those variants;
 a variant a head dim does not have is refused, so compile those head dims on their own.
@@ -97,11 +97,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sass", action="store_true", help="write each kernel's SASS under --out")
     parser.add_argument("--out", default="bench/sass")
-    parser.add_argument("--head-dims", default=",".join(map(str, HEAD_DIMS)), help="comma list")
+    parser.add_argument("--head-dims", default=",".join(map(str, HEAD_DIMS)), help="comma list (default: all)")
     args = parser.parse_args()
+    head_dims = args.head_dims.split(",")
+    if not set(head_dims) <= set(map(str, HEAD_DIMS)):
+        parser.error(f"--head-dims {args.head_dims}: the Hopper kernels have head dims {', '.join(map(str, HEAD_DIMS))}")
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    for direction, head_dim, mask in itertools.product(("fwd", "bwd"), map(int, args.head_dims.split(",")), MASKS):
+    for direction, head_dim, mask in itertools.product(("fwd", "bwd"), map(int, head_dims), MASKS):
         kernel = compile_hopper(direction, head_dim, torch.bfloat16, mask)
         name = f"{direction}_d{head_dim}_{mask}"
         cubin = out / f"{name}.cubin"
