@@ -121,8 +121,9 @@ def test_compiles_for_sm90_without_a_gpu(variants, tmp_path):
             # longest first, never the default with documents, reloads one value a step (two with
             # a program per tile)
             assert stack <= 32 and len(spills) <= 2, line
-        else:  # no register spills, but once a tile: the backward's without a mask keep up to 24 B
-            assert stack <= (32 if line.startswith("bwd") else 8) and not spills, line
+        else:  # no register spills, but once a tile: the backward's without a mask keep up to 24 B,
+            # the forward's with documents at D = 128 16 B
+            assert stack <= (32 if line.startswith("bwd") else 16) and not spills, line
     # where the forward overlaps (every head dim with the variant's 1), each step's softmax (a
     # thread's 64 exp2s of a 64 x 128 block) sits between the wait for its S, P V of the block
     # before still in flight, and the wait for that P V: ptxas had hoisted the second wait above

@@ -21,10 +21,13 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 @gluon.jit
 def visible(rows, keys, T, S, key_lo, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr):
     """(len(rows), len(keys)): whether query rows[i] may attend keys[j]: a real key; causal,
-    bottom-right (j <= i + S - T); bounded, from the row's first key (key_lo: each row's) on."""
-    visible = keys[None, :] < S
+    bottom-right (j <= i + S - T); bounded, from the row's first key (key_lo: each row's) on.
+    The row's end (causal, and S) is one bound made once a row, so that a score costs one compare
+    (two, bounded) and one select."""
+    hi = S + rows * 0  # one past the row's last key
     if CAUSAL:
-        visible = visible & (keys[None, :] <= rows[:, None] + (S - T))
+        hi = gl.minimum(rows + (S - T + 1), S)
+    visible = keys[None, :] < hi[:, None]
     if BOUNDED:
         visible = visible & (keys[None, :] >= key_lo[:, None])
     return visible
