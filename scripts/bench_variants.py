@@ -1,10 +1,10 @@
 """Benchmark the Hopper kernels' schedule variants against each other and the peers, in one process.
 
 Each variant is an environment variable kernels/hopper/config.py reads per call (FLASH_ATTENTION_
-FWD_ORDER, _FWD_OVERLAP, _FWD_STAGES, _FWD_PERSISTENT, _FWD_TURNS, _BWD_BY_KEYS, _BWD_ORDER,
-_BWD_PERSISTENT). The forward's
-baseline is the kernel before them ("before": head by head, a program per tile, each block's P V
-after its softmax, a 2-deep K/V ring at D = 128); the persistent kernels', a program per tile;
+FWD_ORDER, _FWD_OVERLAP, _FWD_STAGES, _FWD_PERSISTENT, _FWD_TURNS, _FWD_EXP2_FMA, _BWD_BY_KEYS,
+_BWD_ORDER, _BWD_PERSISTENT). The forward's baseline is the kernel before them ("before": head by
+head, a program per tile, each block's P V after its softmax, a 2-deep K/V ring at D = 128, every
+exponential on the exp2 unit); the persistent kernels', a program per tile;
 the backward's (at D = 64, where it has two forms) is by rows, the default before v29; the order's
 (both head dims) is shortest first, the order before v19. Inputs as `bench_attention.py --layout
 btHd`: causal bf16, q, k, v views of one (B, T, 3, H, D) tensor as the model makes them,
@@ -37,12 +37,12 @@ from scripts.stopping import stoppable
 FWD, BACKEND, BY_KEYS = hopper.FWD_ORDER_VARIABLE, backends.BACKEND_VARIABLE, hopper.BWD_BY_KEYS_VARIABLE
 OVERLAP, STAGES, ORDER = hopper.FWD_OVERLAP_VARIABLE, hopper.FWD_STAGES_VARIABLE, hopper.BWD_ORDER_VARIABLE
 PERSISTENT, BWD_PERSISTENT = hopper.FWD_PERSISTENT_VARIABLE, hopper.BWD_PERSISTENT_VARIABLE
-TURNS = hopper.FWD_TURNS_VARIABLE
+TURNS, EXP2_FMA = hopper.FWD_TURNS_VARIABLE, hopper.FWD_EXP2_FMA_VARIABLE
 # the ring's depth before v17 (3 at D 64, 2 at D 128), and a row's value per head dim where it differs
 RING = {64: "3", 128: "2"}
 # every row sets every variable
 UNSET = dict.fromkeys((BACKEND, *hopper.VARIABLES), "")
-BEFORE = {**UNSET, FWD: "heads", OVERLAP: "0", STAGES: RING, PERSISTENT: "0", BWD_PERSISTENT: "0"}
+BEFORE = {**UNSET, FWD: "heads", OVERLAP: "0", STAGES: RING, PERSISTENT: "0", BWD_PERSISTENT: "0", EXP2_FMA: "0"}
 # (group, label, environment); a group's first row is what its others are compared with; the
 # backward's rows force the Hopper kernels (unset, shorter sequences than MIN_SEQ run Triton's)
 VARIANTS = [("default", "before", BEFORE),
@@ -55,6 +55,8 @@ VARIANTS = [("default", "before", BEFORE),
             ("persistent", "persistent both ways", {**UNSET, PERSISTENT: "1", BWD_PERSISTENT: "1"}),
             ("turns", "each consumer when ready", {**UNSET, TURNS: "0"}),
             ("turns", "the consumers in turn", {**UNSET, TURNS: "1"}),
+            ("exp2", "every exp2 on the exp2 unit", {**UNSET, EXP2_FMA: "0"}),
+            ("exp2", "a share on the FMA pipe", {**UNSET, EXP2_FMA: "1"}),
             ("backward", "bwd_by_keys=0 (by rows)", {**UNSET, BACKEND: "gluon", BY_KEYS: "0"}),
             ("backward", "by keys (the default)", {**UNSET, BACKEND: "gluon"}),
             ("backward", "triton (portable) both ways", {**UNSET, BACKEND: "triton"}),

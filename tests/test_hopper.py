@@ -45,14 +45,15 @@ def backend(request, monkeypatch):
 
 # the schedule variants (kernels/hopper/config.py), each the value its variable's default is not
 # (the forward's ring one slot shallower; its overlap is the default at FWD_OVERLAP_HEAD_DIMS, so
-# there its variant is 0, and its consumers' turns, at FWD_TURNS_HEAD_DIMS (none); the backward
+# there its variant is 0, as are its consumers' turns at FWD_TURNS_HEAD_DIMS (none) and its exp2s
+# on the FMA pipe at FWD_EXP2_FMA_HEAD_DIMS); the backward
 # has other tiles only at BWD_BY_ROWS' head dims: `variant`;
 # its longest-first order is the default only from BWD_LONGEST_FIRST_FROM keys, more than compiled
 # or tested here)
 VARIANTS = {hopper.FWD_ORDER_VARIABLE: "heads", hopper.FWD_OVERLAP_VARIABLE: "1", hopper.FWD_STAGES_VARIABLE: "2",
             hopper.FWD_PERSISTENT_VARIABLE: "0", hopper.BWD_BY_KEYS_VARIABLE: "0",
             hopper.BWD_ORDER_VARIABLE: "longest", hopper.BWD_PERSISTENT_VARIABLE: "0",
-            hopper.FWD_TURNS_VARIABLE: "1"}
+            hopper.FWD_TURNS_VARIABLE: "1", hopper.FWD_EXP2_FMA_VARIABLE: "1"}
 
 
 def loop_spills(sass: str) -> tuple[int, list[str]]:
@@ -76,6 +77,8 @@ def variant(variable: str, head_dim: int) -> str | None:
     if variable == hopper.FWD_OVERLAP_VARIABLE and head_dim in hopper.FWD_OVERLAP_HEAD_DIMS:
         return "0"
     if variable == hopper.FWD_TURNS_VARIABLE and head_dim in hopper.FWD_TURNS_HEAD_DIMS:
+        return "0"
+    if variable == hopper.FWD_EXP2_FMA_VARIABLE and head_dim in hopper.FWD_EXP2_FMA_HEAD_DIMS:
         return "0"
     if variable == hopper.BWD_BY_KEYS_VARIABLE and head_dim not in hopper.BWD_BY_ROWS:
         return None
@@ -127,15 +130,19 @@ def test_compiles_for_sm90_without_a_gpu(variants, tmp_path):
     # where the forward overlaps (every head dim with the variant's 1), each step's softmax (a
     # thread's 64 exp2s of a 64 x 128 block) sits between the wait for its S, P V of the block
     # before still in flight, and the wait for that P V: ptxas had hoisted the second wait above
-    # the exp2s, which runs the two in turn again
+    # the exp2s, which runs the two in turn again (on the exp2 unit: 64, less FWD_EXP2_FMA's share)
     dims = {"1": hopper.HEAD_DIMS, "0": ()}.get(overlap, hopper.FWD_OVERLAP_HEAD_DIMS)
-    forwards = sorted(sass for D in dims for sass in tmp_path.glob(f"fwd_d{D}_*.sass"))
-    assert len(forwards) == 3 * len(dims), forwards
-    for sass in forwards:
-        steps = re.split(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1", sass.read_text())[1:]
-        assert steps, sass.name
-        for step in steps:
-            assert step.split("WARPGROUP.DEPBAR")[0].count("MUFU.EX2") >= 64, sass.name
+    exp2_fma = variants.get(hopper.FWD_EXP2_FMA_VARIABLE)
+    for D in dims:
+        on_fma = exp2_fma == "1" if exp2_fma else D in hopper.FWD_EXP2_FMA_HEAD_DIMS
+        forwards = sorted(tmp_path.glob(f"fwd_d{D}_*.sass"))
+        assert len(forwards) == 3, forwards
+        for sass in forwards:
+            steps = re.split(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1", sass.read_text())[1:]
+            assert steps, sass.name
+            for step in steps:
+                exp2s = step.split("WARPGROUP.DEPBAR")[0].count("MUFU.EX2")
+                assert exp2s >= 64 - (64 // hopper.FWD_EXP2_FMA_EVERY if on_fma else 0), sass.name
 
 
 def test_compiling_refuses_a_head_dim_without_kernels_in_one_line(tmp_path):

@@ -130,8 +130,9 @@ BWD_ORDER_VARIABLE = "FLASH_ATTENTION_BWD_ORDER"  # shortest / longest: which ba
 FWD_PERSISTENT_VARIABLE = "FLASH_ATTENTION_FWD_PERSISTENT"  # 1 / 0: one forward program per SM taking tiles, or not
 BWD_PERSISTENT_VARIABLE = "FLASH_ATTENTION_BWD_PERSISTENT"  # 1 / 0: the same for the backward
 FWD_TURNS_VARIABLE = "FLASH_ATTENTION_FWD_TURNS"  # 1 / 0: the forward's consumers issue matmuls in turn, or not
+FWD_EXP2_FMA_VARIABLE = "FLASH_ATTENTION_FWD_EXP2_FMA"  # 1 / 0: a share of the forward's exp2s on the FMA pipe, or not
 VARIABLES = (FWD_ORDER_VARIABLE, FWD_OVERLAP_VARIABLE, FWD_STAGES_VARIABLE, BWD_BY_KEYS_VARIABLE, BWD_ORDER_VARIABLE,
-             FWD_PERSISTENT_VARIABLE, BWD_PERSISTENT_VARIABLE, FWD_TURNS_VARIABLE)
+             FWD_PERSISTENT_VARIABLE, BWD_PERSISTENT_VARIABLE, FWD_TURNS_VARIABLE, FWD_EXP2_FMA_VARIABLE)
 L2_BYTES = 50 * 1024 * 1024  # the H100's L2: a section's K and V stay in it while its programs run
 
 
@@ -212,3 +213,17 @@ def fwd_turns(head_dim: int) -> bool:
     consumers (kernels/hopper/pipeline.py: Turns); 0, each issues as soon as its operands are ready;
     unset, 1 at FWD_TURNS_HEAD_DIMS."""
     return _switch(FWD_TURNS_VARIABLE, head_dim in FWD_TURNS_HEAD_DIMS)
+
+
+# the head dims where the forward computes a share of its exponentials on the FMA pipe unless
+# FLASH_ATTENTION_FWD_EXP2_FMA=0: none. With one score in FWD_EXP2_FMA_EVERY moved there the forward read
+# 0.96-0.98x at D = 64 from T = 4096 (0.94x with documents) and 0.98x at D = 128 (perf-notes v31)
+FWD_EXP2_FMA_HEAD_DIMS = ()
+FWD_EXP2_FMA_EVERY = 8
+
+
+def fwd_exp2_fma(head_dim: int) -> bool:
+    """FLASH_ATTENTION_FWD_EXP2_FMA: 1, in the forward's mask-free blocks one score in
+    FWD_EXP2_FMA_EVERY takes its exponential as a cubic on the FMA pipe (kernels/hopper/fwd.py:
+    _exp2), off the exp2 unit; 0, every one on the exp2 unit; unset, 1 at FWD_EXP2_FMA_HEAD_DIMS."""
+    return _switch(FWD_EXP2_FMA_VARIABLE, head_dim in FWD_EXP2_FMA_HEAD_DIMS)

@@ -7,7 +7,8 @@ the online softmax over every block (S = Q K_j^T by wgmma, P straight from regis
 operand of P V_j) and frees the slot when its matmuls are done. While one consumer waits on its
 matmuls the other's exp2s run: the overlap FlashAttention-3 gets from its second warpgroup,
 without its hand-written schedule (FLASH_ATTENTION_FWD_TURNS=1 adds that schedule, the consumers
-issuing in turn, pipeline.Turns: no faster). At D = 128 (config.fwd_overlap;
+issuing in turn, pipeline.Turns: no faster; FLASH_ATTENTION_FWD_EXP2_FMA=1 takes one exponential in
+eight on the FMA pipe, _exp2: slower). At D = 128 (config.fwd_overlap;
 FLASH_ATTENTION_FWD_OVERLAP=0 or 1 chooses) it adds the overlap FlashAttention-3 gets within a
 warpgroup: each block's P V is issued behind the next block's S and runs during that block's
 softmax. Q arrives by TMA once a tile; O leaves by TMA through Q's buffer. The program is
@@ -93,10 +94,40 @@ def _scores(i, q_t, k_smem, k_ready, ASYNC: gl.constexpr):
                          use_acc=False, is_async=ASYNC)
 
 
+FMA_EVERY = gl.constexpr(config.FWD_EXP2_FMA_EVERY)
+
+
+@gluon.jit
+def _exp2_on_fma(x):
+    """2^x for finite x <= 0 on the FMA pipe, not the exp2 unit: x = j + f, j an integer and f in
+    [-0.5, 0.5]; 2^f from a cubic (relative error 7.5e-5, under bf16's 2^-9), and j added to its
+    exponent bits. Below -125, 2^-125: nothing beside a row's largest term, 1."""
+    x = gl.maximum(x, -125.0)
+    t = x + 12582912.0  # 1.5 * 2^23: x rounded to the integer j, which sits in t's low mantissa bits
+    f = x - (t - 12582912.0)
+    p = ((0.05517166 * f + 0.24261112) * f + 0.69326099) * f + 0.99992807  # 2^f on [-0.5, 0.5]
+    return (p.to(gl.int32, bitcast=True) + (t.to(gl.int32, bitcast=True) << 23)).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _exp2(x, cols, ON_FMA: gl.constexpr):
+    """2^x (ROWS, BLOCK_N); ON_FMA, the columns of one 8-column group in FMA_EVERY on the FMA pipe
+    (a thread holds 2 rows of 2 columns in each group: 4 of its 64 scores a group). The exp2 unit
+    makes 16 a cycle where the FMA pipe makes 128 products, and at D = 64 the forward keeps the
+    first the busier (perf-notes v30); a moved score costs 7 instructions for the exp2 unit's 1.
+    Measured slower (v31): off unless FLASH_ATTENTION_FWD_EXP2_FMA=1. Which columns is known at
+    compile time: each score takes one path, not both."""
+    if ON_FMA:
+        return gl.where(((cols // 8) % FMA_EVERY == FMA_EVERY - 1)[None, :], _exp2_on_fma(x), gl.exp2(x))
+    return gl.exp2(x)
+
+
 @gluon.jit
 def _softmax(qk, j, m_i, l_i, rows, cols, key_lo, T, S, qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
-             BOUNDED: gl.constexpr):
-    """Key block j's scores qk (ROWS, BLOCK_N) through the online softmax: (P, alpha, l_i, m_new)."""
+             BOUNDED: gl.constexpr, EXP2_FMA: gl.constexpr):
+    """Key block j's scores qk (ROWS, BLOCK_N) through the online softmax: (P, alpha, l_i, m_new).
+    EXP2_FMA: a share of the exponentials on the FMA pipe (_exp2), in mask-free blocks, where every
+    score is finite."""
     BLOCK_N: gl.constexpr = qk.type.shape[1]
     if MASKED:
         qk = gl.where(visible(rows, j * BLOCK_N + cols, T, S, key_lo, CAUSAL, BOUNDED), qk, float("-inf"))
@@ -105,7 +136,7 @@ def _softmax(qk, j, m_i, l_i, rows, cols, key_lo, T, S, qk_scale, MASKED: gl.con
     m_sub = m_new
     if MASKED:  # a row that has seen no key yet keeps m = -inf: subtract 0 so exp2 gives 0, not NaN
         m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
-    p = gl.exp2(qk * qk_scale - m_sub[:, None])
+    p = _exp2(qk * qk_scale - m_sub[:, None], cols, EXP2_FMA and not MASKED)
     alpha = gl.exp2(m_i - m_sub)
     l_i = l_i * alpha + gl.sum(p, 1)
     return p, alpha, l_i, m_new
@@ -124,7 +155,8 @@ def _rescale(acc, alpha):
 
 @gluon.jit
 def _fwd_step(i, j, acc, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready, kv_empty, rows, cols, key_lo, T, S,
-              qk_scale, turns, MASKED: gl.constexpr, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr):
+              qk_scale, turns, MASKED: gl.constexpr, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr,
+              EXP2_FMA: gl.constexpr):
     """Key block j (ring slot i) of the online softmax, S issued in turn; frees the slot when its
     matmuls are done."""
     STAGES: gl.constexpr = k_smem.type.shape[0]
@@ -134,7 +166,8 @@ def _fwd_step(i, j, acc, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready, kv_emp
     qk = _scores(i, q_t, k_smem, k_ready, True)
     turns.done()
     qk = warpgroup_mma_wait(0, deps=[qk])
-    p, alpha, l_i, m_new = _softmax(qk, j, m_i, l_i, rows, cols, key_lo, T, S, qk_scale, MASKED, CAUSAL, BOUNDED)
+    p, alpha, l_i, m_new = _softmax(qk, j, m_i, l_i, rows, cols, key_lo, T, S, qk_scale, MASKED, CAUSAL, BOUNDED,
+                                    EXP2_FMA)
     acc = _rescale(acc, alpha)
     # -- O += P V, then the slot is free --
     mbarrier.wait(v_ready.index(stage), phase)
@@ -146,7 +179,7 @@ def _fwd_step(i, j, acc, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready, kv_emp
 @gluon.jit
 def _fwd_step_overlap(i, j, acc, p_prev, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready, kv_empty, rows, cols,
                       key_lo, T, S, qk_scale, turns, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
-                      BOUNDED: gl.constexpr):
+                      BOUNDED: gl.constexpr, EXP2_FMA: gl.constexpr):
     """Key block j (ring slot i) while block j - 1's P V (p_prev, slot i - 1, its V landed) runs
     on the tensor cores: S of block j and that P V are issued one after the other, in turn, the
     softmax waits for S alone, and slot i - 1 is freed once its P V is done. Returns block j's P
@@ -158,7 +191,8 @@ def _fwd_step_overlap(i, j, acc, p_prev, l_i, m_i, q_t, k_smem, v_smem, k_ready,
     acc = warpgroup_mma(p_prev, v_smem.index(prev), acc, is_async=True)
     turns.done()
     qk = warpgroup_mma_wait(1, deps=[qk])  # wgmma groups complete in order: S, then P V
-    p, alpha, l_i, m_new = _softmax(qk, j, m_i, l_i, rows, cols, key_lo, T, S, qk_scale, MASKED, CAUSAL, BOUNDED)
+    p, alpha, l_i, m_new = _softmax(qk, j, m_i, l_i, rows, cols, key_lo, T, S, qk_scale, MASKED, CAUSAL, BOUNDED,
+                                    EXP2_FMA)
     # block j's V, for the next step's P V; its wait loop also ends ptxas's scheduling region
     # here, which would otherwise hoist the wait below above the softmax and run both in turn
     mbarrier.wait(v_ready.index(i % STAGES), (i // STAGES) & 1)
@@ -170,7 +204,7 @@ def _fwd_step_overlap(i, j, acc, p_prev, l_i, m_i, q_t, k_smem, v_smem, k_ready,
 @gluon.jit
 def _fwd_blocks_overlap(acc, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready, kv_empty, rows, cols, key_lo, origin,
                         own_lo, full_lo, n_full, n_blocks, T, S, qk_scale, turns, CAUSAL: gl.constexpr,
-                        BOUNDED: gl.constexpr):
+                        BOUNDED: gl.constexpr, EXP2_FMA: gl.constexpr):
     """The consumer's key blocks own_lo .. n_blocks - 1 with each P V one block late
     (FLASH_ATTENTION_FWD_OVERLAP): the first block's S and softmax alone, then the steps, then the
     last block's P V; key block j is ring slot j - origin. Every wait drains the wgmma queue before
@@ -187,20 +221,22 @@ def _fwd_blocks_overlap(acc, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready, kv
         turns.done()
         qk = warpgroup_mma_wait(0, deps=[qk])
         p_first, _, l_i, m_i = _softmax(qk, own_lo, m_i, l_i, rows, cols, key_lo, T, S, qk_scale, True, CAUSAL,
-                                        BOUNDED)
+                                        BOUNDED, EXP2_FMA)
         p = _operand(p_first, acc, q_t.dtype)
         mbarrier.wait(v_ready.index(i % STAGES), (i // STAGES) & 1)
     start = own_lo + 1
     for j in range(start, gl.minimum(full_lo, n_full)):
         acc, p, l_i, m_i = _fwd_step_overlap(j - origin, j, acc, p, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready,
-                                             kv_empty, rows, cols, key_lo, T, S, qk_scale, turns, True, CAUSAL, BOUNDED)
+                                             kv_empty, rows, cols, key_lo, T, S, qk_scale, turns, True, CAUSAL, BOUNDED,
+                                             EXP2_FMA)
     for j in range(gl.maximum(full_lo, start), n_full):
         acc, p, l_i, m_i = _fwd_step_overlap(j - origin, j, acc, p, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready,
                                              kv_empty, rows, cols, key_lo, T, S, qk_scale, turns, False, CAUSAL,
-                                             BOUNDED)
+                                             BOUNDED, EXP2_FMA)
     for j in range(gl.maximum(start, n_full), n_blocks):
         acc, p, l_i, m_i = _fwd_step_overlap(j - origin, j, acc, p, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready,
-                                             kv_empty, rows, cols, key_lo, T, S, qk_scale, turns, True, CAUSAL, BOUNDED)
+                                             kv_empty, rows, cols, key_lo, T, S, qk_scale, turns, True, CAUSAL, BOUNDED,
+                                             EXP2_FMA)
     if own_lo < n_blocks:  # the last block's P V (its V landed), and its slot
         stage = (n_blocks - 1 - origin) % STAGES
         acc = warpgroup_mma(p, v_smem.index(stage), acc)
@@ -221,7 +257,7 @@ def _fwd_consume(io, buffers, work, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr,
     while tile < n_tiles:
         program = _program(tile, n_m, work, CAUSAL, BOUNDED, CONSUMERS * ROWS, BLOCK_N)
         _fwd_tile(io, buffers, program, program.lo - base, t, Turns(buffers.turn, C, work.TURNS), CAUSAL, BOUNDED,
-                  OVERLAP, C)
+                  OVERLAP, work.EXP2_FMA, C)
         base += gl.maximum(program.n_blocks - program.lo, 0)
         t += 1
         if work.PERSISTENT:
@@ -232,7 +268,7 @@ def _fwd_consume(io, buffers, work, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr,
 
 @gluon.jit
 def _fwd_tile(io, buffers, program, origin, t, turns, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr,
-              OVERLAP: gl.constexpr, C: gl.constexpr):
+              OVERLAP: gl.constexpr, EXP2_FMA: gl.constexpr, C: gl.constexpr):
     """Consumer warpgroup C's rows start_m + 64 C .. + 63 of the program's t-th tile against its key
     blocks, its matmuls issued in turn (Turns); key block j is ring slot j - origin."""
     q_smem, k_smem, v_smem = buffers.q_smem, buffers.k_smem, buffers.v_smem
@@ -266,17 +302,17 @@ def _fwd_tile(io, buffers, program, origin, t, turns, CAUSAL: gl.constexpr, BOUN
     if OVERLAP:
         acc, l_i, m_i = _fwd_blocks_overlap(acc, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready, kv_empty, rows, cols,
                                             key_lo, origin, own_lo, full_lo, n_full, n_blocks, T, S, qk_scale,
-                                            turns, CAUSAL, BOUNDED)
+                                            turns, CAUSAL, BOUNDED, EXP2_FMA)
     else:
         for j in range(own_lo, gl.minimum(full_lo, n_full)):
             acc, l_i, m_i = _fwd_step(j - origin, j, acc, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready, kv_empty,
-                                      rows, cols, key_lo, T, S, qk_scale, turns, True, CAUSAL, BOUNDED)
+                                      rows, cols, key_lo, T, S, qk_scale, turns, True, CAUSAL, BOUNDED, EXP2_FMA)
         for j in range(full_lo, n_full):
             acc, l_i, m_i = _fwd_step(j - origin, j, acc, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready, kv_empty,
-                                      rows, cols, key_lo, T, S, qk_scale, turns, False, CAUSAL, BOUNDED)
+                                      rows, cols, key_lo, T, S, qk_scale, turns, False, CAUSAL, BOUNDED, EXP2_FMA)
         for j in range(gl.maximum(own_lo, n_full), n_blocks):
             acc, l_i, m_i = _fwd_step(j - origin, j, acc, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready, kv_empty,
-                                      rows, cols, key_lo, T, S, qk_scale, turns, True, CAUSAL, BOUNDED)
+                                      rows, cols, key_lo, T, S, qk_scale, turns, True, CAUSAL, BOUNDED, EXP2_FMA)
 
     # -- epilogue: LSE, and O through Q's buffer --
     l_safe = gl.where(l_i == 0.0, 1.0, l_i)  # rows that attend no key: O = 0, LSE = -inf
@@ -380,6 +416,7 @@ def _fwd_kernel(
     OVERLAP: gl.constexpr,  # config.fwd_overlap
     PERSISTENT: gl.constexpr,  # config.fwd_persistent: a grid of at most one program per SM
     TURNS: gl.constexpr,  # config.fwd_turns: the consumers take turns on the tensor cores
+    EXP2_FMA: gl.constexpr,  # config.fwd_exp2_fma: a share of the exponentials on the FMA pipe
 ):
     dtype: gl.constexpr = q_desc.dtype
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
@@ -415,7 +452,7 @@ def _fwd_kernel(
     io = FwdIO(q_desc, k_desc, v_desc, o_desc, LSE)
     buffers = FwdBuffers(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty, tile_smem, tile_ready,
                          tile_empty, turn)
-    work = FwdWork(COUNTER, KEY_LO, H, B, GROUP, T, S, qk_scale, PERSISTENT, SECTION, TURNS)
+    work = FwdWork(COUNTER, KEY_LO, H, B, GROUP, T, S, qk_scale, PERSISTENT, SECTION, TURNS, EXP2_FMA)
     # -- the partitions: consumer 0 in the kernel's own warps, the others and the producer beside it --
     if CONSUMERS == 2:
         gl.warp_specialize([(_fwd_consume, (io, buffers, work, CAUSAL, BOUNDED, OVERLAP, 0)),
@@ -434,13 +471,14 @@ def _fwd_kernel(
 # launching
 
 
-def _options(causal: bool, bounded: bool, tiles: config.FwdTiles, section: int, overlap: bool,
-             persistent: bool, turns: bool) -> dict:
+def _options(causal: bool, bounded: bool, tiles: config.FwdTiles, section: int, head_dim: int,
+             persistent: bool) -> dict:
     """The kernel's constexprs and compile options for these tiles, order (config.fwd_section) and
-    schedule (config.fwd_overlap, config.fwd_persistent, config.fwd_turns)."""
+    schedule (config.fwd_overlap, config.fwd_persistent, config.fwd_turns, config.fwd_exp2_fma)."""
     maxnreg, consumer_regs = config.fwd_registers(tiles.consumers)
     return dict(CAUSAL=causal, BOUNDED=bounded, CONSUMERS=tiles.consumers, STAGES=tiles.stages,
-                CONSUMER_REGS=consumer_regs, SECTION=section, OVERLAP=overlap, PERSISTENT=persistent, TURNS=turns,
+                CONSUMER_REGS=consumer_regs, SECTION=section, OVERLAP=config.fwd_overlap(head_dim),
+                PERSISTENT=persistent, TURNS=config.fwd_turns(head_dim), EXP2_FMA=config.fwd_exp2_fma(head_dim),
                 num_warps=4, maxnreg=maxnreg)
 
 
@@ -487,8 +525,7 @@ def forward(q, k, v, o, lse, causal: bool, scale: float, key_lo: torch.Tensor | 
     tiles = config.fwd_tiles(q.shape[3], q.shape[2])
     args = _args(q, k, v, o, lse, key_lo, counter, scale, tiles)
     grid = _grid(q, tiles, persistent, chips.chip(q.device.index))
-    options = _options(causal, bounded, tiles, _section(q, k), config.fwd_overlap(q.shape[3]), persistent,
-                       config.fwd_turns(q.shape[3]))
+    options = _options(causal, bounded, tiles, _section(q, k), q.shape[3], persistent)
     with on_device(q):
         _BOUND[signature] = launch_and_bind(_fwd_kernel, grid, args, options), persistent
 
@@ -501,5 +538,4 @@ def compile_only(q, k, v, causal: bool, bounded: bool = False):
     args = _args(q, k, v, torch.empty_like(q), torch.empty((B, H, T), dtype=torch.float32),
                  torch.empty((B, T), dtype=torch.int32), torch.zeros(1, dtype=torch.int32), D ** -0.5, tiles)
     return _fwd_kernel.warmup(*args, grid=_grid(q, tiles, persistent, chips.H100),
-                              **_options(causal, bounded, tiles, _section(q, k), config.fwd_overlap(D), persistent,
-                                         config.fwd_turns(D)))
+                              **_options(causal, bounded, tiles, _section(q, k), D, persistent))

@@ -69,7 +69,8 @@ class FwdWork:
     """The launch's work: tiles of a query block (CONSUMERS * FWD_ROWS rows) of one head and batch
     row, numbered in launch order (fwd._tile_of: SECTION); with PERSISTENT, COUNTER (int32, zeroed
     for the launch): the tiles handed out past the first num_programs; the sizes and the scale;
-    TURNS: whether the consumers take turns on the tensor cores (Turns)."""
+    TURNS: whether the consumers take turns on the tensor cores (Turns); EXP2_FMA: whether a share
+    of the exponentials runs on the FMA pipe (fwd._exp2)."""
     COUNTER: gl.tensor
     KEY_LO: gl.tensor
     H: Scalar
@@ -81,12 +82,14 @@ class FwdWork:
     PERSISTENT: gl.constexpr
     SECTION: gl.constexpr
     TURNS: gl.constexpr
+    EXP2_FMA: gl.constexpr
 
     @gluon.constexpr_function
-    def __init__(self, COUNTER, KEY_LO, H, B, GROUP, T, S, qk_scale, PERSISTENT, SECTION, TURNS):
+    def __init__(self, COUNTER, KEY_LO, H, B, GROUP, T, S, qk_scale, PERSISTENT, SECTION, TURNS, EXP2_FMA):
         self.COUNTER, self.KEY_LO, self.H, self.B, self.GROUP = COUNTER, KEY_LO, scalar(H), scalar(B), scalar(GROUP)
         self.T, self.S, self.qk_scale = scalar(T), scalar(S), qk_scale
         self.PERSISTENT, self.SECTION, self.TURNS = gl.constexpr(PERSISTENT), gl.constexpr(SECTION), gl.constexpr(TURNS)
+        self.EXP2_FMA = gl.constexpr(EXP2_FMA)
 
 
 @aggregate
