@@ -315,5 +315,7 @@ def test_element_masks_agree_with_flash_ref(setting):
          BOUNDED=bounded, BLOCK_M=block_m, BLOCK_N=block_n)
     triton_mask, gluon_mask, triton_t, gluon_t = (plane[:T, :S].bool() for plane in out)
     assert torch.equal(triton_mask, seen) and torch.equal(gluon_mask, seen)  # (4)
+    planes = out if causal else out[:2]
+    assert not planes[:, :T, S:].any()  # the last tile's keys past S: never visible
     if causal:
         assert torch.equal(triton_t, seen) and torch.equal(gluon_t, seen)

@@ -23,7 +23,7 @@ def visible(rows, keys, T, S, key_lo, CAUSAL: gl.constexpr, BOUNDED: gl.constexp
     """(len(rows), len(keys)): whether query rows[i] may attend keys[j]: a real key; causal,
     bottom-right (j <= i + S - T); bounded, from the row's first key (key_lo: each row's) on.
     The row's end (causal, and S) is one bound made once a row, so that a score costs one compare
-    (two, bounded) and one select."""
+    and one select (bounded, two of each)."""
     hi = S + rows * 0  # one past the row's last key
     if CAUSAL:
         hi = gl.minimum(rows + (S - T + 1), S)

@@ -101,7 +101,8 @@ FMA_EVERY = gl.constexpr(config.FWD_EXP2_FMA_EVERY)
 def _exp2_on_fma(x):
     """2^x for finite x <= 0 on the FMA pipe, not the exp2 unit: x = j + f, j an integer and f in
     [-0.5, 0.5]; 2^f from a cubic (relative error 7.5e-5, under bf16's 2^-9), and j added to its
-    exponent bits. Below -125, 2^-125: nothing beside a row's largest term, 1."""
+    exponent bits. Below -125, 2^-125: nothing beside a row's largest term, 1 (a NaN, too, which
+    the clamp drops: the exp2 unit would keep it)."""
     x = gl.maximum(x, -125.0)
     t = x + 12582912.0  # 1.5 * 2^23: x rounded to the integer j, which sits in t's low mantissa bits
     f = x - (t - 12582912.0)
@@ -114,11 +115,12 @@ def _exp2(x, cols, ON_FMA: gl.constexpr):
     """2^x (ROWS, BLOCK_N); ON_FMA, the columns of one 8-column group in FMA_EVERY on the FMA pipe
     (a thread holds 2 rows of 2 columns in each group: 4 of its 64 scores a group). The exp2 unit
     makes 16 a cycle where the FMA pipe makes 128 products, and at D = 64 the forward keeps the
-    first the busier (perf-notes v30); a moved score costs 7 instructions for the exp2 unit's 1.
-    Measured slower (v31): off unless FLASH_ATTENTION_FWD_EXP2_FMA=1. Which columns is known at
-    compile time: each score takes one path, not both."""
+    first the busier (perf-notes v30); a moved score costs 8 instructions in place of the exp2
+    unit's 1. Measured slower (v31): off unless FLASH_ATTENTION_FWD_EXP2_FMA=1. Which columns move
+    is known at compile time: each score takes one path, not both."""
     if ON_FMA:
-        return gl.where(((cols // 8) % FMA_EVERY == FMA_EVERY - 1)[None, :], _exp2_on_fma(x), gl.exp2(x))
+        group = cols // 8  # the wgmma layout's 8-column groups
+        return gl.where((group % FMA_EVERY == FMA_EVERY - 1)[None, :], _exp2_on_fma(x), gl.exp2(x))
     return gl.exp2(x)
 
 
