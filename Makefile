@@ -25,8 +25,12 @@ STAMP  := $(VENV)/.installed-$(subst >,,$(subst =,,$(TORCH)-$(TRITON)))
 # installs it, `make train` does not need it
 GLUON_TRITON := triton==3.6.0
 GLUON_STAMP  := $(VENV)/gluon-triton/.installed
+# NVRTC as torch's CUDA 13.0 wheels load it for cuDNN: its first compile in a process takes SIGTERM
+# from Python's handler (tests/test_stops.py stops a process while it compiles)
+NVRTC        := nvidia-cuda-nvrtc==13.0.88
+NVRTC_STAMP  := $(VENV)/nvrtc/.installed
 SETUP  := $(if $(filter command line,$(origin PY)),,setup)
-TEST_SETUP := $(if $(SETUP),$(GLUON_STAMP))
+TEST_SETUP := $(if $(SETUP),$(GLUON_STAMP) $(NVRTC_STAMP))
 
 .PHONY: setup train test bench clean
 
@@ -43,6 +47,10 @@ $(STAMP): requirements.txt
 $(GLUON_STAMP): $(STAMP)
 	if ! $(VENV)/bin/python -c "import triton; assert triton.__version__.startswith('3.6.')" 2>/dev/null; then \
 	  $(VENV)/bin/python -m pip install -q --no-deps --target $(VENV)/gluon-triton "$(GLUON_TRITON)"; fi
+	mkdir -p $(@D) && touch $@
+
+$(NVRTC_STAMP): $(STAMP)
+	$(VENV)/bin/python -m pip install -q --no-deps --target $(VENV)/nvrtc "$(NVRTC)"
 	mkdir -p $(@D) && touch $@
 
 train: $(SETUP)

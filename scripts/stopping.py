@@ -22,11 +22,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator
 
 from data.files import WriteError
+from trainer.signals import STOP_SIGNALS, nvrtc_first_compile
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
-SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
+SIGNALS = STOP_SIGNALS  # SIGTERM, SIGINT, SIGHUP, SIGUSR1
 
 
 class Stop(BaseException):
@@ -87,6 +88,7 @@ def stoppable(script: str, kept: Callable[[], str]) -> Iterator[None]:
     previous = {sig: signal.signal(sig, _stopper(os.getpid(), pending)) for sig in SIGNALS}
     previous[signal.SIGALRM] = signal.signal(signal.SIGALRM, _again(pending))
     try:
+        nvrtc_first_compile()  # NVRTC's own stop handler, now and not at cuDNN's first call
         yield
     except BaseException as e:  # a stop (raised here or by the handler), or what a stop broke
         signal.setitimer(signal.ITIMER_REAL, 0)

@@ -11,7 +11,9 @@ between units of dataset preparation; in the loop signum() answers after each st
 once, as a pool's shutdown expects of it.
 """
 
+import ctypes
 import os
+import re
 import signal
 import threading
 
@@ -43,6 +45,52 @@ def _defaults_in_child() -> None:
 os.register_at_fork(after_in_child=_defaults_in_child)
 
 
+# the stop signals, scripts' and training's: what nvrtc_first_compile holds back while NVRTC holds them
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
+
+
+def _loaded_nvrtc() -> str | None:
+    """The path of the NVRTC library this process has loaded (torch's CUDA wheels load it as torch is
+    imported, for cuDNN), or None."""
+    try:
+        maps = open("/proc/self/maps").read()
+    except OSError:  # not Linux
+        return None
+    found = re.search(r"(/\S*/libnvrtc\.so\.\d+)$", maps, re.MULTILINE)
+    return found[1] if found else None
+
+
+def nvrtc_first_compile() -> None:
+    """Makes the process's first NVRTC compile now, the stop signals held back in this thread while
+    it runs. cuDNN compiles its attention graphs at run time with NVRTC, and the NVRTC of torch's
+    CUDA 13.0 wheels puts its own SIGTERM and SIGINT handler in place during its first compile in a
+    process: a stop signal then ends the process from inside the library, exit code 4 and no line,
+    before any handler of ours runs (docs/failures.md). It does so once a process, so done here,
+    as a script or run starts, the first cuDNN call (seconds or minutes later) has no such window.
+    What remains is this compile's few milliseconds at the start, and only for a signal that
+    another thread of the process takes (this one's waits until the compile is done). Nothing is
+    done where NVRTC is not loaded (CPU builds) or after the first call."""
+    global _nvrtc_compiled
+    path = None if _nvrtc_compiled else _loaded_nvrtc()
+    if path is None:
+        return
+    _nvrtc_compiled = True
+    nvrtc = ctypes.CDLL(path)  # the loaded library itself, not a second copy
+    program = ctypes.c_void_p()
+    if nvrtc.nvrtcCreateProgram(ctypes.byref(program), b'extern "C" __global__ void nothing() {}', b"nothing.cu",
+                                0, None, None) != 0:
+        return
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        nvrtc.nvrtcCompileProgram(program, 0, None)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+        nvrtc.nvrtcDestroyProgram(ctypes.byref(program))
+
+
+_nvrtc_compiled = False
+
+
 class StopSignals:
     """SIGTERM, SIGUSR1 and SIGHUP: what a scheduler sends before it preempts a job (Kubernetes,
     SLURM's --signal, torchrun passing SIGTERM on); during setup Ctrl-C (SIGINT) too. During setup
@@ -65,6 +113,7 @@ class StopSignals:
         if threading.current_thread() is threading.main_thread():  # only there can handlers be set
             self._previous = {sig: signal.signal(sig, self._handle) for sig in (*self.SIGNALS, signal.SIGINT)}
             _active = self
+            nvrtc_first_compile()
         return self
 
     def __exit__(self, *exc) -> None:
