@@ -26,7 +26,8 @@ STAMP  := $(VENV)/.installed-$(subst >,,$(subst =,,$(TORCH)-$(TRITON)))
 GLUON_TRITON := triton==3.6.0
 GLUON_STAMP  := $(VENV)/gluon-triton/.installed
 # NVRTC as torch's CUDA 13.0 wheels load it for cuDNN: its first compile in a process takes SIGTERM
-# from Python's handler (tests/test_stops.py stops a process while it compiles)
+# from Python's handler (tests/test_stops.py); from the package index, and where it cannot be had,
+# that test is skipped and the next `make test` tries again
 NVRTC        := nvidia-cuda-nvrtc==13.0.88
 NVRTC_STAMP  := $(VENV)/nvrtc/.installed
 SETUP  := $(if $(filter command line,$(origin PY)),,setup)
@@ -50,8 +51,8 @@ $(GLUON_STAMP): $(STAMP)
 	mkdir -p $(@D) && touch $@
 
 $(NVRTC_STAMP): $(STAMP)
-	$(VENV)/bin/python -m pip install -q --no-deps --target $(VENV)/nvrtc "$(NVRTC)"
-	mkdir -p $(@D) && touch $@
+	if $(VENV)/bin/python -m pip install -q --no-deps --target $(VENV)/nvrtc "$(NVRTC)"; then touch $@; \
+	else rm -rf $(VENV)/nvrtc; echo "$(NVRTC) not installed: tests/test_stops.py skips its NVRTC test"; fi
 
 train: $(SETUP)
 	@echo "make train: experiment=$(PRESET) ($(if $(filter gpu,$(PRESET)),CUDA GPU found,no CUDA GPU: CPU-sized run))"

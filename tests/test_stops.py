@@ -10,10 +10,11 @@ train.py processes, real signals.
   the run's handler does;
 - SIGTERM to a script that runs train.py as a child (scripts/context_parallel.py) goes on to it:
   the child checkpoints and exits 143, and no process is left behind;
-- SIGTERM while NVRTC compiles, as cuDNN's first attention call makes it do (the NVRTC of torch's
-  CUDA 13.0 wheels, which `make test` puts in .venv/nvrtc): NVRTC's own handler ends a bare process
-  with exit code 4 and no line; inside a script's stoppable or a run's StopSignals, which make the
-  process's first NVRTC compile as they start, the process stops as theirs do.
+- NVRTC compiling, as cuDNN's first attention call makes it do (the NVRTC of torch's CUDA 13.0
+  wheels, which `make test` puts in .venv/nvrtc): in a bare process its first compile puts NVRTC's
+  own SIGTERM handler in place (which exits 4, or hangs the process); inside a script's stoppable or
+  a run's StopSignals, which make the process's first NVRTC compile as they start, a later compile
+  leaves Python's handler in place, and SIGTERM stops the process as theirs do.
 
     .venv/bin/python -m pytest tests/test_stops.py -q      # about three minutes on 2 cores
 """
@@ -179,22 +180,23 @@ NVRTC_DIR = REPO / ".venv" / "nvrtc" / "nvidia" / "cu13" / "lib"
 
 @pytest.mark.skipif(not NVRTC_DIR.is_dir(), reason="NVRTC of CUDA 13.0 is not in .venv/nvrtc: `make test` puts it there")
 @pytest.mark.parametrize("mode", ["script", "train"])
-def test_a_stop_during_nvrtc_compiling_is_a_stop_not_nvrtc_exit_code_4(mode):
+def test_a_stop_after_nvrtc_compiled_is_a_stop_not_nvrtc_exit_code_4(mode):
     def run(mode: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, str(REPO / "tests" / "nvrtc_worker.py"), str(NVRTC_DIR), mode],
-                              capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+                              capture_output=True, text=True, timeout=240, env={**os.environ, "PYTHONPATH": str(REPO)})
 
-    # what the fix is for: the NVRTC handler, where the worker's thread saw it in place in time (a
-    # busy machine can let its few milliseconds pass unseen: then the bare run says nothing of it)
+    # what the fix is for: NVRTC's handler in place during a process's first compile (its ~20 ms can
+    # pass unseen on a busy machine; no signal is sent into it, which would end or hang the process)
     for _ in range(3):
         bare = run("bare")
+        assert bare.returncode == 0 and "compiled" in bare.stdout, bare.stderr[-2000:]
         if "NVRTC held SIGTERM" in bare.stdout:
-            assert bare.returncode == 4, (bare.returncode, bare.stderr[-2000:])
-            assert not bare.stderr.strip()  # no line: the library ended the process
             break
+    else:
+        pytest.skip("NVRTC's handler was not seen in place in 3 bare runs: nothing to test against")
     stopped = run(mode)
-    assert "NVRTC held SIGTERM" not in stopped.stdout  # the compile ran under Python's handler throughout
     assert "compiled" in stopped.stdout
+    assert "NVRTC held SIGTERM" not in stopped.stdout  # the first compile was made as the mode started
     assert stopped.returncode == 143, (stopped.returncode, stopped.stderr[-2000:])
     if mode == "script":
         assert stopped.stderr.strip().splitlines()[-1] == "nvrtc_worker.py: stopped by SIGTERM; nothing kept"

@@ -56,7 +56,7 @@ def _loaded_nvrtc() -> str | None:
         maps = open("/proc/self/maps").read()
     except OSError:  # not Linux
         return None
-    found = re.search(r"(/\S*/libnvrtc\.so\.\d+)$", maps, re.MULTILINE)
+    found = re.search(r"(/\S*/libnvrtc\.so\.[\d.]+)$", maps, re.MULTILINE)  # libnvrtc.so.13, or .so.13.0.88
     return found[1] if found else None
 
 
@@ -64,28 +64,31 @@ def nvrtc_first_compile() -> None:
     """Makes the process's first NVRTC compile now, the stop signals held back in this thread while
     it runs. cuDNN compiles its attention graphs at run time with NVRTC, and the NVRTC of torch's
     CUDA 13.0 wheels puts its own SIGTERM and SIGINT handler in place during its first compile in a
-    process: a stop signal then ends the process from inside the library, exit code 4 and no line,
-    before any handler of ours runs (docs/failures.md). It does so once a process, so done here,
-    as a script or run starts, the first cuDNN call (seconds or minutes later) has no such window.
-    What remains is this compile's few milliseconds at the start, and only for a signal that
-    another thread of the process takes (this one's waits until the compile is done). Nothing is
-    done where NVRTC is not loaded (CPU builds) or after the first call."""
+    process (for some 15-25 ms): a stop signal then ends the process from inside the library, exit
+    code 4 and no line, or hangs it, before any handler of ours runs (docs/failures.md). It does so
+    once a process, so done here, as a script or run starts, the first cuDNN call (seconds or
+    minutes later) has no such window. What remains is this compile's, at the start, and only for
+    a signal that another thread of the process takes (this one's waits until the compile is done).
+    Nothing is done where NVRTC is not loaded (CPU builds), cannot be called, or after the first call."""
     global _nvrtc_compiled
     path = None if _nvrtc_compiled else _loaded_nvrtc()
     if path is None:
         return
     _nvrtc_compiled = True
-    nvrtc = ctypes.CDLL(path)  # the loaded library itself, not a second copy
+    try:
+        nvrtc = ctypes.CDLL(path)  # the loaded library itself, not a second copy
+        create, compile_, destroy = nvrtc.nvrtcCreateProgram, nvrtc.nvrtcCompileProgram, nvrtc.nvrtcDestroyProgram
+    except (OSError, AttributeError):
+        return
     program = ctypes.c_void_p()
-    if nvrtc.nvrtcCreateProgram(ctypes.byref(program), b'extern "C" __global__ void nothing() {}', b"nothing.cu",
-                                0, None, None) != 0:
+    if create(ctypes.byref(program), b'extern "C" __global__ void nothing() {}', b"nothing.cu", 0, None, None) != 0:
         return
     held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
-        nvrtc.nvrtcCompileProgram(program, 0, None)
+        compile_(program, 0, None)
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, held)
-        nvrtc.nvrtcDestroyProgram(ctypes.byref(program))
+        destroy(ctypes.byref(program))
 
 
 _nvrtc_compiled = False
