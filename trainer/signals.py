@@ -64,7 +64,7 @@ def nvrtc_first_compile() -> None:
     """Makes the process's first NVRTC compile now, the stop signals held back in this thread while
     it runs. cuDNN compiles its attention graphs at run time with NVRTC, and the NVRTC of torch's
     CUDA 13.0 wheels puts its own SIGTERM and SIGINT handler in place during its first compile in a
-    process (for some 15-25 ms): a stop signal then ends the process from inside the library, exit
+    process (for 14-26 ms): a stop signal then ends the process from inside the library, exit
     code 4 and no line, or hangs it, before any handler of ours runs (docs/failures.md). It does so
     once a process, so done here, as a script or run starts, the first cuDNN call (seconds or
     minutes later) has no such window. What remains is this compile's, at the start, and only for
