@@ -29,7 +29,7 @@ sys.path.insert(0, str(REPO))  # scripts/ sits beside the packages
 
 from model.attention import ATTENTIONS  # noqa: E402
 from trainer.metrics import read_metrics  # noqa: E402
-from trainer.signals import StopSignals  # noqa: E402
+from trainer.signals import STOP_SIGNALS  # noqa: E402
 from scripts.args import (ArgumentParser, directory, names, positive_int, positive_ints,  # noqa: E402
                           require_cuda, train_config)
 from scripts.outputs import write_csv, write_text  # noqa: E402
@@ -57,7 +57,7 @@ def run_child(cmd: list[str], env: dict) -> tuple[subprocess.CompletedProcess, i
             if signum != signal.SIGINT:
                 child.send_signal(signum)
 
-        previous = {sig: signal.signal(sig, forward) for sig in (*StopSignals.SIGNALS, signal.SIGINT)}
+        previous = {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS}
         try:
             stdout, stderr = child.communicate()
         finally:

@@ -27,8 +27,6 @@ from trainer.signals import STOP_SIGNALS, nvrtc_first_compile
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
-SIGNALS = STOP_SIGNALS  # SIGTERM, SIGINT, SIGHUP, SIGUSR1
-
 
 class Stop(BaseException):
     """A stop signal arrived: the script ends (stoppable says so)."""
@@ -85,7 +83,7 @@ def stoppable(script: str, kept: Callable[[], str]) -> Iterator[None]:
     stop leaves: the files written so far, or that there is no result), exit 128 + signum; a file
     that cannot be written ends it with one line too, exit 1."""
     pending = _Pending()
-    previous = {sig: signal.signal(sig, _stopper(os.getpid(), pending)) for sig in SIGNALS}
+    previous = {sig: signal.signal(sig, _stopper(os.getpid(), pending)) for sig in STOP_SIGNALS}
     previous[signal.SIGALRM] = signal.signal(signal.SIGALRM, _again(pending))
     try:
         nvrtc_first_compile()  # NVRTC's own stop handler, now and not at cuDNN's first call
@@ -94,7 +92,7 @@ def stoppable(script: str, kept: Callable[[], str]) -> Iterator[None]:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signum = e.signum if isinstance(e, Stop) else pending.signum
         if signum:
-            _set(dict.fromkeys(SIGNALS, signal.SIG_DFL))  # a second signal ends the process at once
+            _set(dict.fromkeys(STOP_SIGNALS, signal.SIG_DFL))  # a second signal ends the process at once
             print(f"{script}: stopped by {signal.Signals(signum).name}; {kept()}", file=sys.stderr)
             sys.exit(128 + signum)
         if isinstance(e, WriteError):

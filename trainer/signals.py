@@ -45,10 +45,6 @@ def _defaults_in_child() -> None:
 os.register_at_fork(after_in_child=_defaults_in_child)
 
 
-# the stop signals, scripts' and training's: what nvrtc_first_compile holds back while NVRTC holds them
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
-
-
 def _loaded_nvrtc() -> str | None:
     """The path of the NVRTC library this process has loaded (torch's CUDA wheels load it as torch is
     imported, for cuDNN), or None."""
@@ -114,7 +110,7 @@ class StopSignals:
     def __enter__(self) -> "StopSignals":
         global _active
         if threading.current_thread() is threading.main_thread():  # only there can handlers be set
-            self._previous = {sig: signal.signal(sig, self._handle) for sig in (*self.SIGNALS, signal.SIGINT)}
+            self._previous = {sig: signal.signal(sig, self._handle) for sig in STOP_SIGNALS}
             _active = self
             nvrtc_first_compile()
         return self
@@ -167,3 +163,7 @@ class StopSignals:
         if self._done is not None:
             self._done.synchronize()
         return int(self._host.item())
+
+
+# every stop signal, scripts' and training's (Ctrl-C too): what nvrtc_first_compile holds back
+STOP_SIGNALS = (*StopSignals.SIGNALS, signal.SIGINT)
