@@ -11,10 +11,15 @@ btHd`: causal bf16, q, k, v views of one (B, T, 3, H, D) tensor as the model mak
 B·T = 16384, H·D = 1024. Prints TFLOP/s forward and forward+backward (3.5× the forward's FLOPs),
 each row's ratio to the first row of its group, and the largest difference of o, dq, dk, dv to it
 (0 where a variant only reorders work); cuDNN and FlashAttention-4 (where installed) close each
-(D, T).
+(D, T). With --documents or --window (or both: the window within the documents), B = 1 and T 32768
+unless --seq-lens says otherwise, the mask as `bench_attention.py --documents synthetic` and
+`--window` make it, TFLOP/s of the work inside it, and FlashAttention-4 with the same mask (its
+varlen entry for the documents, window_size for the window) closes each (D, T); cuDNN has no such
+mask.
 
     python scripts/bench_variants.py
     python scripts/bench_variants.py --head-dims 64 --seq-lens 8192 --groups backward
+    python scripts/bench_variants.py --documents --window 1024 --groups default,persistent
 """
 
 import sys
@@ -30,8 +35,8 @@ from triton.testing import do_bench
 from kernels import attention_flops, backends, flash_attention
 from kernels.hopper import config as hopper
 from model.peers import fa4_attention, fa4_unsupported
-from scripts.args import ArgumentParser, positive_ints, require_cuda
-from scripts.bench_attention import environ, environment
+from scripts.args import ArgumentParser, positive_int, positive_ints, require_cuda
+from scripts.bench_attention import document_lengths, environ, environment
 from scripts.stopping import stoppable
 
 FWD, BACKEND, BY_KEYS = hopper.FWD_ORDER_VARIABLE, backends.BACKEND_VARIABLE, hopper.BWD_BY_KEYS_VARIABLE
@@ -71,20 +76,34 @@ def cudnn(q, k, v):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
-def peers(D: int, group: str) -> list:
-    """(group, label, environment, fn) of the peers: compared with that group's first row (the
-    last group timed at D: the backward's at BACKWARD_AT)."""
-    rows = [(group, "cudnn", {}, cudnn)]
+def peers(D: int, group: str, masks: dict) -> list:
+    """(group, label, environment, fn) of the peers with these masks (doc_ids, window; cuDNN only
+    without them): compared with that group's first row (the last group timed at D: the backward's
+    at BACKWARD_AT)."""
+    rows = [] if masks else [(group, "cudnn", {}, cudnn)]
     if (why := fa4_unsupported(D, torch.bfloat16, torch.device("cuda"))) is None:
-        rows += [(group, "fa4", {}, fa4_attention),
-                 (group, "fa4 deterministic", {}, lambda q, k, v: fa4_attention(q, k, v, deterministic=True))]
+        rows += [(group, "fa4", {}, lambda q, k, v: fa4_attention(q, k, v, **masks)),
+                 (group, "fa4 deterministic", {}, lambda q, k, v: fa4_attention(q, k, v, **masks, deterministic=True))]
     else:
         print(f"FlashAttention-4 skipped: {why}")
     return rows
 
 
-def ours(q, k, v):
-    return flash_attention(q, k, v, causal=True)
+def ours(masks: dict):
+    return lambda q, k, v: flash_attention(q, k, v, causal=True, **masks)
+
+
+def shape(T: int, D: int, documents: bool, window: int) -> tuple[int, int, dict, float]:
+    """(B, H, masks, forward FLOPs) of one cell: B·T = 16384 causal, or one sequence of T tokens
+    under synthetic documents and a window, its FLOPs those of the pairs the mask leaves."""
+    H = 1024 // D
+    if not (documents or window):
+        B = max(1, 16384 // T)
+        return B, H, {}, attention_flops(B, H, T, T, D, causal=True)
+    lengths = document_lengths("synthetic", T) if documents else [T]
+    doc_ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[None].cuda() if documents else None
+    flops = sum(attention_flops(1, H, n, n, D, causal=True, window=window) for n in lengths)
+    return 1, H, {"doc_ids": doc_ids, "window": window}, flops
 
 
 def measure(fn, qkv: torch.Tensor, dout: torch.Tensor):
@@ -102,7 +121,11 @@ def measure(fn, qkv: torch.Tensor, dout: torch.Tensor):
 def main(argv=None):
     p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--head-dims", type=positive_ints, default=[64, 128], help="comma list of 64, 128")
-    p.add_argument("--seq-lens", type=positive_ints, default=[2048, 4096, 8192, 16384], help="comma list")
+    p.add_argument("--seq-lens", type=positive_ints, help="comma list (default 2048,4096,8192,16384; 32768 "
+                   "with --documents or --window)")
+    p.add_argument("--documents", action="store_true", help="B = 1, the mask within synthetic documents of "
+                   "256-4096 tokens")
+    p.add_argument("--window", type=positive_int, default=0, help="B = 1, each query sees its last WINDOW keys")
     p.add_argument("--groups", default=",".join(GROUPS),
                    help=f"comma list of the groups to time: {', '.join(GROUPS)}")
     args = p.parse_args(argv)
@@ -111,30 +134,34 @@ def main(argv=None):
     groups = [g.strip() for g in args.groups.split(",")]
     if bad := sorted(set(groups) - set(GROUPS)):
         p.error(f"--groups {bad[0]}: use {', '.join(GROUPS[:-1])} or {GROUPS[-1]}")
+    masked = args.documents or args.window > 0
+    seq_lens = args.seq_lens or ([32768] if masked else [2048, 4096, 8192, 16384])
     require_cuda("bench_variants.py")
     print(environment())
+    if masked:
+        print(f"one sequence a cell (B = 1){', within synthetic documents' if args.documents else ''}"
+              f"{f', a window of {args.window} keys' if args.window else ''}; TFLOP/s of the pairs the mask leaves")
     print(f"{'D':>4} {'T':>6} {'variant':<28} {'fwd TF/s':>9} {'x':>6} {'f+b TF/s':>9} {'x':>6}  max|diff| o dq dk dv")
     for D in args.head_dims:
-        rows = [(g, label, env, ours) for g, label, env in VARIANTS
+        rows = [(g, label, env) for g, label, env in VARIANTS
                 if g in groups and (g != "backward" or D in BACKWARD_AT)]
         if not rows:
             print(f"D = {D}: the backward has one form at this head dim; no rows of {', '.join(groups)}")
             continue
-        for T in args.seq_lens:
-            B, H = max(1, 16384 // T), 1024 // D
+        for T in seq_lens:
+            B, H, masks, flops = shape(T, D, args.documents, args.window)
             torch.manual_seed(0)
             qkv = torch.randn(B, T, 3, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
             dout = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
-            flops = attention_flops(B, H, T, T, D, causal=True)
             firsts = {}
-            for group, label, env, fn in rows + peers(D, rows[-1][0]):
+            for group, label, env, fn in [(*row, ours(masks)) for row in rows] + peers(D, rows[-1][0], masks):
                 with environ({key: v[D] if isinstance(v, dict) else v for key, v in env.items()}):
                     fwd, fwd_bwd, outputs = measure(fn, qkv, dout)
                 first = firsts.setdefault(group, (fwd, fwd_bwd, outputs))
                 diffs = " ".join(f"{(a.float() - b.float()).abs().max().item():.1e}" for a, b in zip(outputs, first[2]))
                 print(f"{D:>4} {T:>6} {label:<28} {flops / fwd * 1e-9:>9.1f} {first[0] / fwd:>6.3f} "
                       f"{3.5 * flops / fwd_bwd * 1e-9:>9.1f} {first[1] / fwd_bwd:>6.3f}  {diffs}", flush=True)
-            del qkv, dout, firsts
+            del qkv, dout, firsts, masks
             torch.cuda.empty_cache()
 
 
