@@ -353,6 +353,11 @@ def document_lengths(source, T, seed=0):
     return lengths
 
 
+def document_ids(lengths: list[int]) -> torch.Tensor:
+    """(1, T) ids on the GPU: document i's tokens hold i."""
+    return torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[None].cuda()
+
+
 def _timed(attn, leaves, get_qkv, dout, args) -> float | str:
     """fwd+bwd ms of one implementation, or the name of the error that stopped it."""
     try:
@@ -386,7 +391,7 @@ def run_documents(args, env):
         H = args.width // D
         for T in args.seq_lens:
             lengths = document_lengths(args.documents, T)
-            doc_ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[None].cuda()
+            doc_ids = document_ids(lengths)
             useful = 3.5 * sum(attention_flops(1, H, n, n, D) for n in lengths)
             leaves, get_qkv, dout = make_inputs(1, H, T, D, "btHd")
             peers = _peers(D, doc_ids)
@@ -426,7 +431,7 @@ def run_windows(args, env):
         H = args.width // D
         for T in args.seq_lens:
             lengths = document_lengths("synthetic", T)
-            doc_ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[None].cuda()
+            doc_ids = document_ids(lengths)
             work = {"window": 3.5 * attention_flops(1, H, T, T, D, True, W),
                     "docs": 3.5 * sum(attention_flops(1, H, n, n, D, True, W) for n in lengths),
                     "causal": 3.5 * attention_flops(1, H, T, T, D)}

@@ -11,11 +11,11 @@ btHd`: causal bf16, q, k, v views of one (B, T, 3, H, D) tensor as the model mak
 B·T = 16384, H·D = 1024. Prints TFLOP/s forward and forward+backward (3.5× the forward's FLOPs),
 each row's ratio to the first row of its group, and the largest difference of o, dq, dk, dv to it
 (0 where a variant only reorders work); cuDNN and FlashAttention-4 (where installed) close each
-(D, T). With --documents or --window (or both: the window within the documents), B = 1 and T 32768
-unless --seq-lens says otherwise, the mask as `bench_attention.py --documents synthetic` and
-`--window` make it, TFLOP/s of the work inside it, and FlashAttention-4 with the same mask (its
-varlen entry for the documents, window_size for the window) closes each (D, T); cuDNN has no such
-mask.
+(D, T). With --documents or --window (or both: the window within the documents), B = 1 and
+T = 32768 unless --seq-lens says otherwise, the mask as `bench_attention.py --documents synthetic`
+and `--window` make it, TFLOP/s of the pairs it leaves, and FlashAttention-4 with the same mask
+(its varlen entry for the documents, window_size for the window) closes each (D, T); SDPA's cuDNN
+backend takes no such mask.
 
     python scripts/bench_variants.py
     python scripts/bench_variants.py --head-dims 64 --seq-lens 8192 --groups backward
@@ -36,7 +36,7 @@ from kernels import attention_flops, backends, flash_attention
 from kernels.hopper import config as hopper
 from model.peers import fa4_attention, fa4_unsupported
 from scripts.args import ArgumentParser, positive_int, positive_ints, require_cuda
-from scripts.bench_attention import document_lengths, environ, environment
+from scripts.bench_attention import document_ids, document_lengths, environ, environment
 from scripts.stopping import stoppable
 
 FWD, BACKEND, BY_KEYS = hopper.FWD_ORDER_VARIABLE, backends.BACKEND_VARIABLE, hopper.BWD_BY_KEYS_VARIABLE
@@ -94,14 +94,15 @@ def ours(masks: dict):
 
 
 def shape(T: int, D: int, documents: bool, window: int) -> tuple[int, int, dict, float]:
-    """(B, H, masks, forward FLOPs) of one cell: B·T = 16384 causal, or one sequence of T tokens
-    under synthetic documents and a window, its FLOPs those of the pairs the mask leaves."""
+    """(B, H, masks, forward FLOPs) of one cell: causal with B = 16384 // T (at least 1), or one
+    sequence of T tokens under synthetic documents and a window, its FLOPs those of the pairs the
+    mask leaves (masks empty where there is none)."""
     H = 1024 // D
     if not (documents or window):
         B = max(1, 16384 // T)
         return B, H, {}, attention_flops(B, H, T, T, D, causal=True)
     lengths = document_lengths("synthetic", T) if documents else [T]
-    doc_ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[None].cuda() if documents else None
+    doc_ids = document_ids(lengths) if documents else None
     flops = sum(attention_flops(1, H, n, n, D, causal=True, window=window) for n in lengths)
     return 1, H, {"doc_ids": doc_ids, "window": window}, flops
 
@@ -134,11 +135,10 @@ def main(argv=None):
     groups = [g.strip() for g in args.groups.split(",")]
     if bad := sorted(set(groups) - set(GROUPS)):
         p.error(f"--groups {bad[0]}: use {', '.join(GROUPS[:-1])} or {GROUPS[-1]}")
-    masked = args.documents or args.window > 0
-    seq_lens = args.seq_lens or ([32768] if masked else [2048, 4096, 8192, 16384])
+    seq_lens = args.seq_lens or ([32768] if args.documents or args.window else [2048, 4096, 8192, 16384])
     require_cuda("bench_variants.py")
     print(environment())
-    if masked:
+    if args.documents or args.window:
         print(f"one sequence a cell (B = 1){', within synthetic documents' if args.documents else ''}"
               f"{f', a window of {args.window} keys' if args.window else ''}; TFLOP/s of the pairs the mask leaves")
     print(f"{'D':>4} {'T':>6} {'variant':<28} {'fwd TF/s':>9} {'x':>6} {'f+b TF/s':>9} {'x':>6}  max|diff| o dq dk dv")
@@ -161,7 +161,7 @@ def main(argv=None):
                 diffs = " ".join(f"{(a.float() - b.float()).abs().max().item():.1e}" for a, b in zip(outputs, first[2]))
                 print(f"{D:>4} {T:>6} {label:<28} {flops / fwd * 1e-9:>9.1f} {first[0] / fwd:>6.3f} "
                       f"{3.5 * flops / fwd_bwd * 1e-9:>9.1f} {first[1] / fwd_bwd:>6.3f}  {diffs}", flush=True)
-            del qkv, dout, firsts, masks
+            del qkv, dout, firsts, first, outputs, masks, fn  # the last row's gradients and mask too
             torch.cuda.empty_cache()
 
 
