@@ -25,34 +25,41 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import hydra
-import torch
-from hydra.core.hydra_config import HydraConfig
-from hydra.types import RunMode
-from omegaconf import DictConfig
-from tqdm import tqdm
+from trainer.startup import startup
 
-from configs.overrides import override, quoted_where_needed, shell_override
-from configs.runtime import (autocast, autocast_dtype, fsdp_param_dtype, grad_scaler, precision, precision_line,
-                             probe_sdpa_backend, resolve_device, sdpa_backend)
-from configs.schema import TrainConfig, plain
-from configs.store import register_configs
-from configs.validate import ConfigError, batch_size_per_process, check_resume, validate
-from kernels.backends import backends as attention_backends
-from data import DatasetError, TokenizerError, TokenWindows, document_ids, get_encoding
-from data.files import WriteError, atomic_write
-from data.prepare import prepare_on_node
-from model import GPT, get_attention
-from model.attention import sdpa_masked
-from trainer.checkpoint import CHECKPOINT_NAME, CheckpointError, load_checkpoint, load_weights, save_checkpoint
-from trainer.metrics import json_line, read_metrics
-from trainer.parallel import Parallel, ShardedAdamW
-from trainer.preflight import preflight
-from trainer.profiling import Profiler
-from trainer.curves import CURVES_NAME, write_curves
-from trainer.report import Meter, RunLog, outcome_lines
-from trainer.rundir import abandon_run_dir, claim_run_dir, finished_summary, holds, resume_target, write_record
-from trainer.signals import Stopped, StopSignals
+startup(__name__)  # before the heavy imports below: trainer/startup.py says why
+
+import hydra  # noqa: E402
+import torch  # noqa: E402
+from hydra.core.hydra_config import HydraConfig  # noqa: E402
+from hydra.types import RunMode  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from configs.overrides import override, quoted_where_needed, shell_override  # noqa: E402
+from configs.runtime import (autocast, autocast_dtype, fsdp_param_dtype, grad_scaler, memory_cap,  # noqa: E402
+                             out_of_memory, precision, precision_line, probe_sdpa_backend, resolve_device, sdpa_backend)
+from configs.schema import TrainConfig, plain  # noqa: E402
+from configs.store import register_configs  # noqa: E402
+from configs.validate import (ConfigError, batch_size_per_process, check_resume, launch_env,  # noqa: E402
+                              validate)
+from kernels.backends import backends as attention_backends  # noqa: E402
+from data import DatasetError, TokenizerError, TokenWindows, document_ids, get_encoding  # noqa: E402
+from data.files import WriteError, atomic_write  # noqa: E402
+from data.prepare import prepare_on_node  # noqa: E402
+from model import GPT, get_attention  # noqa: E402
+from model.attention import sdpa_masked  # noqa: E402
+from trainer.checkpoint import (CHECKPOINT_NAME, CheckpointError, load_checkpoint, load_weights,  # noqa: E402
+                                save_checkpoint)
+from trainer.metrics import json_line, read_metrics  # noqa: E402
+from trainer.parallel import Parallel, ShardedAdamW  # noqa: E402
+from trainer.preflight import FOLLOWER, placed, preflight  # noqa: E402
+from trainer.profiling import Profiler  # noqa: E402
+from trainer.curves import CURVES_NAME, write_curves  # noqa: E402
+from trainer.report import Meter, RunLog, outcome_lines  # noqa: E402
+from trainer.rundir import (abandon_run_dir, claim_run_dir, finished_summary, holds, resume_target,  # noqa: E402
+                            write_record)
+from trainer.signals import Stopped, StopSignals, stop_signals  # noqa: E402
 
 register_configs()
 
@@ -154,7 +161,7 @@ def load_state_dict(run: Run, state: dict) -> None:
 def setup(cfg: DictConfig, run_dir: Path, check: Callable[[], None] = lambda: None) -> Run:
     """Checks cfg, then builds everything the loop needs, resumed from cfg.resume if set. check()
     runs between stages and inside dataset preparation: it raises to stop setup there."""
-    validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    validate(cfg, launch_env()["WORLD_SIZE"])
     par = Parallel.start(resolve_device(cfg.device), cfg.parallel.cp, cfg.parallel.dp == "fsdp",
                          get_attention(cfg.attn.name).context_parallel, cfg.parallel.cp_rotate)
     cfg.batch_size = batch_size_per_process(cfg, par.world)
@@ -245,8 +252,8 @@ def build_model(cfg: DictConfig, par: Parallel) -> GPT:
     """The GPT on this process's device, with the attention the layout calls (the ring under cp)."""
     try:
         return GPT(cfg.model, par.attention(get_attention(cfg.attn.name)), cfg.ac, cfg.attn.window).to(par.device)
-    except (torch.OutOfMemoryError, MemoryError, RuntimeError) as e:  # RuntimeError: the CPU allocator's
-        if not isinstance(e, (torch.OutOfMemoryError, MemoryError)) and "alloc" not in str(e):
+    except (MemoryError, RuntimeError) as e:
+        if not out_of_memory(e):
             raise
         m = cfg.model
         raise ConfigError(f"model.n_layer={m.n_layer} model.d_model={m.d_model}: the model does not fit in "
@@ -392,10 +399,19 @@ def last_checkpoint(run: Run) -> str:
     return f"the last checkpoint (step {run.saved_step}) is {run.run_dir / CHECKPOINT_NAME}"
 
 
+def sweeping() -> bool:
+    """Whether this process runs a sweep's jobs (train.py -m)."""
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
 def resume_hint(run: Run) -> str:
-    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+    """What continues this run, as the end of a line: the sweep's command; resume= added to
+    train.py's own command; or, where a script ran it, resume= alone."""
+    if sweeping():
         return f"{sweep_command()} continues the sweep (each job in its own dir; finished jobs are skipped)"
-    return f"add {shell_override('resume', str(run.run_dir))} to the same command to continue"
+    if started_here():
+        return f"add {shell_override('resume', str(run.run_dir))} to the same command to continue"
+    return f"train.py {shell_override('resume', str(run.run_dir))} continues it"
 
 
 def same_command(drop: str, *added: str) -> str:
@@ -430,7 +446,7 @@ def continue_command(run: Run, max_steps: int | None = None) -> str:
 
 def train(cfg: DictConfig, run_dir: Path) -> dict:
     """Runs the whole training described by cfg, writing into run_dir; returns the summary."""
-    with StopSignals() as stop:
+    with stop_signals() as stop, memory_cap(cfg.device):
         try:
             run = setup(cfg, Path(run_dir), stop.check)
         except Exception:
@@ -447,30 +463,56 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
                 if profiler:
                     profiler.step()
                 if signum := stop.signum(run.par):
+                    stop.end_loop()  # a Ctrl-C now waits for the stop's checkpoint
                     status, message = "stopped", stop_for(run, signum)
                     run.info["signal"] = signal.Signals(signum).name
                     break
-        except torch.cuda.OutOfMemoryError:
-            if run.par.world > 1:  # the other ranks wait in an all-reduce: fail this process, torchrun stops them
+        except BaseException as e:
+            if (ended := ended_early(run, e)) is None:  # a crash: W&B closed as failed; ckpt.pt stays the last good one
+                if run.master:
+                    run.log.run.finish(exit_code=1)
                 raise
-            status = "oom"
-            message = (f"CUDA out of memory at step {run.step + 1} with attn={cfg.attn.name} seq_len={cfg.seq_len} "
-                       f"batch_size={cfg.batch_size}: lower batch_size or seq_len, or use attn=sdpa/triton")
-        except (Diverged, WriteError, CheckpointError) as e:
-            status, message = ("diverged" if isinstance(e, Diverged) else "failed"), f"{e}; {last_checkpoint(run)}"
-        except BaseException as e:  # Ctrl-C or a crash: close the W&B run as failed; ckpt.pt stays the last good one
-            if run.master:
-                if isinstance(e, KeyboardInterrupt):
-                    print(f"\ninterrupted at step {run.step}; {last_checkpoint(run)}: {resume_hint(run)}",
-                          file=sys.stderr)
-                run.log.run.finish(exit_code=1)
-            raise
+            status, message = ended
         finally:
+            stop.end_loop()  # from here a stop, Ctrl-C too, waits for the run's files (trainer/signals.py)
             bar.close()
             if profiler:
                 profiler.close()
         stop.settle()
-        return finish(run, status, message)
+        summary = finish(run, status, message, stop.check)
+        if stop.received and summary["status"] == "ok":  # a stop as the run closed: it is whole, the process ends
+            summary["signal"] = signal.Signals(stop.received).name
+            given_up = cfg.sample_tokens > 0 and "sample" not in summary
+            summary["message"] = (f"stopped by {summary['signal']} as the run closed: "
+                                  + "the end-of-run sample was given up; " * given_up
+                                  + f"it finished at step {run.step} and its files are written"
+                                  + (f": {resume_hint(run)}" if sweeping() else ""))
+        return summary
+
+
+def ended_early(run: Run, e: BaseException) -> tuple[str, str] | None:
+    """(status, message) for what ended the loop before max_steps; None for a crash, and, under
+    torchrun, for what the other ranks cannot learn of (they wait in a collective: this process
+    fails, and torchrun stops them)."""
+    cfg, single = run.cfg, run.par.world == 1
+    if isinstance(e, KeyboardInterrupt):
+        said = f"interrupted at step {run.step}; {last_checkpoint(run)}: {resume_hint(run)}"
+        if single:
+            run.info["signal"] = "SIGINT"
+            return "stopped", said
+        if run.master:
+            print(said, file=sys.stderr)
+        return None
+    if out_of_memory(e) and single:
+        return "oom", (f"out of {'GPU' if run.device.type == 'cuda' else 'CPU'} memory at step {run.step + 1} with "
+                       f"attn={cfg.attn.name} seq_len={cfg.seq_len} batch_size={cfg.batch_size}: lower batch_size or "
+                       "seq_len" + (", or use attn=sdpa/triton" if cfg.attn.name == "naive" else ""))
+    if isinstance(e, (Diverged, WriteError, CheckpointError)):
+        return ("diverged" if isinstance(e, Diverged) else "failed"), f"{e}; {last_checkpoint(run)}"
+    if isinstance(e, DatasetError):  # its files changed under the run: a resume checks them and prepares them again
+        then = resume_hint(run) if run.saved_step is not None else "the same command starts the run again"
+        return "failed", f"{e}; {last_checkpoint(run)}: {then}"
+    return None
 
 
 def step(run: Run, bar: tqdm) -> None:
@@ -513,9 +555,10 @@ def stop_for(run: Run, signum: int) -> str:
     return f"{said}: {resume_hint(run)}"
 
 
-def finish(run: Run, status: str, message: str | None) -> dict:
+def finish(run: Run, status: str, message: str | None, check: Callable[[], None] = lambda: None) -> dict:
     """Writes summary.json and closes the W&B run (rank 0); returns the summary, whose message the
-    caller says (main(): train.py's line; a script stopped or failed by it, its own)."""
+    caller says (main(): train.py's line; a script stopped or failed by it, its own). check() runs
+    between the sample's tokens: a stop it raises gives the sample up, and the run closes without it."""
     cfg = run.cfg
     if message and run.master:
         with contextlib.suppress(WriteError):  # a full disk: the record may not fit, the summary's message says it
@@ -528,7 +571,9 @@ def finish(run: Run, status: str, message: str | None) -> dict:
     # sharded, every rank's forward gathers weights with the others: all sample, or none (a rank-0 save failed)
     ok = run.par.all_agree(status == "ok") if run.par.sharded else status == "ok"
     if ok and cfg.sample_tokens > 0 and (run.master or run.par.sharded):
-        summary["sample"] = sample(run.raw_model, cfg, run.device, cuda_graph=not run.par.sharded)
+        with contextlib.suppress(Stopped):  # a sharded sample is not given up alone: the ranks sample together
+            summary["sample"] = sample(run.raw_model, cfg, run.device, cuda_graph=not run.par.sharded,
+                                       check=(lambda: None) if run.par.sharded else check, progress=run.master)
     if run.master:
         if "sample" in summary:
             print(f"--- sample ---\n{summary['sample']}\n--------------")
@@ -563,12 +608,13 @@ def closing_lines(run: Run, summary: dict, curves: Path | None) -> list[str]:
                   "sample: " + shlex.join(["python", shown(Path(__file__).parent / "scripts" / "sample.py"),
                                            override("ckpt", shown(run.run_dir)),
                                            override("prompt", run.cfg.sample_prompt)])]
-        if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+        if not started_here():
+            pass  # a script's runs are its own business: the script says how to go on
+        elif sweeping():
             if summary["status"] != "ok":
                 lines.append(f"resume: {resume_hint(run)}")
         elif summary["status"] == "ok":
-            if started_here():  # a script's runs are its own business
-                lines.append(f"train further: {continue_command(run, 2 * run.cfg.max_steps)}")
+            lines.append(f"train further: {continue_command(run, 2 * run.cfg.max_steps)}")
         else:
             lines.append(f"resume: {continue_command(run)}")
     if where := run.log.where():
@@ -576,23 +622,29 @@ def closing_lines(run: Run, summary: dict, curves: Path | None) -> list[str]:
     return lines
 
 
-def sample(model: GPT, cfg: DictConfig, device: torch.device, cuda_graph: bool = True) -> str:
+def sample(model: GPT, cfg: DictConfig, device: torch.device, cuda_graph: bool = True,
+           check: Callable[[], None] = lambda: None, progress: bool = True) -> str:
     """The sample text of the run's summary, generated from a KV cache (not through a CUDA graph
-    where FSDP gathers weights inside every forward)."""
+    where FSDP gathers weights inside every forward), with a progress bar; check() runs after each
+    token, and may raise to stop."""
     model.set_attention(cfg.attn.name)  # whole sequences in this process: not the ring of context parallelism
     enc = get_encoding()
     idx = torch.tensor([enc.encode_ordinary(cfg.sample_prompt)], device=device)
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
     model.eval()
-    with autocast(cfg.dtype, device):
-        out = model.generate(idx, cfg.sample_tokens, generator=gen,
+    with autocast(cfg.dtype, device), tqdm(total=cfg.sample_tokens, desc="sample", unit=" tokens", leave=False,
+                                           disable=not progress, dynamic_ncols=True) as bar:
+        def each_token() -> None:
+            bar.update()
+            check()
+        out = model.generate(idx, cfg.sample_tokens, generator=gen, each_token=each_token,
                              doc_ids_of=document_ids if cfg.data.doc_mask else None, cuda_graph=cuda_graph)
     return enc.decode(out[0].tolist())
 
 
 def exit_code(summary: dict) -> int:
     """A stopped run exits as the signal would have ended it (143 for SIGTERM), a failed one 1."""
-    if summary["status"] == "stopped":
+    if "signal" in summary:
         return 128 + signal.Signals[summary["signal"]].value
     return 0 if summary["status"] == "ok" else 1
 
@@ -651,8 +703,8 @@ def main(cfg: DictConfig) -> float | None:
         return None
     if summary["message"] and int(os.environ.get("RANK", "0")) == 0:
         print(summary["message"], file=sys.stderr)
-    # a failed sweep job is recorded and the next one runs; a stopped one stops the sweep
-    if summary["status"] != "ok" and (not sweep or summary["status"] == "stopped"):
+    # a failed sweep job is recorded and the next one runs; a stop stops the sweep (as the run closed too)
+    if "signal" in summary or (summary["status"] != "ok" and not sweep):
         sys.exit(exit_code(summary))
     return summary["final_val_loss"]
 
@@ -661,14 +713,20 @@ if __name__ == "__main__":
     # a log record that cannot be written (train.log or W&B's debug.log on a full disk) is dropped, not
     # printed as a traceback: the write that matters says what failed in its own line
     logging.raiseExceptions = False
-    sys.argv[1:] = quoted_where_needed(sys.argv[1:], TrainConfig)  # any path as typed: hydra.run.dir=/data/ü_日本
-    if int(os.environ.get("RANK", "0")) > 0:
-        # under torchrun rank 0 alone owns the Hydra run dir; the other ranks get none and write nothing
-        sys.argv += ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=disabled",
-                     "hydra/hydra_logging=disabled"]
-    else:
-        sys.argv += preflight(sys.argv[1:])
-    try:
-        main()
-    except KeyboardInterrupt:
-        sys.exit(130)  # train() said where to resume
+    # the stop signals are this process's from before its run dir is claimed to its exit, every job of a sweep too
+    with StopSignals() as stopping:
+        argv = quoted_where_needed(sys.argv[1:], TrainConfig)  # any path as typed: hydra.run.dir=/data/ü_日本
+        try:
+            follower = launch_env()["RANK"] > 0
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
+        sys.argv[1:] = placed(argv, FOLLOWER if follower else preflight(argv))
+        try:
+            main()
+        except KeyboardInterrupt:
+            sys.exit(130)  # under torchrun: train() said where to resume
+        if stopping.received:  # after the last point that acts on one (Hydra's own --help, --cfg ...)
+            print(f"train.py: stopped by {signal.Signals(stopping.received).name} as it ended; what it did is complete",
+                  file=sys.stderr)
+            sys.exit(128 + stopping.received)

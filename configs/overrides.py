@@ -1,5 +1,6 @@
 """Command-line overrides: a value written so that Hydra reads back exactly that string, which
-overrides may add or delete keys, and Hydra's composition errors in one line (one_line).
+overrides may add or delete keys, and composing a config from them with every error in one line
+(compose_checked, one_line).
 
 Hydra's override grammar takes unquoted values of plain ASCII only: a path with a space, an `ü`, a
 quote or a `${` must be quoted, or the run cannot start or resume (preflight hands Hydra the run
@@ -19,13 +20,16 @@ import difflib
 import re
 import shlex
 import typing
+from pathlib import Path
 from typing import Optional
 
+from hydra import compose, initialize_config_dir
 from hydra.conf import HydraConf
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import ChoiceSweep
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException
 
 from configs.validate import ConfigError
 
@@ -135,3 +139,29 @@ def one_line(e: Exception) -> str:
     if e.__cause__ is not None:
         text += ": " + str(e.__cause__).splitlines()[0]
     return text
+
+
+def task_config(cfg: DictConfig) -> DictConfig:
+    """cfg without Hydra's own keys."""
+    return OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"])
+
+
+def compose_checked(config_dir: Path, config_name: str, overrides: list[str],
+                    return_hydra_config: bool = False) -> DictConfig:
+    """The config these overrides compose to, every value resolvable: an override's ${...} is
+    resolved here, not where its value is first read (the run dirs among Hydra's keys too).
+    ConfigError in one line where they do not compose or resolve."""
+    try:
+        with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
+            cfg = compose(config_name, overrides=overrides, return_hydra_config=return_hydra_config)
+        OmegaConf.to_container(task_config(cfg), resolve=True)
+        if return_hydra_config:
+            str(cfg.hydra.run.dir), str(cfg.hydra.sweep.dir)
+        return cfg
+    except InterpolationResolutionError as e:  # an override's: the config files' all resolve
+        reason = str(e).splitlines()[0].removeprefix("KeyError raised while resolving interpolation: ").strip('"')
+        typed = [o for o in overrides if "${" in o] or [str(e.full_key)]
+        raise ConfigError(f"{', '.join(typed)}: {reason[:1].lower()}{reason[1:]}: an override's ${{...}} names a key "
+                          "of the config or a resolver such as ${oc.env:HOME}; write a literal ${ as \\${") from None
+    except (HydraException, OmegaConfBaseException) as e:
+        raise ConfigError(one_line(e)) from None

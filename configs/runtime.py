@@ -2,12 +2,16 @@
 train.py and every script."""
 
 import base64
+import contextlib
 import json
 import netrc
 import os
 import re
+import resource
+import sys
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from urllib.parse import urlparse
 from contextlib import AbstractContextManager, nullcontext
 
@@ -30,6 +34,47 @@ def resolve_device(device: str) -> torch.device:
     if device != "cuda" and int(device[5:]) >= torch.cuda.device_count():
         raise ValueError(f"this machine has {torch.cuda.device_count()} CUDA GPU(s)")
     return torch.device(device)
+
+
+def out_of_memory(e: BaseException) -> bool:
+    """Whether e is memory running out: torch's OutOfMemoryError (a GPU's allocator), MemoryError
+    (numpy's, Python's), or torch's CPU allocator failing, which torch raises as a bare RuntimeError
+    whose only mark is its text, ending in the errno ENOMEM ("Error code 12")."""
+    if isinstance(e, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    return type(e) is RuntimeError and "DefaultCPUAllocator" in str(e)
+
+
+def _meminfo_kib(path: str, key: str) -> int:
+    return int(re.search(rf"^{key}:\s+(\d+) kB", open(path).read(), re.MULTILINE)[1])
+
+
+@contextlib.contextmanager
+def memory_cap(device: str) -> Iterator[None]:
+    """On the CPU (Linux), caps this process's heap and private memory (RLIMIT_DATA) at what it uses
+    plus what the machine has available as the run starts: a batch too big then fails to allocate,
+    which out_of_memory() recognizes and the run reports in one line, where Linux would let the
+    allocations through and its OOM killer end the process without a word (exit 137). The limit
+    is put back as it was afterwards; a GPU device is left alone (its driver maps far more than it
+    uses; a device that does not resolve is validate()'s to report)."""
+    try:
+        on_cpu = resolve_device(device).type == "cpu"
+    except ValueError:
+        on_cpu = False
+    if not on_cpu or sys.platform != "linux":
+        yield
+        return
+    before = resource.getrlimit(resource.RLIMIT_DATA)
+    cap = (_meminfo_kib("/proc/self/status", "VmData") + _meminfo_kib("/proc/meminfo", "MemAvailable")) * 1024
+    if before[0] != resource.RLIM_INFINITY:
+        cap = min(cap, before[0])
+    if before[1] != resource.RLIM_INFINITY:
+        cap = min(cap, before[1])
+    resource.setrlimit(resource.RLIMIT_DATA, (cap, before[1]))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_DATA, before)
 
 
 def autocast_dtype(dtype: str, device: torch.device) -> torch.dtype | None:
@@ -154,16 +199,18 @@ def wandb_online_problem(timeout: float = 5.0) -> str | None:
     headers = {"Content-Type": "application/json"}
     if key:
         headers["Authorization"] = "Basic " + base64.b64encode(f"api:{key}".encode()).decode()
-    request = urllib.request.Request(f"{base}/graphql", data=json.dumps({"query": "{ viewer { id } }"}).encode(),
-                                     headers=headers)
     try:
+        request = urllib.request.Request(f"{base}/graphql", data=json.dumps({"query": "{ viewer { id } }"}).encode(),
+                                         headers=headers)
         with urllib.request.urlopen(request, timeout=timeout) as response:
-            viewer = json.load(response).get("data", {}).get("viewer")
+            answer = json.load(response)
+        # GraphQL says an error with "data": null
+        viewer = (answer.get("data") or {}).get("viewer") if isinstance(answer, dict) else None
     except urllib.error.HTTPError as e:
         if e.code in (401, 403):
             return f"{base} refused the API key (HTTP {e.code})"
         return f"{base} answered HTTP {e.code}"
-    except (OSError, ValueError) as e:  # no network, DNS, refused, timed out, not JSON
+    except (OSError, ValueError) as e:  # not a URL; no network, DNS, refused, timed out; not JSON
         reason = getattr(e, "reason", e)
         return f"{base} cannot be reached ({type(reason).__name__}: {str(reason)[:80]})"
     if key and not viewer:

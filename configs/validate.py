@@ -29,6 +29,25 @@ def _fail(key: str, value, allowed: str):
     raise ConfigError(f"{key}={value}: {allowed}")
 
 
+def launch_env() -> dict[str, int]:
+    """torchrun's variables of this process (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE), each
+    checked, with a process of its own's values where unset; ConfigError naming one that is not a
+    count, out of range, or RANK without WORLD_SIZE and LOCAL_RANK."""
+    env = {"RANK": 0, "WORLD_SIZE": 1, "LOCAL_RANK": 0, "LOCAL_WORLD_SIZE": 1}
+    for key, low in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0), ("LOCAL_WORLD_SIZE", 1)):
+        if key in os.environ:
+            text = os.environ[key]
+            if not (text.isdigit() and int(text) >= low):
+                _fail(key, text, f"must be an integer >= {low} (torchrun sets it): launch with torchrun, or unset it")
+            env[key] = int(text)
+    if "RANK" in os.environ and not {"WORLD_SIZE", "LOCAL_RANK"} <= os.environ.keys():
+        _fail("RANK", os.environ["RANK"], "comes with WORLD_SIZE and LOCAL_RANK (torchrun sets all three): launch with "
+                                          "torchrun, or unset RANK")
+    if env["RANK"] >= env["WORLD_SIZE"]:
+        _fail("RANK", env["RANK"], f"must be below WORLD_SIZE {env['WORLD_SIZE']}")
+    return env
+
+
 def _at_least(cfg: DictConfig, keys: str, low: int) -> None:
     for key in keys.split():
         value = OmegaConf.select(cfg, key)
@@ -76,6 +95,9 @@ def validate(cfg: DictConfig, world: int = 1) -> None:
                                                 f"{cfg.seq_len} x {dp}")
     if cfg.seq_len > m.max_seq_len:
         _fail("seq_len", cfg.seq_len, f"must not exceed model.max_seq_len {m.max_seq_len}: set model.max_seq_len too")
+    if cfg.attn.window >= cfg.seq_len:
+        _fail("attn.window", cfg.attn.window, f"must be below seq_len {cfg.seq_len}: a window of as many keys as a "
+                                             "training sequence masks nothing; 0 is plain causal attention")
     if m.vocab_size < VOCAB_SIZE:
         _fail("model.vocab_size", m.vocab_size, f"must be at least the GPT-2 tokenizer's {VOCAB_SIZE}")
     if m.d_model % m.n_head:
@@ -108,6 +130,8 @@ def validate(cfg: DictConfig, world: int = 1) -> None:
     _within(cfg, "optim.weight_decay", 0, math.inf)
     _within(cfg, "optim.grad_clip", 0, math.inf)
     validate_data(cfg)
+    if device.type == "cpu":
+        _fits_cpu_memory(cfg, world)
     if cfg.compile_mode != "default" and not (cfg.compile and device.type == "cuda"):
         _fail("compile_mode", cfg.compile_mode, "needs compile=true on a CUDA device (CUDA graphs): add compile=true, "
                                                 "or leave compile_mode=default")
@@ -121,6 +145,20 @@ def validate(cfg: DictConfig, world: int = 1) -> None:
         wandb_mode(cfg.wandb.mode)
     except ValueError as e:
         _fail("WANDB_MODE", os.environ["WANDB_MODE"], f"{e} (read from the environment, as wandb.mode is not set)")
+
+
+def _fits_cpu_memory(cfg: DictConfig, world: int) -> None:
+    """A batch that cannot fit in this machine's memory is refused before anything is made. The
+    bound is one no run beats: a micro-step keeps each block's input for the backward (2 bytes a
+    number at least) and the loader's int64 windows (32 bytes a token), in each process here."""
+    tokens = batch_size_per_process(cfg, world) * cfg.seq_len
+    need = tokens * (32 + 2 * cfg.model.d_model * cfg.model.n_layer) * launch_env()["LOCAL_WORLD_SIZE"]
+    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > have:
+        key = "batch_size" if cfg.batch_tokens is None else "batch_tokens"
+        _fail(key, cfg[key], f"with seq_len {cfg.seq_len}, a micro-step of {tokens:,} tokens needs {need / 2**30:,.0f} "
+                             f"GiB of memory at least, and this machine has {have / 2**30:,.1f} GiB: lower {key} "
+                             "(grad_accum adds steps, not memory)")
 
 
 def validate_data(cfg: DictConfig) -> None:
@@ -137,7 +175,7 @@ def validate_data(cfg: DictConfig) -> None:
 
 
 def _parallel(cfg: DictConfig, world: int) -> None:
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_rank = launch_env()["LOCAL_RANK"]
     if resolve_device(cfg.device).type == "cuda" and local_rank >= torch.cuda.device_count():
         _fail("LOCAL_RANK", local_rank, f"needs GPU {local_rank}, but only {torch.cuda.device_count()} are visible: "
                                         "lower --nproc_per_node")

@@ -8,8 +8,9 @@ is one line (which file, why, and what became of it):
   reader, a crash or a power loss sees the old file or the whole new one, never a mix;
 - atomic_path does the same for a writer that takes a path (a profiler's export, save_figure);
 - append_line adds one line to a JSON-lines file whole, or leaves the file as it was.
-A full disk or a quota is a DiskFullError, a read-only filesystem or a missing permission a
-WriteError; the temp file is removed and the old file stays.
+A full disk or a quota is a DiskFullError, any other failure of the filesystem (read-only, no
+permission, a directory in the file's place, a file size limit) a WriteError; the temp file is
+removed and the old file stays.
 """
 
 import contextlib
@@ -27,8 +28,9 @@ os.umask(_UMASK)  # read once at import: mkstemp's files are 0600, written files
 
 
 class WriteError(OSError):
-    """A file could not be written: no space, a quota, a read-only filesystem, no permission. str()
-    is the one line to show; errno, strerror and filename are the failure's own."""
+    """A file could not be written: no space, a quota, a read-only filesystem, no permission, a
+    directory in its place... str() is the one line to show; errno, strerror and filename are the
+    failure's own."""
 
     def __init__(self, code: int, filename: Path, said: str):
         super().__init__(code, os.strerror(code), str(filename))
@@ -42,20 +44,35 @@ class DiskFullError(WriteError):
     """No space left for a write (or over a quota); the target was left as it was."""
 
 
+def _chain(e: BaseException | None) -> Iterator[BaseException]:
+    """e and what it was raised from or during, in turn: torch.save reports a failed write as a
+    RuntimeError ("unexpected pos") raised while handling what failed (the OSError of the disk, the
+    KeyboardInterrupt of a Ctrl-C), which is the error to go by."""
+    while e is not None:
+        yield e
+        e = e.__cause__ or e.__context__
+
+
 def write_error(e: BaseException, path: Path, kept: str) -> WriteError | None:
     """The one-line error for a write of `path` that failed with e (or with an error it was raised
-    from), `kept` saying what became of the file; None for a failure that is not the disk's."""
-    while e is not None:
-        if isinstance(e, WriteError):
-            return e
-        # torch.save reports a failed write as RuntimeError("... unexpected pos ..."), with no errno
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) or (
-                isinstance(e, RuntimeError) and "unexpected pos" in str(e)):
+    from), `kept` saying what became of the file; None for a failure that is not the filesystem's.
+    By type and errno alone: a full disk or a quota is a DiskFullError, any other OSError (read-only,
+    no permission, a directory in the file's place, over a file size limit, an I/O error) a
+    WriteError that names its strerror."""
+    for cause in _chain(e):
+        if isinstance(cause, WriteError):
+            return cause
+        if isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT):
             return DiskFullError(errno.ENOSPC, path, f"disk full while writing {path} ({kept})")
-        if isinstance(e, OSError) and e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
-            return WriteError(e.errno, path, f"{path} cannot be written: {e.strerror} ({kept})")
-        e = e.__cause__ or e.__context__
+        if isinstance(cause, OSError) and cause.errno is not None:
+            return WriteError(cause.errno, path, f"{path} cannot be written: {cause.strerror} ({kept})")
     return None
+
+
+def _interruption(e: BaseException) -> BaseException | None:
+    """The stop (Ctrl-C's KeyboardInterrupt, a script's Stop: what is no Exception) that e is or was
+    raised during, or None."""
+    return next((cause for cause in _chain(e) if not isinstance(cause, Exception)), None)
 
 
 def fsync_dir(path: Path) -> None:
@@ -88,6 +105,8 @@ def atomic_path(path: Path) -> Iterator[Path]:
         os.replace(tmp, path)
     except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
+        if (stop := _interruption(e)) is not None and stop is not e:
+            raise stop  # a Ctrl-C inside torch.save comes out as its RuntimeError: the stop goes on as itself
         kept = "temp file removed; " + ("the previous file is intact" if path.exists() else "nothing written")
         if (error := write_error(e, path, kept)) is not None:
             raise error from e

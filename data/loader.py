@@ -6,6 +6,7 @@ load_meta() is the one place that decides whether such a directory is complete a
 """
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -89,22 +90,40 @@ class TokenWindows:
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, y), both int64 of shape (batch_size, seq_len), on self.device."""
-        # a fresh memmap per batch keeps pages from piling up in resident memory (nanoGPT, after
-        # https://stackoverflow.com/questions/45132940/numpy-memmap-memory-usage-want-to-iterate-once/61472122#61472122)
-        data = np.memmap(self.path, dtype=self.dtype, mode="r")
         T = self.seq_len
         B = self.batch_size
         n = self.n_tokens if self.wraps else self.n_tokens - T
         starts = torch.randint(n, (B * self.world_size,), generator=self.generator)
         starts = starts[self.rank * B:(self.rank + 1) * B]  # this rank's slice of the global batch
-        offsets = starts.numpy()[:, None] + np.arange(T + 1)  # (B, T+1)
-        windows = data[offsets % self.n_tokens if self.wraps else offsets].astype(np.int64)
+        windows = self._read(starts.numpy(), T + 1)  # (B, T+1)
         x = torch.from_numpy(np.ascontiguousarray(windows[:, :-1]))  # (B, T)
         y = torch.from_numpy(np.ascontiguousarray(windows[:, 1:]))  # (B, T)
         if self.device.type == "cuda":
             # from pinned memory the host-to-device copy runs asynchronously, overlapping compute
             return x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(self.device, non_blocking=True)
         return x.to(self.device), y.to(self.device)
+
+    def _read(self, starts: np.ndarray, length: int) -> np.ndarray:
+        """The windows of `length` tokens at `starts`, int64 (len(starts), length). Read, not memory-
+        mapped: a file cut short under a mapping kills the reader (SIGBUS), where a read comes back
+        short, and a DatasetError says so."""
+        item = self.dtype.itemsize
+        changed = f"{self.path} changed while it was read: {{}} bytes, {self.n_tokens * item:,} when it was opened " \
+                  "(cut short, or prepared again)"
+        try:
+            with open(self.path, "rb") as f:  # each batch: a file replaced meanwhile is seen as it now is
+                size = os.fstat(f.fileno()).st_size
+                if size != self.n_tokens * item:
+                    raise DatasetError(changed.format(f"{size:,}"))
+                if self.wraps:  # the whole split is shorter than one window
+                    data = np.frombuffer(f.read(), dtype=self.dtype)
+                    return data[(starts[:, None] + np.arange(length)) % self.n_tokens].astype(np.int64)
+                rows = [os.pread(f.fileno(), length * item, int(start) * item) for start in starts]
+                if any(len(row) != length * item for row in rows):  # cut short since the fstat
+                    raise DatasetError(changed.format(f"{os.fstat(f.fileno()).st_size:,}"))
+        except OSError as e:  # deleted, or its disk gone
+            raise DatasetError(f"{self.path} cannot be read any more ({e.strerror})") from None
+        return np.frombuffer(b"".join(rows), dtype=self.dtype).reshape(len(starts), length).astype(np.int64)
 
     def state_dict(self) -> dict:
         return {"generator": self.generator.get_state()}

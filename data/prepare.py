@@ -20,7 +20,6 @@ waits and then use what the first one finished; only the lock's holder writes or
 """
 
 import contextlib
-import fcntl
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -32,7 +31,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import sys
 import time
 from collections import deque
@@ -48,6 +46,7 @@ from tqdm import tqdm
 
 from data.config import DataConfig
 from data.files import DiskFullError, atomic_write, sha256_file
+from data.lifetime import FileLock, die_with_parent
 from data.loader import SPLITS, DatasetError, load_meta
 from data.tokenizer import EOT, VOCAB_SIZE, get_encoding
 
@@ -198,8 +197,8 @@ def _tokenized(docs: datasets.Dataset, check: Callable[[], None]) -> Iterator[tu
     """_tokenize over docs, _BATCH documents at a time, in order; check() runs before each batch is
     taken. Big sets are tokenized by forked workers (one per 10,000 documents, at most one per core)
     of a ProcessPoolExecutor, which survives a worker killed by a signal: multiprocessing's Pool, as
-    `datasets.map` runs it, hangs on the queue lock a dead worker held. The workers ignore Ctrl-C:
-    the parent answers it and shuts them down."""
+    `datasets.map` runs it, hangs on the queue lock a dead worker held (_worker_start says how the
+    workers start)."""
     batches = (docs[i:i + _BATCH]["text"] for i in range(0, len(docs), _BATCH))
     workers = min(os.cpu_count() or 1, 1 + len(docs) // 10_000)
     if workers == 1:
@@ -207,8 +206,8 @@ def _tokenized(docs: datasets.Dataset, check: Callable[[], None]) -> Iterator[tu
             check()
             yield _tokenize(texts)
         return
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"), initializer=signal.signal,
-                             initargs=(signal.SIGINT, signal.SIG_IGN)) as pool:
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"), initializer=_worker_start,
+                             initargs=(os.getpid(),)) as pool:
         ahead = deque(pool.submit(_tokenize, texts) for texts in itertools.islice(batches, 2 * workers))
         while ahead:
             check()
@@ -216,6 +215,13 @@ def _tokenized(docs: datasets.Dataset, check: Callable[[], None]) -> Iterator[tu
             if (texts := next(batches, None)) is not None:
                 ahead.append(pool.submit(_tokenize, texts))
             yield done
+
+
+def _worker_start(parent: int) -> None:
+    """A tokenizing worker ignores Ctrl-C (its parent answers it and shuts the pool down) and dies
+    with its parent: killed with it, kill -9 too, not left holding its locks."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    die_with_parent(parent)
 
 
 def split_by_tokens(lengths: Iterable[int], val_fraction: float) -> np.ndarray:
@@ -289,34 +295,25 @@ def _check_owned(out: Path) -> None:
                            f"{', ...' if len(foreign) > 3 else ''}): choose another data.name or data.root")
 
 
-def _locked(fd: int) -> bool:
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except BlockingIOError:
-        return False
-
-
 @contextlib.contextmanager
 def _exclusive(out: Path, check: Callable[[], None]) -> Iterator[None]:
     """Holds the lock of dataset dir `out` (<root>/.<name>.lock; it stays, empty of meaning, when
     released): one process at a time prepares a dataset; the others say they wait (polling, so that
     check() can stop them while they do)."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    path = out.parent / f".{out.name}.lock"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    lock = FileLock(out.parent / f".{out.name}.lock")
     try:
-        if not _locked(fd):
-            holder = os.pread(fd, 256, 0).decode(errors="replace").strip() or "another process"
-            print(f"data: waiting for {holder} to finish preparing {out}", file=sys.stderr, flush=True)
-            while not _locked(fd):
+        if not lock.acquire():
+            print(f"data: waiting for {lock.blocked_by()} to finish preparing {out}", file=sys.stderr, flush=True)
+            while not lock.acquire():
                 check()
                 time.sleep(0.2)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"process {os.getpid()} on {socket.gethostname()}".encode(), 0)
+        if gone := lock.take():
+            print(f"data: {gone} ended while preparing {out} (killed?); this process takes it over",
+                  file=sys.stderr, flush=True)
         yield
     finally:
-        os.close(fd)  # releases the lock
+        lock.release()
 
 
 def prepare(cfg: DataConfig, check: Callable[[], None] = lambda: None) -> Path:
@@ -324,15 +321,15 @@ def prepare(cfg: DataConfig, check: Callable[[], None] = lambda: None) -> Path:
     check() runs between units of work (documents streamed, batches tokenized, the wait for another
     preparer); it may raise to stop, and what this prepare half-made is then removed."""
     out = dataset_dir(cfg)
-    if _is_ready(out, cfg):
-        log.info("dataset ready: %s", out)
-        return out
     if not 0 < cfg.val_fraction < 1:
         raise DatasetError(f"data.val_fraction is {cfg.val_fraction}, expected a value in (0, 1)")
     for path, key in ((out.parent, "data.root"), (out, "data.name")):
         if path.exists() and not path.is_dir():
             raise DatasetError(f"{key}: {path} is a file, not a directory: choose another {key}")
     try:
+        if _is_ready(out, cfg):
+            log.info("dataset ready: %s", out)
+            return out
         with _exclusive(out, check):
             return _prepare_exclusively(cfg, out, check)
     except DiskFullError:

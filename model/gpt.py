@@ -250,8 +250,10 @@ class GPT(nn.Module):
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 0.8, top_k: int | None = 200,
                  generator: torch.Generator | None = None,
                  doc_ids_of: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 kv_cache: bool = True, cuda_graph: bool = True) -> torch.Tensor:
-        """Extends idx (B, T) by max_new_tokens sampled tokens (top_k=1: greedy).
+                 kv_cache: bool = True, cuda_graph: bool = True,
+                 each_token: Callable[[], None] = lambda: None) -> torch.Tensor:
+        """Extends idx (B, T) by max_new_tokens sampled tokens (top_k=1: greedy), calling each_token()
+        after each (a progress bar's update; a check that raises to stop).
 
         kv_cache (model/kv_cache.py): the prompt's forward once, then one token's forward per new
         token, replayed from a CUDA graph where the attention reads the cache's length on the device
@@ -286,6 +288,7 @@ class GPT(nn.Module):
                 logits = logits.masked_fill(logits < kth, float("-inf"))
             probs = torch.softmax(logits, dim=-1)
             idx = torch.cat((idx, torch.multinomial(probs, 1, generator=generator)), dim=1)
+            each_token()
         return idx
 
 

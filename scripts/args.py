@@ -15,13 +15,10 @@ from pathlib import Path
 from typing import Callable, Iterable, NoReturn
 
 import torch
-from hydra import compose, initialize_config_dir
 from hydra._internal.utils import get_args_parser  # the parser @hydra.main runs: its flags, no copy of them
-from hydra.errors import HydraException
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException
+from omegaconf import DictConfig
 
-from configs.overrides import one_line
+from configs.overrides import compose_checked
 from configs.store import register_configs
 from configs.validate import ConfigError, validate
 
@@ -155,29 +152,19 @@ def require_cuda(script: str, gpus: int = 1) -> None:
 # Hydra command lines
 
 
-def _task(cfg: DictConfig) -> DictConfig:
-    return OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"])
-
-
 def _compose(config_name: str, overrides: list[str], return_hydra_config: bool = False) -> DictConfig:
-    """The config these overrides compose to, every interpolation outside Hydra's keys resolvable; or one
-    line and exit 2."""
+    """The config these overrides compose to, every value resolvable; or one line and exit 2."""
     try:
-        with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
-            cfg = compose(config_name, overrides=overrides, return_hydra_config=return_hydra_config)
-        OmegaConf.to_container(_task(cfg), resolve=True)  # prompt=${x} fails here, not where it is read
-        return cfg
-    except InterpolationResolutionError as e:  # an override's: the config files' all resolve
-        fail(f"{one_line(e)}, in an override's ${{...}}: write a literal ${{ as \\${{")
-    except (HydraException, OmegaConfBaseException) as e:
-        fail(one_line(e))
+        return compose_checked(CONFIGS, config_name, overrides, return_hydra_config)
+    except ConfigError as e:
+        fail(str(e))
 
 
 def hydra_config(argv: list[str], config_name: str) -> DictConfig | None:
-    """The config a Hydra script's command line composes to (its schema registered already), without
-    Hydra's own keys; one line and exit 2 for an unknown flag, overrides that do not compose, or a run
-    dir that cannot be made. None where a flag (--help, --cfg, -m ...) makes the command line Hydra's
-    own business."""
+    """The config a Hydra script's command line composes to (its schema registered already), Hydra's
+    own keys with it (hydra.run.dir: task_config() leaves them out); one line and exit 2 for an
+    unknown flag, overrides that do not compose, or a run dir that cannot be made. None where a flag
+    (--help, --cfg, -m ...) makes the command line Hydra's own business."""
     parser = get_args_parser()
     parser.exit_on_error = False  # raise, not print the usage
     try:
@@ -193,7 +180,7 @@ def hydra_config(argv: list[str], config_name: str) -> DictConfig | None:
     problem = unwritable(Path(cfg.hydra.run.dir))
     if problem:
         fail(f"hydra.run.dir={cfg.hydra.run.dir}: {problem}: choose a directory this user can create or write into")
-    return _task(cfg)
+    return cfg
 
 
 def train_config(overrides: list[str], world: int = 1) -> DictConfig:
@@ -201,14 +188,14 @@ def train_config(overrides: list[str], world: int = 1) -> DictConfig:
     torchrun where world > 1); one line and exit 2 where it does not compose or cannot run."""
     register_configs()
     cfg = _compose("config", overrides)
-    as_torchrun = world > 1 and "RANK" not in os.environ
-    if as_torchrun:
-        os.environ["RANK"] = "0"  # what torchrun sets, and validate() reads: parallel.dp=fsdp runs there alone
+    # as rank 0 of torchrun's `world` processes sees it (parallel.dp=fsdp runs there alone)
+    launched = {} if world == 1 or "RANK" in os.environ else {"RANK": "0", "WORLD_SIZE": str(world), "LOCAL_RANK": "0"}
+    os.environ.update(launched)
     try:
         validate(cfg, world)
     except ConfigError as e:
         fail(str(e))
     finally:
-        if as_torchrun:
-            del os.environ["RANK"]
+        for key in launched:
+            del os.environ[key]
     return cfg

@@ -25,24 +25,27 @@ from pathlib import Path
 
 # Run as a script, Python puts scripts/ on sys.path, not the repo root where kernels/ lives.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from trainer.startup import startup  # noqa: E402
 
-import numpy as np
-import torch
-import torch.nn.functional as F
-import triton
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from triton.compiler.errors import CompilationError
-from triton.runtime.errors import OutOfResources
-from triton.testing import do_bench
+startup(__name__)  # before the heavy imports below: trainer/startup.py says why
 
-from kernels import LAUNCHERS, attention_flops, flash_attention
-from configs.runtime import SDPA_BACKENDS
-from model.attention import ATTENTIONS, hidden_keys
-from scripts.args import (ArgumentParser, directory, names, non_negative_int, positive_int, positive_ints,
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+from triton.compiler.errors import CompilationError  # noqa: E402
+from triton.runtime.errors import OutOfResources  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
+from kernels import LAUNCHERS, attention_flops, flash_attention  # noqa: E402
+from configs.runtime import SDPA_BACKENDS  # noqa: E402
+from model.attention import ATTENTIONS, hidden_keys  # noqa: E402
+from scripts.args import (ArgumentParser, directory, names, non_negative_int, positive_int, positive_ints,  # noqa: E402
                           require_cuda, require_divisors)
-from data.files import save_figure
-from scripts.outputs import write_csv, write_text
-from scripts.stopping import stoppable
+from data.files import save_figure  # noqa: E402
+from scripts.outputs import write_csv, write_text  # noqa: E402
+from scripts.stopping import stoppable  # noqa: E402
 
 SEQ_LENS = [512, 1024, 2048, 4096, 8192, 16384]
 QUICK_SEQ_LENS = [1024, 8192]

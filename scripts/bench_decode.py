@@ -22,18 +22,21 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/ sits beside the packages
+from trainer.startup import startup  # noqa: E402
 
-import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from triton.testing import do_bench_cudagraph
+startup(__name__)  # before the heavy imports below: trainer/startup.py says why
 
-from configs.schema import ModelConfig
-from kernels.decode import decode_attention
-from model import GPT
-from scripts.args import ArgumentParser, positive_int, positive_ints, require_cuda
-from scripts.stopping import stoppable
-from scripts.bench_attention import environment
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+from triton.testing import do_bench_cudagraph  # noqa: E402
+
+from configs.schema import ModelConfig  # noqa: E402
+from kernels.decode import decode_attention  # noqa: E402
+from model import GPT  # noqa: E402
+from scripts.args import ArgumentParser, positive_int, positive_ints, require_cuda  # noqa: E402
+from scripts.stopping import stoppable  # noqa: E402
+from scripts.bench_attention import environment  # noqa: E402
 
 SDPA = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION,
         "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}

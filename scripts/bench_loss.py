@@ -16,10 +16,13 @@ import gc
 import sys
 from pathlib import Path
 
-import torch
-from triton.testing import do_bench
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/ sits beside the packages
+from trainer.startup import startup  # noqa: E402
+
+startup(__name__)  # before the heavy imports below: trainer/startup.py says why
+
+import torch  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
 
 from kernels.cross_entropy import full_cross_entropy, linear_cross_entropy  # noqa: E402
 from scripts.args import ArgumentParser, positive_ints, require_cuda  # noqa: E402

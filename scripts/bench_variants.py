@@ -26,18 +26,21 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/ sits beside the packages
+from trainer.startup import startup  # noqa: E402
 
-import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from triton.testing import do_bench
+startup(__name__)  # before the heavy imports below: trainer/startup.py says why
 
-from kernels import attention_flops, backends, flash_attention
-from kernels.hopper import config as hopper
-from model.peers import fa4_attention, fa4_unsupported
-from scripts.args import ArgumentParser, positive_int, positive_ints, require_cuda
-from scripts.bench_attention import document_ids, document_lengths, environ, environment
-from scripts.stopping import stoppable
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
+from kernels import attention_flops, backends, flash_attention  # noqa: E402
+from kernels.hopper import config as hopper  # noqa: E402
+from model.peers import fa4_attention, fa4_unsupported  # noqa: E402
+from scripts.args import ArgumentParser, positive_int, positive_ints, require_cuda  # noqa: E402
+from scripts.bench_attention import document_ids, document_lengths, environ, environment  # noqa: E402
+from scripts.stopping import stoppable  # noqa: E402
 
 FWD, BACKEND, BY_KEYS = hopper.FWD_ORDER_VARIABLE, backends.BACKEND_VARIABLE, hopper.BWD_BY_KEYS_VARIABLE
 OVERLAP, STAGES, ORDER = hopper.FWD_OVERLAP_VARIABLE, hopper.FWD_STAGES_VARIABLE, hopper.BWD_ORDER_VARIABLE

@@ -16,6 +16,7 @@ the signal would have ended it.
     python scripts/context_parallel.py --gpus 4 --seq-lens 1048576 --steps 1 ac=full
 """
 
+import functools
 import json
 import os
 import signal
@@ -25,8 +26,13 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # scripts/ sits beside the packages
 
+sys.path.insert(0, str(REPO))  # scripts/ sits beside the packages
+from trainer.startup import startup  # noqa: E402
+
+startup(__name__)  # before the heavy imports below: trainer/startup.py says why
+
+from data.lifetime import die_with_parent  # noqa: E402
 from model.attention import ATTENTIONS  # noqa: E402
 from trainer.metrics import read_metrics  # noqa: E402
 from trainer.signals import STOP_SIGNALS  # noqa: E402
@@ -51,7 +57,10 @@ def run_child(cmd: list[str], env: dict) -> tuple[subprocess.CompletedProcess, i
     its ranks), which would otherwise run on, orphaned, holding the GPUs; Ctrl-C reaches it from the
     terminal, and a second one it sends would cut its own handling short."""
     got = []
-    with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as child:
+    # killed (kill -9) the script cannot pass a signal on: the kernel sends the child SIGTERM then
+    stop_with_me = functools.partial(die_with_parent, os.getpid(), signal.SIGTERM)
+    with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          preexec_fn=stop_with_me) as child:
         def forward(signum: int, frame) -> None:
             got.append(signum)
             if signum != signal.SIGINT:

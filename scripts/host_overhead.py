@@ -40,11 +40,14 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from triton.testing import do_bench
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/ sits beside kernels/
+from trainer.startup import startup  # noqa: E402
+
+startup(__name__)  # before the heavy imports below: trainer/startup.py says why
+
+import torch  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
 
 from kernels import backends, flash_attention, flash_attn_backward, flash_attn_forward  # noqa: E402
 from scripts.args import ArgumentParser, require_cuda  # noqa: E402

@@ -26,14 +26,17 @@ from pathlib import Path
 
 os.environ.setdefault("FLASH_ATTENTION_AUTOTUNE", "0")
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/ sits beside the packages
+from trainer.startup import startup  # noqa: E402
+
+startup(__name__)  # before the heavy imports below: trainer/startup.py says why
+
 import matplotlib  # noqa: E402
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/ sits beside the packages
 
 from configs.runtime import precision, resolve_device  # noqa: E402
 from configs.schema import AttnName, Checkpointing  # noqa: E402

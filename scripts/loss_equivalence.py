@@ -37,25 +37,29 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-import hydra
-import matplotlib
-import torch
-import triton
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/ sits beside the packages
+from trainer.startup import startup  # noqa: E402
+
+startup(__name__)  # before the heavy imports below: trainer/startup.py says why
+
+import hydra  # noqa: E402
+import matplotlib  # noqa: E402
+import torch  # noqa: E402
+import triton  # noqa: E402
+from hydra.core.hydra_config import HydraConfig  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
 
 matplotlib.use("Agg")  # files only: no display needed
 import matplotlib.pyplot as plt  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/ sits beside the packages
-
-from configs.overrides import quoted_where_needed  # noqa: E402
+from configs.overrides import quoted_where_needed, task_config  # noqa: E402
 from configs.runtime import autocast_dtype, resolve_device  # noqa: E402
 from configs.schema import TrainConfig, plain  # noqa: E402
 from configs.store import register_configs  # noqa: E402
 from configs.validate import ConfigError, validate  # noqa: E402
-from data import DatasetError  # noqa: E402
+from data import DatasetError, TokenizerError  # noqa: E402
 from trainer.checkpoint import CheckpointError  # noqa: E402
+from trainer.rundir import RUN_FILES  # noqa: E402
 from trainer.metrics import read_metrics  # noqa: E402
 from data.prepare import dataset_dir  # noqa: E402
 from data.files import save_figure  # noqa: E402
@@ -261,13 +265,17 @@ def log_wandb(cfg: DictConfig, out_dir: Path, runs: dict, result: dict, png: Pat
     if result["spread_abs_diff"]:
         series["abs_diff/spread"] = result["spread_abs_diff"]
     steps = len(runs[result["reference"]]["loss"])
-    for i in range(steps):
-        rec = {k: v[i] for k, v in series.items() if i < len(v)}
-        if i == steps - 1:
-            rec["equivalence"] = wandb.Image(str(png))
-        run.log(rec, step=i + 1)
-    run.summary.update({"verdict": result["verdict"], "tolerance": result["tolerance"],
-                        **{f"{n}/{k}": v for n, s in result["stats"].items() for k, v in s.items()}})
+    try:
+        for i in range(steps):
+            rec = {k: v[i] for k, v in series.items() if i < len(v)}
+            if i == steps - 1:
+                rec["equivalence"] = wandb.Image(str(png))
+            run.log(rec, step=i + 1)
+        run.summary.update({"verdict": result["verdict"], "tolerance": result["tolerance"],
+                            **{f"{n}/{k}": v for n, s in result["stats"].items() for k, v in s.items()}})
+    except BaseException:  # a stop: the W&B run closes now, not in W&B's own lines as the process exits
+        run.finish(exit_code=1)
+        raise
     run.finish(exit_code=0 if result["verdict"] == "AGREE" else 1)
 
 
@@ -308,11 +316,18 @@ def check(cfg: DictConfig, out_dir: Path) -> dict:
     return result
 
 
+def earlier_runs(run_dir: Path) -> list[str]:
+    """The dirs in run_dir that hold a training run (an earlier check's, run into the same dir)."""
+    if not run_dir.is_dir():
+        return []
+    return sorted(d.name for d in run_dir.iterdir() if d.is_dir() and any((d / f).exists() for f in RUN_FILES))
+
+
 @hydra.main(version_base="1.3", config_path="../configs", config_name="equivalence")
 def main(cfg: DictConfig) -> None:
     try:
         result = check(cfg, Path(HydraConfig.get().runtime.output_dir))
-    except (ConfigError, DatasetError, CheckpointError) as e:
+    except (ConfigError, DatasetError, CheckpointError, TokenizerError) as e:
         fail(str(e))
     if result["verdict"] != "AGREE":
         sys.exit(1)
@@ -324,13 +339,19 @@ if __name__ == "__main__":
     # at import: importing this module changes no global state
     register_configs(EquivalenceConfig)
     sys.argv[1:] = quoted_where_needed(sys.argv[1:], EquivalenceConfig)  # as typed: hydra.run.dir=/data/ü_日本
-    cfg = hydra_config(sys.argv[1:], "equivalence")
-    if cfg is not None:  # checked before Hydra makes the run dir, so that a bad config leaves nothing
+    composed = hydra_config(sys.argv[1:], "equivalence")
+    again = "the same command runs it again, in a new dir"
+    if composed is not None:  # checked before Hydra makes the run dir, so that a bad config leaves nothing
         try:
-            check_config(cfg)
+            check_config(task_config(composed))
         except ConfigError as e:
             fail(str(e))
+        if any(arg.lstrip("+").startswith("hydra.run.dir=") for arg in sys.argv[1:]):
+            run_dir = Path(composed.hydra.run.dir)
+            again = f"its runs stay in {run_dir}: run it again into another hydra.run.dir, or after removing that dir"
+            if held := earlier_runs(run_dir):
+                fail(f"hydra.run.dir={run_dir} holds the runs of an earlier check ({', '.join(held)}): the check "
+                     "trains every attention from step 0: choose another hydra.run.dir, or remove that dir")
     # a stop ends the check with no verdict: its runs were cut short
-    with stoppable("loss_equivalence.py", lambda: "no verdict: the check compares whole runs (the same command "
-                                                  "runs it again)"):
+    with stoppable("loss_equivalence.py", lambda: f"no verdict: the check compares whole runs ({again})"):
         main()

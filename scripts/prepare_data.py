@@ -13,6 +13,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/ sits beside the packages
+from trainer.startup import startup  # noqa: E402
+
+startup(__name__)  # before the heavy imports below: trainer/startup.py says why
 
 from hydra import compose, initialize_config_dir  # noqa: E402
 from hydra.errors import HydraException  # noqa: E402
@@ -44,7 +47,11 @@ def main() -> None:
         validate_data(cfg)
         # a signal is acted on between units of work (data/prepare.py), never inside the tokenizing pool
         with StopSignals() as stop:
-            prepare(OmegaConf.to_object(cfg.data), stop.check)
+            try:
+                prepare(OmegaConf.to_object(cfg.data), stop.check)
+            except Exception:
+                stop.check()  # a stop signal that reached the tokenizing workers too: their failure is the stop's
+                raise
     except Stopped as e:
         raise Stop(e.signum) from None
     except (HydraException, OmegaConfBaseException) as e:

@@ -14,12 +14,15 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.profiler import ProfilerActivity, profile
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/ sits beside kernels/
+from trainer.startup import startup  # noqa: E402
+
+startup(__name__)  # before the heavy imports below: trainer/startup.py says why
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from kernels import flash_attention  # noqa: E402
 from model.attention import ATTENTIONS as TRAINED  # noqa: E402

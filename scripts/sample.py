@@ -12,12 +12,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-import hydra
-import torch
-from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig, OmegaConf
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/ sits beside the packages
+from trainer.startup import startup  # noqa: E402
+
+startup(__name__)  # before the heavy imports below: trainer/startup.py says why
+
+import hydra  # noqa: E402
+import torch  # noqa: E402
+from hydra.core.config_store import ConfigStore  # noqa: E402
+from omegaconf import MISSING, DictConfig, OmegaConf  # noqa: E402
 
 from configs.overrides import quoted_where_needed  # noqa: E402
 from configs.runtime import autocast, autocast_dtype, resolve_device  # noqa: E402

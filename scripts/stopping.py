@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 from data.files import WriteError
 from trainer.signals import STOP_SIGNALS, nvrtc_first_compile
+from trainer.startup import handed_over
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -84,6 +85,7 @@ def stoppable(script: str, kept: Callable[[], str]) -> Iterator[None]:
     that cannot be written ends it with one line too, exit 1."""
     pending = _Pending()
     previous = {sig: signal.signal(sig, _stopper(os.getpid(), pending)) for sig in STOP_SIGNALS}
+    handed_over()
     previous[signal.SIGALRM] = signal.signal(signal.SIGALRM, _again(pending))
     try:
         nvrtc_first_compile()  # NVRTC's own stop handler, now and not at cuDNN's first call
@@ -108,12 +110,17 @@ def trained(cfg: "DictConfig", run_dir: Path) -> dict:
     """train.train(cfg, run_dir)'s summary; Stop where a signal stopped the run (in its setup, or
     after its step in flight, checkpointed): the script stops with it."""
     import train  # the trainer: loaded by the scripts that train, not by every one that stops
+    from trainer.rundir import abandon_run_dir
     from trainer.signals import Stopped
 
     try:
         summary = train.train(cfg, run_dir)
     except Stopped as e:  # in its setup: nothing of it was saved
+        abandon_run_dir(run_dir)
         raise Stop(e.signum) from None
+    except Exception:  # where it could not start, the dir it made goes, as under train.py's own command
+        abandon_run_dir(run_dir)
+        raise
     if summary["status"] == "stopped":
         raise Stop(signal.Signals[summary["signal"]])
     return summary

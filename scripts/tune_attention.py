@@ -12,11 +12,14 @@ import contextlib
 import sys
 from pathlib import Path
 
-import torch
-import triton
-import triton.testing
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/ sits beside kernels/
+from trainer.startup import startup  # noqa: E402
+
+startup(__name__)  # before the heavy imports below: trainer/startup.py says why
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.testing  # noqa: E402
 
 from kernels import LAUNCHERS, MAX_HEAD_DIM, attention_flops, flash_attn_backward, flash_attn_forward  # noqa: E402
 from scripts.args import ArgumentParser, names, positive_ints, require_cuda  # noqa: E402

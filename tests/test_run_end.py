@@ -141,7 +141,7 @@ def test_curves_that_cannot_be_written_lose_neither_summary_nor_checkpoint(data_
     assert json.loads((tmp_path / "summary.json").read_text())["status"] == "ok"
     assert train_module.load_checkpoint(tmp_path / "ckpt.pt")["step"] == 2
     (line,) = [line for line in err.splitlines() if "curves.png" in line]
-    assert line.startswith(f"error: {tmp_path / 'curves.png'} was not drawn (IsADirectoryError: ")
+    assert line.startswith(f"error: {tmp_path / 'curves.png'} cannot be written: Is a directory ("), line
     block = summary_block(out)
     assert said(block, "run dir") == f"{tmp_path} (metrics.jsonl, summary.json)"
     # outside train.py's own command line (a script's runs, in its process) no command continues the run

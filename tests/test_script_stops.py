@@ -11,43 +11,17 @@ The CPU tests start three processes (a few minutes on 2 busy cores):
     .venv/bin/python -m pytest tests/test_script_stops.py -q
 """
 
-import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 import train as train_module
-from tests.helpers import REPO, TINY, compose, metrics
+from tests.helpers import REPO, TINY, catches, compose, metrics, start, wait_for
 
 pytestmark = pytest.mark.slow
-ENV = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-
-
-def start(args: list[str], cwd: Path) -> subprocess.Popen:
-    # SIGINT as a terminal's Ctrl-C delivers it (a background test process may have it ignored)
-    return subprocess.Popen([sys.executable, *args], cwd=cwd, stdout=open(cwd / "out.log", "w"),
-                            stderr=open(cwd / "err.log", "w"), env=ENV,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-
-
-def wait_for(proc: subprocess.Popen, cwd: Path, event, what: str) -> None:
-    """Until event() holds, the process still running (10 minutes at most)."""
-    deadline = time.monotonic() + 600
-    while not event():
-        assert proc.poll() is None, f"{what}: the process ended first: {(cwd / 'err.log').read_text()[-2000:]}"
-        assert time.monotonic() < deadline, f"{what}: not within 10 minutes"
-        time.sleep(0.05)
-
-
-def catches(pid: int, sig: int) -> bool:
-    """Whether process pid has a handler for sig (the kernel's SigCgt mask): the script's stop is armed."""
-    status = Path(f"/proc/{pid}/status").read_text()
-    mask = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), 16)
-    return bool(mask >> (sig - 1) & 1)
 
 
 def stopped(proc: subprocess.Popen, cwd: Path, sig: int, script: str) -> str:
@@ -70,9 +44,18 @@ def test_a_stopped_loss_equivalence_says_so_and_gives_no_verdict(sig, data_root,
                   "max_steps=1000000", "attns=[sdpa,naive]", "wandb.mode=disabled", f"hydra.run.dir={out}"], tmp_path)
     wait_for(proc, tmp_path, lambda: len(metrics(out / "sdpa")) >= 2, "sdpa's second step")
     line = stopped(proc, tmp_path, sig, "loss_equivalence.py")
-    assert "no verdict" in line
-    assert "verdict" not in (tmp_path / "out.log").read_text()
+    assert line.endswith(f"no verdict: the check compares whole runs (its runs stay in {out}: run it again into "
+                         "another hydra.run.dir, or after removing that dir)"), line
+    said = (tmp_path / "out.log").read_text()
+    assert "verdict" not in said and "resume" not in said and "train further" not in said, said[-2000:]
     assert not (out / "naive").exists() and not list(out.glob("equivalence.*"))
+    # the advice holds: the same command again is refused in one line, and changes nothing
+    before = sorted(p.relative_to(out) for p in out.rglob("*"))
+    again = subprocess.run([sys.executable, *proc.args[1:]], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 2 and again.stderr.strip() == (
+        f"error: hydra.run.dir={out} holds the runs of an earlier check (sdpa): the check trains every attention "
+        "from step 0: choose another hydra.run.dir, or remove that dir"), again.stderr[-2000:]
+    assert sorted(p.relative_to(out) for p in out.rglob("*")) == before
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +69,8 @@ def test_a_stopped_sample_says_so_in_one_line(checkpoint, tmp_path):
     # a million tokens, each recomputing the forward of the last max_seq_len: it runs until stopped
     proc = start([str(REPO / "scripts" / "sample.py"), f"ckpt={checkpoint}", "max_new_tokens=1000000",
                   "kv_cache=false", "device=cpu"], tmp_path)
-    wait_for(proc, tmp_path, lambda: catches(proc.pid, signal.SIGTERM), "the stop armed")
+    # SIGALRM caught: stoppable's handlers are in place (its retry timer's), past sample.py's imports
+    wait_for(proc, tmp_path, lambda: catches(proc.pid, signal.SIGALRM), "the stop armed")
     stopped(proc, tmp_path, signal.SIGTERM, "sample.py")
     assert (tmp_path / "out.log").read_text() == "" and sorted(p.name for p in tmp_path.iterdir()) == ["err.log",
                                                                                                       "out.log"]

@@ -209,6 +209,29 @@ def test_a_bad_command_line_exits_2_with_one_line_and_creates_nothing(script, ar
     assert list(cwd.iterdir()) == [] and snapshot(inputs) == before
 
 
+def test_what_stops_a_script_before_its_first_step_is_one_line_and_leaves_no_run_dir(tmp_path):
+    # loss_equivalence.py preparing its data with a tokenizer cache that cannot be made: train.py's
+    # one line (exit 2), and the run dir it claimed for its first attention given up
+    (tmp_path / "file").write_text("")
+    out = tmp_path / "check"
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "loss_equivalence.py"), *TINY, "attns=[sdpa,naive]",
+                           f"data.root={tmp_path / 'data'}", "wandb.mode=disabled", f"hydra.run.dir={out}"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(REPO), "TIKTOKEN_CACHE_DIR": str(tmp_path / "file" / "x")})
+    lines = [line for line in done.stderr.splitlines() if not line.startswith("[20")]
+    assert done.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: TIKTOKEN_CACHE_DIR="), done.stderr
+    assert not (out / "sdpa").exists()
+
+
+def test_a_directory_in_place_of_a_scripts_output_file_is_one_line(tmp_path):
+    sweep(tmp_path, {})
+    (tmp_path / "out" / "summary.md").mkdir(parents=True)
+    done = run("sweep_summary.py", [str(tmp_path / "sweep"), "--out", str(tmp_path / "out")], tmp_path)
+    assert done.returncode == 1 and done.stderr.strip().splitlines() == [
+        f"error: {tmp_path / 'out' / 'summary.md'} cannot be written: Is a directory (temp file removed; the previous "
+        "file is intact)"], done.stderr
+
+
 def test_long_context_records_a_failed_rung_and_fits_memory(data_root, tmp_path):
     from scripts import long_context as lc
 

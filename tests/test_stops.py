@@ -6,6 +6,8 @@ train.py processes, real signals.
   128 + the signal within a minute, one line saying nothing was saved, no traceback, no dataset
   dir half-made, no run dir, and no worker left behind;
 - SIGTERM while the run waits for another process to finish preparing the dataset: the same;
+- kill -9 of train.py or scripts/prepare_data.py while its workers tokenize: the workers die with
+  it, and the same command takes its locks over, saying so, and prepares the dataset;
 - a process forked under StopSignals (a tokenizing worker) dies by SIGTERM as a process without
   the run's handler does;
 - SIGTERM to a script that runs train.py as a child (scripts/context_parallel.py) goes on to it:
@@ -24,6 +26,7 @@ import json
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -50,14 +53,22 @@ def corpus(tmp_path_factory) -> Path:
     return corpus
 
 
-def start(corpus: Path, tmp_path: Path) -> tuple[subprocess.Popen, Path]:
-    """train.py preparing the corpus as dataset `big`, in a process group of its own (Ctrl-C as a
-    terminal sends it: to the group, SIGINT not ignored)."""
+def preparing(corpus: Path, tmp_path: Path, program: str = "train.py") -> list[str]:
+    """The command of train.py (or scripts/prepare_data.py) preparing the corpus as dataset `big`."""
+    if program == "train.py":
+        return [sys.executable, str(REPO / "train.py"), *TINY, "wandb.mode=disabled", "max_steps=3", "data=tinystories",
+                "data.name=big", f"data.hf_path={corpus}", f"data.root={tmp_path / 'data'}",
+                f"hydra.run.dir={tmp_path / 'run'}"]
+    return [sys.executable, str(REPO / program), "tinystories", "name=big", f"hf_path={corpus}",
+            f"root={tmp_path / 'data'}"]
+
+
+def start(corpus: Path, tmp_path: Path, program: str = "train.py") -> tuple[subprocess.Popen, Path]:
+    """The program preparing the corpus, in a process group of its own (Ctrl-C as a terminal sends
+    it: to the group, SIGINT not ignored)."""
     log = tmp_path / "run.log"
-    cmd = [sys.executable, str(REPO / "train.py"), *TINY, "wandb.mode=disabled", "max_steps=3", "data=tinystories",
-           "data.name=big", f"data.hf_path={corpus}", f"data.root={tmp_path / 'data'}",
-           f"hydra.run.dir={tmp_path / 'run'}"]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
+    proc = subprocess.Popen(preparing(corpus, tmp_path, program), cwd=tmp_path, stdout=open(log, "w"),
+                            stderr=subprocess.STDOUT, start_new_session=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     return proc, log
 
@@ -118,6 +129,55 @@ def test_a_stop_while_a_dataset_is_prepared_ends_setup_and_leaves_nothing(case, 
     wait_for(proc, log, (lambda: when(proc, log)) if callable(when) else (lambda: when in log.read_text()), case)
     (os.killpg if target == "group" else os.kill)(proc.pid, sig)
     assert_stopped_cleanly(proc, log, tmp_path, sig)
+
+
+@pytest.mark.slow
+def test_sigterm_to_prepare_datas_group_while_workers_tokenize_is_its_one_line(corpus, tmp_path):
+    # as SLURM's scancel or a closed terminal sends it: to the workers too, whose deaths break the pool
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("one core: the dataset is tokenized in the process itself, without workers")
+    proc, log = start(corpus, tmp_path, "scripts/prepare_data.py")
+    wait_for(proc, log, lambda: workers_tokenize(proc, log), "workers tokenize")
+    os.killpg(proc.pid, signal.SIGTERM)
+    proc.wait(timeout=60)
+    text = log.read_text()
+    assert proc.returncode == 143, text[-2000:]
+    assert "prepare_data.py: stopped by SIGTERM; a dataset not finished has no meta.json: the same command prepares " \
+           "it" in text and "Traceback" not in text, text[-3000:]
+    assert not (tmp_path / "data" / "big").exists()
+
+
+def gone(pid: int) -> bool:
+    """Whether process pid has ended (a zombie that no one reaped has ended too)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("program", ["train.py", "scripts/prepare_data.py"])
+def test_kill_9_while_workers_tokenize_leaves_no_worker_and_the_same_command_takes_over(program, corpus, tmp_path):
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("one core: the dataset is tokenized in the process itself, without workers")
+    proc, log = start(corpus, tmp_path, program)
+    wait_for(proc, log, lambda: workers_tokenize(proc, log), "workers tokenize")
+    workers = [int(pid) for pid in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
+    proc.kill()
+    proc.wait(timeout=60)
+    deadline = time.monotonic() + 60  # the workers die with it: none is left holding its locks
+    while not all(gone(pid) for pid in workers):
+        assert time.monotonic() < deadline, f"workers outlived their parent: {[p for p in workers if not gone(p)]}"
+        time.sleep(0.05)
+    again = subprocess.run(preparing(corpus, tmp_path, program), cwd=tmp_path, capture_output=True, text=True,
+                           timeout=600)
+    assert again.returncode == 0, again.stderr[-2000:]
+    killed = f"process {proc.pid} on {socket.gethostname()}"
+    assert f"data: {killed} ended while preparing {tmp_path / 'data' / 'big'} (killed?); this process takes it " \
+           "over" in again.stderr, again.stderr[-2000:]
+    if program == "train.py":
+        assert f"run dir {tmp_path / 'run'}: {killed} ended without closing it (killed?); this run takes it over" \
+               in again.stderr, again.stderr[-2000:]
 
 
 @pytest.mark.slow

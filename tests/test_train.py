@@ -102,7 +102,19 @@ class _RefusesEveryKey(http.server.BaseHTTPRequestHandler):
         pass
 
 
-@pytest.mark.parametrize("server", ["no key", "no server", "key refused"])
+class _GraphQLError(http.server.BaseHTTPRequestHandler):
+    def do_POST(self):  # noqa: N802 (http.server's name)
+        body = json.dumps({"data": None, "errors": [{"message": "permission denied"}]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.parametrize("server", ["no key", "no server", "key refused", "a GraphQL error", "not a URL"])
 def test_wandb_online_where_it_cannot_log_falls_back_to_offline_in_one_line(server, data_root, tmp_path, monkeypatch,
                                                                             capsys, no_wandb_login):
     if server == "no server":  # a key, but nothing listens where W&B would be
@@ -111,17 +123,22 @@ def test_wandb_online_where_it_cannot_log_falls_back_to_offline_in_one_line(serv
             port = s.getsockname()[1]
         monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
         monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{port}")
-    if server == "key refused":  # a real HTTP server on this machine that answers 401
-        httpd = http.server.HTTPServer(("127.0.0.1", 0), _RefusesEveryKey)
+    httpd = None
+    if server in ("key refused", "a GraphQL error"):  # a real HTTP server on this machine: 401, or data null
+        httpd = http.server.HTTPServer(("127.0.0.1", 0), _RefusesEveryKey if server == "key refused" else _GraphQLError)
         threading.Thread(target=httpd.serve_forever, daemon=True).start()
         monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
         monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{httpd.server_port}")
+    if server == "not a URL":
+        monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
+        monkeypatch.setenv("WANDB_BASE_URL", "notaurl")
     cfg = compose(TINY + [f"data.root={data_root}", "max_steps=2", "wandb.mode=online"])
     summary = train_module.train(cfg, tmp_path)
-    if server == "key refused":
+    if httpd:
         httpd.shutdown()
     said = [line for line in capsys.readouterr().err.splitlines() if "logging offline instead" in line]
-    reason = {"no key": "no W&B API key", "no server": "cannot be reached", "key refused": "refused the API key"}
+    reason = {"no key": "no W&B API key", "no server": "cannot be reached", "key refused": "refused the API key",
+              "a GraphQL error": "does not accept the API key", "not a URL": "notaurl cannot be reached"}
     assert len(said) == 1 and reason[server] in said[0] and "wandb sync" in said[0], said
     assert summary["status"] == "ok" and history(wandb_file(tmp_path))  # the run went on, logged offline
 
@@ -168,9 +185,9 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(data_root, tmp_path, mo
         return real_next_batch(self)
 
     monkeypatch.setattr(train_module.TokenWindows, "next_batch", next_batch_then_interrupt)
-    with pytest.raises(KeyboardInterrupt):
-        train_module.train(compose(common), interrupted)
+    stopped = train_module.train(compose(common), interrupted)
     monkeypatch.undo()
+    assert (stopped["status"], stopped["signal"], stopped["steps"]) == ("stopped", "SIGINT", 7)
     assert torch.load(interrupted / "ckpt.pt", weights_only=True)["step"] == 5
     assert not [p for p in interrupted.iterdir() if p.name.endswith(".tmp")]
 

@@ -15,8 +15,17 @@ def json_line(record: dict) -> str:
     return json.dumps(clean, allow_nan=False) + "\n"
 
 
+class MetricsError(ValueError):
+    """A line of metrics.jsonl before its last is not JSON (the file was edited or damaged)."""
+
+    def __init__(self, path: Path, line: int, text: str):
+        super().__init__(f"{path}, line {line}, is not JSON: {text[:80]!r}")
+        self.path, self.line = Path(path), line
+
+
 def read_metrics(path: Path) -> list[dict]:
-    """The records of a metrics.jsonl (none if it does not exist), without a cut-off last line."""
+    """The records of a metrics.jsonl (none if it does not exist), without a cut-off last line;
+    MetricsError for a damaged line before it."""
     if not Path(path).exists():
         return []
     records = []
@@ -26,7 +35,7 @@ def read_metrics(path: Path) -> list[dict]:
             records.append(json.loads(line))
         except json.JSONDecodeError:
             if i != len(lines) - 1:
-                raise ValueError(f"{path}, line {i + 1}, is not JSON: {line[:80]!r}") from None
+                raise MetricsError(path, i + 1, line) from None
     return records
 
 

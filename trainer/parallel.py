@@ -35,6 +35,7 @@ from torch.distributed.tensor.experimental._attention import set_rotate_method  
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim.adamw import adamw
 
+from configs.validate import launch_env
 from kernels.ring_attention import ring_attention
 from model.attention import Attention
 
@@ -147,7 +148,7 @@ class Parallel:
         cp_rotate: how torch's ring passes K/V (allgather or alltoall; None: torch's default)."""
         if "RANK" not in os.environ:
             return cls(0, 1, 0, device, 1, 0, None, False)
-        rank, world, local_rank = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+        rank, world, local_rank = (launch_env()[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
         if device.type == "cuda":
             device = torch.device(f"cuda:{local_rank}")
             torch.cuda.set_device(device)

@@ -16,7 +16,6 @@ resume=.
 
 import contextlib
 import io
-import os
 import re
 import sys
 from pathlib import Path
@@ -28,10 +27,11 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from configs.overrides import check_additions, one_line, override, quoted_where_needed, shell_override
+from configs.overrides import (check_additions, compose_checked, override, quoted_where_needed, shell_override,
+                               task_config)
 from configs.schema import TrainConfig
 from configs.store import register_configs
-from configs.validate import ConfigError, validate
+from configs.validate import ConfigError, launch_env, validate
 from trainer.checkpoint import CheckpointError
 from trainer.rundir import claim_new, claim_run_dir, resume_target
 
@@ -42,6 +42,12 @@ def _compose(overrides: list[str]):
     register_configs()  # train.py's schema (idempotent): preflight runs before anything else did it
     with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
         return compose("config", overrides=overrides, return_hydra_config=True)
+
+
+def _compose_checked(overrides: list[str]) -> DictConfig:
+    """_compose, every value resolved; ConfigError in one line."""
+    register_configs()
+    return compose_checked(CONFIGS, "config", overrides, return_hydra_config=True)
 
 
 def _exit(message: str) -> None:
@@ -93,19 +99,54 @@ def _check_sweep(overrides: list[str]) -> DictConfig:
     base = [o.input_line for o in parsed if not o.is_sweep_override()]
     first = [f"{key}={v[0]}" for key, v in values.items()]
     try:
-        cfg = _compose(quoted_where_needed(base + first, TrainConfig))
+        cfg = _compose_checked(quoted_where_needed(base + first, TrainConfig))
         for key, options in values.items():
             for value in options[1:]:
-                _compose(quoted_where_needed(base + [f for f in first if not f.startswith(f"{key}=")] +
-                                             [f"{key}={value}"], TrainConfig))
-    except (HydraException, OmegaConfBaseException) as e:
-        _exit(one_line(e))
+                _compose_checked(quoted_where_needed(base + [f for f in first if not f.startswith(f"{key}=")] +
+                                                     [f"{key}={value}"], TrainConfig))
+    except ConfigError as e:
+        _exit(str(e))
     return cfg
+
+
+def _check_sweep_dir(sweep_dir: Path, overrides: list[str]) -> None:
+    """A sweep continued into its own dir takes the overrides it was started with (max_steps may
+    grow: its finished jobs train further): Hydra rewrites the dir's multirun.yaml, the record
+    of the sweep's command, and must not write one of jobs that never ran."""
+    try:
+        recorded = OmegaConf.load(sweep_dir / "multirun.yaml").hydra.overrides.task
+    except FileNotFoundError:
+        return
+    except (OSError, OmegaConfBaseException, AttributeError) as e:
+        _exit(f"hydra.sweep.dir={sweep_dir}: its multirun.yaml cannot be read ({type(e).__name__}): choose another "
+              "hydra.sweep.dir")
+    def settings(items: list[str]) -> set[str]:
+        return {o for o in items if not re.match(r"\+*max_steps=", o)}
+
+    there, here = settings(recorded) - settings(overrides), settings(overrides) - settings(recorded)
+    if there or here:
+        _exit(f"hydra.sweep.dir={sweep_dir} holds a sweep of other overrides (it has {' '.join(sorted(there)) or '-'}"
+              f"; this command {' '.join(sorted(here)) or '-'}): continue it with its own, or choose another "
+              "hydra.sweep.dir")
+
+
+# what a torchrun rank above 0 adds: rank 0 alone owns the Hydra run dir; the others get none and write nothing
+FOLLOWER = ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
+
+
+def placed(argv: list[str], added: list[str]) -> list[str]:
+    """argv with the overrides `added` right after its own, which Hydra's parser takes as one run of
+    arguments (`seq_len=64 -m` takes none after its flag)."""
+    overrides = get_args_parser().parse_known_args(argv)[0].overrides
+    n = len(overrides)
+    at = next((i + n for i in range(len(argv) - n + 1) if argv[i:i + n] == overrides), len(argv)) if n else len(argv)
+    return argv[:at] + added + argv[at:]
 
 
 def preflight(argv: list[str]) -> list[str]:
     """Checks train.py's command line before Hydra runs; returns the overrides to add to it (argv
-    must be quoted_where_needed already)."""
+    must be quoted_where_needed already; placed() puts them where Hydra reads them): the run dir,
+    or the sweep dir, claimed."""
     args = _parse_args(argv)
     _check_additions(args.overrides)
     if args.multirun:
@@ -116,18 +157,19 @@ def preflight(argv: list[str]) -> list[str]:
                   "resume")
         # each job writes Hydra's record of its command itself, once its dir is its own (train.py)
         if any(re.match(r"\+*hydra\.sweep\.dir=", arg) for arg in args.overrides):
+            _check_sweep_dir(Path(cfg.hydra.sweep.dir), [o for o in args.overrides if not o.startswith("hydra.")])
             return ["hydra.output_subdir=null"]
         return [override("hydra.sweep.dir", str(claim_new(Path(cfg.hydra.sweep.dir)))), "hydra.output_subdir=null"]
     if len(args.overrides) < len(argv):  # --cfg, --help, -cn ...: Hydra's own business
         return []
     try:
-        cfg = _compose(argv)
-    except (HydraException, OmegaConfBaseException) as e:
-        _exit(one_line(e))
-    task = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])
+        cfg = _compose_checked(argv)
+    except ConfigError as e:
+        _exit(str(e))
+    task = task_config(cfg)
     explicit = any(re.match(r"\+*hydra\.run\.dir=", arg) for arg in argv)
     try:
-        validate(task, int(os.environ.get("WORLD_SIZE", "1")))
+        validate(task, launch_env()["WORLD_SIZE"])
         if task.resume:
             ckpt, run_dir = resume_target(task.resume)
             run_dir = run_dir.resolve()

@@ -1,7 +1,9 @@
 """A run's directory: made, locked for the life of its process, continued, restarted or given up.
 
 A run dir holds RUN_FILES once its run has written anything of its own; `.lock` (flock: released
-by the kernel when the process ends, kill -9 too) keeps a second live run out. A default,
+by the kernel when the process ends, kill -9 too; data/lifetime.py) keeps a second live run out,
+and a run that takes it from one that was killed says so. A file of the run that is a link to
+nothing (its disk not mounted) stops whoever comes, in one line, before anything is touched. A default,
 timestamped dir that another run took in the same second gets a suffix (claim_new). A fresh run
 into a dir that holds a checkpoint or a finished run is refused; one into a dir whose run stopped
 before its first checkpoint removes that run's records and starts again in place. A sweep job's
@@ -9,10 +11,11 @@ record of its command (.hydra/) is written here once its dir is held (write_reco
 write it before the job could know whether the dir is another run's.
 """
 
-import fcntl
+import atexit
 import json
 import os
 import re
+import shlex
 import shutil
 import sys
 from pathlib import Path
@@ -22,14 +25,16 @@ from omegaconf import DictConfig, OmegaConf
 from configs.overrides import override
 from configs.validate import ConfigError
 from data.files import atomic_write, free_bytes
+from data.lifetime import FileLock
 from trainer.checkpoint import CHECKPOINT_NAME, CheckpointError, checkpoint_path, require_checkpoint
+from trainer.metrics import MetricsError, read_metrics
 
 RUN_FILES = ("metrics.jsonl", CHECKPOINT_NAME, "summary.json")  # what makes a dir a run's
 # free bytes a run keeps on its dir's disk: room to close its records (summary.json, W&B's last
 # blocks, which W&B drops without a word where they do not fit). A run starts only with this much
 # free (before Hydra writes its record there) and stops, in one line, when less is left
 RESERVE = 1 << 20
-_locks: dict[Path, int] = {}  # run dirs this process holds, -> the open lock file
+_locks: dict[Path, FileLock] = {}  # run dirs this process holds
 _created: set[Path] = set()  # run dirs this process made
 
 
@@ -71,26 +76,32 @@ def claim_run_dir(run_dir: Path, fresh: bool) -> None:
     run_dir = Path(run_dir).resolve()
     if run_dir not in _locks:
         _check_room(run_dir)
+        lock = FileLock(run_dir / ".lock")
         try:
             if not run_dir.exists():
                 run_dir.mkdir(parents=True)
                 _created.add(run_dir)
-            fd = os.open(run_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+            elif not any(run_dir.iterdir()):  # empty (Hydra made a sweep job's): nothing of anyone's to keep
+                _created.add(run_dir)
+            got = lock.acquire()
         except OSError as e:  # a file in the way, no permission, a read-only disk
             raise ConfigError(f"run dir {run_dir} cannot be made or locked ({e.strerror}: {e.filename}): choose "
                               "another hydra.run.dir") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise ConfigError(f"run dir {run_dir} is in use by another running train.py: wait for it to finish, "
-                              "or choose another hydra.run.dir") from None
-        _locks[run_dir] = fd
+        if not got:
+            raise ConfigError(f"run dir {run_dir} is in use by another running train.py ({lock.blocked_by()}): wait "
+                              "for it to finish, or choose another hydra.run.dir")
+        if gone := lock.take():
+            print(f"run dir {run_dir}: {gone} ended without closing it (killed?); this run takes it over",
+                  file=sys.stderr)
+        _locks[run_dir] = lock
         for stale in run_dir.iterdir():  # left by a kill -9 during a write; no one else writes here now
             if re.fullmatch(rf"\.({'|'.join(map(re.escape, RUN_FILES))})\..+\.tmp", stale.name):
                 stale.unlink()
+        _refuse_odd_files(run_dir, ConfigError)
     if not fresh:
         return
+    if (record := run_dir / ".hydra").exists() and not record.is_dir():  # where Hydra records the new run
+        raise ConfigError(f"{record} is a file, not Hydra's record of a run: remove it, or use another run dir")
     if (run_dir / CHECKPOINT_NAME).exists():
         require_checkpoint(run_dir / CHECKPOINT_NAME)
         raise ConfigError(f"run dir {run_dir} already holds a run: {override('resume', str(run_dir))} continues it; "
@@ -107,25 +118,56 @@ def claim_run_dir(run_dir: Path, fresh: bool) -> None:
 
 
 def resume_target(resume: str | Path) -> tuple[Path | None, Path]:
-    """(the checkpoint resume= names, the run dir it continues in). (None, run dir) for a run dir
-    without a checkpoint, whose run stopped before its first save: it starts again from step 0
-    there. CheckpointError if `resume` names neither."""
+    """(the checkpoint resume= names, the run dir it continues in): a run dir, or its ckpt.pt. (None,
+    run dir) for a run dir without a checkpoint, whose run stopped before its first save: it starts
+    again from step 0 there. CheckpointError if `resume` names neither, or another .pt file."""
     path = Path(resume).expanduser()
     ckpt = checkpoint_path(path)
     try:
+        _refuse_odd_files(ckpt.parent, CheckpointError, f"resume={resume}: ")
         if ckpt.exists():
             require_checkpoint(ckpt)
+            if ckpt.name != CHECKPOINT_NAME:  # the run would go on in its dir, over that dir's own run
+                raise CheckpointError(
+                    f"resume={resume}: a run goes on in its own dir, from the {CHECKPOINT_NAME} there, and writes over "
+                    f"that dir's {CHECKPOINT_NAME}, metrics and summary; to go on from {ckpt.name}, copy it as "
+                    f"{CHECKPOINT_NAME} into a new dir and pass resume=<that dir>")
+            read_metrics(ckpt.parent / "metrics.jsonl")  # appended to from here: a damaged line is refused first
             return ckpt, ckpt.parent
         is_run_dir = path.is_dir() and any((path / name).exists() for name in (*RUN_FILES, ".hydra", ".lock"))
     except OSError as e:
         raise CheckpointError(f"resume={resume}: {e.filename} cannot be read ({e.strerror})") from None
+    except MetricsError as e:
+        raise CheckpointError(f"resume={resume}: {e}; nothing was touched: delete that line "
+                              f"(sed -i '{e.line}d' {shlex.quote(str(e.path))}) and resume again") from None
     if is_run_dir and finished_summary(path) is None:
         return None, path
     if is_run_dir:
         raise CheckpointError(f"resume={resume}: that run finished without writing a checkpoint "
                               f"(ckpt_interval=-1): there is nothing to continue")
-    raise CheckpointError(f"resume={resume}: no checkpoint at {ckpt}: pass a run dir holding {CHECKPOINT_NAME} "
-                          "or a .pt file")
+    raise CheckpointError(f"resume={resume}: no checkpoint at {ckpt}: pass a run dir holding {CHECKPOINT_NAME}")
+
+
+def _refuse_odd_files(run_dir: Path, error: type, prefix: str = "") -> None:
+    """error, in one line, where a file of the run in run_dir is not one: a link to nothing (its disk
+    not mounted), a directory in its place. Nothing is touched, let alone replaced, until it is
+    mended (ckpt.pt's own check, require_checkpoint, says the same of it)."""
+    for name in RUN_FILES:
+        path = Path(run_dir) / name
+        if path.is_symlink() and not path.exists():
+            raise error(f"{prefix}{path} is a link to {os.readlink(path)}, which does not exist (a disk not "
+                        "mounted?): nothing was touched; mount it or mend the link, then run again")
+        if name != CHECKPOINT_NAME and path.exists() and not path.is_file():
+            raise error(f"{prefix}{path} is {'a directory' if path.is_dir() else 'not a regular file'}, not a file: "
+                        "remove it, or use another run dir")
+
+
+def _release_all() -> None:
+    for lock in _locks.values():
+        lock.release()
+
+
+atexit.register(_release_all)  # a process that ends cleanly leaves no holder's name in its run dirs' locks
 
 
 def claim_new(template: Path) -> Path:
@@ -148,5 +190,5 @@ def abandon_run_dir(run_dir: Path) -> None:
     (what is there is the lock and Hydra's record of the command: a dataset that cannot be had)."""
     run_dir = Path(run_dir).resolve()
     bookkeeping = {".lock", ".hydra", "train.log"}
-    if run_dir in _created and all(p.name in bookkeeping for p in run_dir.iterdir()):
+    if run_dir in _created and run_dir.is_dir() and all(p.name in bookkeeping for p in run_dir.iterdir()):
         shutil.rmtree(run_dir, ignore_errors=True)

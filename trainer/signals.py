@@ -1,26 +1,37 @@
-"""Stopping on a scheduler's signal: SIGTERM, SIGUSR1 and SIGHUP, what Kubernetes, SLURM's --signal
-and torchrun send before they stop a job. The step in flight finishes; train.py then checkpoints it
-and exits 128 + the signal's number.
+"""Stopping on a scheduler's signal (SIGTERM, SIGUSR1, SIGHUP) or Ctrl-C, at every phase of a run.
+
+What a stop signal does, phase by phase (train.py's process has these handlers from before it
+claims a run dir to its exit, through every job of a sweep; trainer/startup.py covers its imports):
+- until the first step (the command line's checks, Hydra's start, setup): it is recorded, and
+  check() raises Stopped at the next boundary between stages or units of dataset preparation:
+  nothing was saved, and the run dir is given up;
+- the loop: a scheduler's signal lets the step in flight finish, and train.py checkpoints it;
+  Ctrl-C interrupts at once (KeyboardInterrupt), and train.py closes the run at the last checkpoint;
+- the end (end_loop(): after the last step, or once a stop has ended the loop): every stop signal,
+  Ctrl-C too, is recorded, so the stop's checkpoint, summary.json, curves.png and W&B's close are
+  each written whole; the end-of-run sample calls check() between tokens and is given up.
 
 The handler never raises: it records the signal, and the run acts on it at a safe point. An
 exception thrown from a handler lands wherever the main thread happens to be: inside
 multiprocessing's pool shutdown, a lock's release or an at-fork callback (where Python drops it),
-leaving a lock held or a worker waiting forever. During setup check() runs between stages and
-between units of dataset preparation; in the loop signum() answers after each step. A forked child
-(a tokenizing worker) gets the signals' default action instead of the parent's handler: it dies at
-once, as a pool's shutdown expects of it.
+leaving a lock held or a worker waiting forever. A forked child (a tokenizing worker) gets the
+signals' default action instead of the parent's handler: it dies at once, as a pool's shutdown
+expects of it.
 """
 
+import contextlib
 import ctypes
 import os
 import re
 import signal
 import threading
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 
 from trainer.parallel import Parallel
+from trainer.startup import STOP_SIGNALS, handed_over
 
 
 class Stopped(BaseException):
@@ -91,15 +102,11 @@ _nvrtc_compiled = False
 
 
 class StopSignals:
-    """SIGTERM, SIGUSR1 and SIGHUP: what a scheduler sends before it preempts a job (Kubernetes,
-    SLURM's --signal, torchrun passing SIGTERM on); during setup Ctrl-C (SIGINT) too. During setup
-    check() raises Stopped once one arrived. In the loop the step in flight finishes, and signum()
-    after it names the signal to stop for; Ctrl-C is Python's KeyboardInterrupt again. Under
-    torchrun the ranks agree: each step all-reduces (MAX) the signal this rank got, and signum()
-    answers with the previous step's result, read from pinned memory once that step's work is
-    done, so every rank stops after the same step and the host still runs a step ahead."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
+    """Records SIGTERM, SIGUSR1, SIGHUP and Ctrl-C (SIGINT) as they arrive; the phases above say
+    when each is acted on. Under torchrun the ranks agree in the loop: each step all-reduces (MAX)
+    the signal this rank got, and signum() answers with the previous step's result, read from
+    pinned memory once that step's work is done, so every rank stops after the same step and the
+    host still runs a step ahead."""
 
     def __init__(self):
         self.received = 0
@@ -112,6 +119,7 @@ class StopSignals:
         if threading.current_thread() is threading.main_thread():  # only there can handlers be set
             self._previous = {sig: signal.signal(sig, self._handle) for sig in STOP_SIGNALS}
             _active = self
+            handed_over()
             nvrtc_first_compile()
         return self
 
@@ -130,14 +138,20 @@ class StopSignals:
         self.received = self.received or signum
 
     def check(self) -> None:
-        """During setup: raises Stopped if a stop signal or Ctrl-C has arrived."""
+        """Raises Stopped if a stop signal has arrived (called in setup, and between the sample's tokens)."""
         if self.received:
             raise Stopped(self.received)
 
     def start_loop(self) -> None:
-        """Setup is over: Ctrl-C interrupts at once again (KeyboardInterrupt; train.py says where to resume)."""
-        if signal.SIGINT in self._previous:
-            signal.signal(signal.SIGINT, self._previous[signal.SIGINT])
+        """Setup is over: Ctrl-C interrupts at once again (KeyboardInterrupt)."""
+        self._flag = self._host = self._done = None  # a sweep's next job agrees on its own device
+        if self._previous:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def end_loop(self) -> None:
+        """The loop is over, or a stop ends it: Ctrl-C is recorded too from here, and the run closes whole."""
+        if self._previous:
+            signal.signal(signal.SIGINT, self._handle)
 
     def signum(self, parallel: Parallel) -> int:
         """After a step: the signal to stop for (the same on every rank), or 0 to go on."""
@@ -165,5 +179,12 @@ class StopSignals:
         return int(self._host.item())
 
 
-# every stop signal, scripts' and training's (Ctrl-C too): what nvrtc_first_compile holds back
-STOP_SIGNALS = (*StopSignals.SIGNALS, signal.SIGINT)
+@contextlib.contextmanager
+def stop_signals() -> Iterator[StopSignals]:
+    """The StopSignals in place in this process (train.py's, which every job of a sweep shares), or
+    a new one for the block (train() called by a test or a script)."""
+    if _active is not None and _active._pid == os.getpid():
+        yield _active
+    else:
+        with StopSignals() as stop:
+            yield stop
