@@ -22,6 +22,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -51,27 +52,47 @@ def train_overrides(attn: str, gpus: int, seq_len: int, steps: int, overrides: l
              "wandb.mode=disabled", *overrides] + ([f"parallel.cp={gpus}"] if gpus > 1 else []))
 
 
+def _child_start(parent: int, mask: set) -> None:
+    """In the child, before it runs train.py: killed (kill -9), the script can pass no signal on, so
+    the kernel sends the child SIGTERM then (it checkpoints and stops); the stop signals come through
+    again."""
+    die_with_parent(parent, signal.SIGTERM)
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
 def run_child(cmd: list[str], env: dict) -> tuple[subprocess.CompletedProcess, int]:
     """cmd run to its end, and the stop signal this script got meanwhile (0 if none). SIGTERM,
     SIGUSR1 and SIGHUP go on to the child (train.py checkpoints and stops; torchrun passes them to
     its ranks), which would otherwise run on, orphaned, holding the GPUs; Ctrl-C reaches it from the
     terminal, and a second one it sends would cut its own handling short."""
     got = []
-    # killed (kill -9) the script cannot pass a signal on: the kernel sends the child SIGTERM then
-    stop_with_me = functools.partial(die_with_parent, os.getpid(), signal.SIGTERM)
-    with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          preexec_fn=stop_with_me) as child:
-        def forward(signum: int, frame) -> None:
-            got.append(signum)
-            if signum != signal.SIGINT:
-                child.send_signal(signum)
 
-        previous = {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS}
+    def forward(signum: int, frame) -> None:
+        got.append(signum)
+        if signum != signal.SIGINT:
+            child.send_signal(signum)
+
+    # held back while Popen forks (a stop there would land in the fork's callbacks, logging's, where
+    # Python drops it with a traceback) and until the child's are passed on
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    previous = {}
+    # its output goes to files, not pipes: were the script killed, a pipe with no reader would end the
+    # child at its next line, before the checkpoint its SIGTERM asks for
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         try:
-            stdout, stderr = child.communicate()
+            child = subprocess.Popen(cmd, env=env, stdout=out, stderr=err, text=True,
+                                     preexec_fn=functools.partial(_child_start, os.getpid(), held))
+            previous = {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS}
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
+        try:
+            child.wait()
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
     return subprocess.CompletedProcess(cmd, child.returncode, stdout, stderr), got[0] if got else 0
 
 
