@@ -251,7 +251,8 @@ def recorded_end(run: Run) -> None:
 def build_model(cfg: DictConfig, par: Parallel) -> GPT:
     """The GPT on this process's device, with the attention the layout calls (the ring under cp)."""
     try:
-        return GPT(cfg.model, par.attention(get_attention(cfg.attn.name)), cfg.ac, cfg.attn.window).to(par.device)
+        return GPT(cfg.model, par.attention(get_attention(cfg.attn.name, cfg.attn.backend)), cfg.ac,
+                   cfg.attn.window).to(par.device)
     except (MemoryError, RuntimeError) as e:
         if not out_of_memory(e):
             raise
@@ -267,14 +268,14 @@ def run_info(cfg: DictConfig, par: Parallel, model: GPT) -> dict:
             "world_size": par.world, "cp": cfg.parallel.cp, "dp": str(cfg.parallel.dp),
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "torch": torch.__version__, "triton": triton_version(), "precision": precision(cfg.dtype, device)}
-    if cfg.attn.name == "triton":  # which kernels run it: FLASH_ATTENTION_BACKEND may pick the Hopper backward
+    if cfg.attn.name == "triton":  # which kernels run it: attn.backend may pick the Hopper ones, or not
         dtype = autocast_dtype(cfg.dtype, device) or torch.float32
         try:
             # under context parallelism the ring's shortest calls attend half a rank's queries:
             # the kernels those run
             queries = cfg.seq_len // (2 * cfg.parallel.cp) if cfg.parallel.cp > 1 else cfg.seq_len
             info["attention_kernels"] = attention_backends(cfg.model.d_model // cfg.model.n_head, dtype, device,
-                                                           queries)
+                                                           queries, cfg.attn.backend)
         except ValueError as e:
             raise ConfigError(str(e)) from None
     if cfg.attn.name == "sdpa":
@@ -627,7 +628,8 @@ def sample(model: GPT, cfg: DictConfig, device: torch.device, cuda_graph: bool =
     """The sample text of the run's summary, generated from a KV cache (not through a CUDA graph
     where FSDP gathers weights inside every forward), with a progress bar; check() runs after each
     token, and may raise to stop."""
-    model.set_attention(cfg.attn.name)  # whole sequences in this process: not the ring of context parallelism
+    # whole sequences in this process: not the ring of context parallelism
+    model.set_attention(get_attention(cfg.attn.name, cfg.attn.backend))
     enc = get_encoding()
     idx = torch.tensor([enc.encode_ordinary(cfg.sample_prompt)], device=device)
     gen = torch.Generator(device=device).manual_seed(cfg.seed)

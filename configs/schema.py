@@ -15,14 +15,16 @@ from typing import Optional
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from data.config import DataConfig, DataSource
+from kernels.backends import BACKENDS
 from model.attention import ATTENTIONS
 from model.config import Checkpointing, Loss, ModelConfig, PosEmb
 
 __all__ = ["AttnConfig", "AttnName", "Checkpointing", "CompileMode", "CpRotate", "DataConfig", "DataParallel",
            "DataSource", "Dtype", "Loss", "ModelConfig", "OptimConfig", "ParallelConfig", "ParamDtype", "PosEmb",
-           "SdpaBackend", "TrainConfig", "WandbConfig", "WandbMode", "plain"]
+           "KernelBackend", "SdpaBackend", "TrainConfig", "WandbConfig", "WandbMode", "plain"]
 
 AttnName = StrEnum("AttnName", {name: name for name in ATTENTIONS})  # attn=: one per registered attention
+KernelBackend = StrEnum("KernelBackend", {name: name for name in BACKENDS})  # attn.backend=: which of our kernels
 
 
 class SdpaBackend(StrEnum):
@@ -55,6 +57,9 @@ class AttnConfig:
     name: AttnName = MISSING
     # pin SDPA to one backend; null lets torch choose (train.py logs which one ran)
     sdpa_backend: Optional[SdpaBackend] = None
+    # attn=triton's kernels: auto (by length, the faster here), triton (the portable ones), gluon
+    # (the Hopper ones, sm_90 only)
+    backend: KernelBackend = KernelBackend.auto
     # sliding-window causal attention: each query sees its last `window` keys, itself included
     # (within its document with data.doc_mask); 0: every earlier key
     window: int = 0

@@ -18,7 +18,8 @@ from omegaconf import DictConfig, OmegaConf
 from configs.runtime import autocast_dtype, resolve_device, wandb_mode
 from configs.schema import AttnConfig, DataConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, WandbConfig
 from data.tokenizer import VOCAB_SIZE
-from model.attention import ATTENTIONS
+from kernels import unsupported
+from model.attention import ATTENTIONS, get_attention
 
 
 class ConfigError(ValueError):
@@ -113,6 +114,14 @@ def validate(cfg: DictConfig, world: int = 1) -> None:
         why = attention.unsupported(head_dim, autocast_dtype(cfg.dtype, device) or torch.float32, device)
         if why:
             _fail("attn", attention.name, f"cannot run here: {why}; use attn=sdpa")
+    try:
+        get_attention(cfg.attn.name, cfg.attn.backend)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if cfg.attn.backend == "gluon":
+        why = unsupported(head_dim, autocast_dtype(cfg.dtype, device) or torch.float32, device, "gluon")
+        if why:
+            _fail("attn.backend", "gluon", f"the Hopper kernels cannot run here: {why}; use auto or triton")
     if m.pos_emb == "rope" and head_dim % 2:
         _fail("model.d_model", m.d_model, f"gives odd head dim {head_dim}; RoPE rotates pairs: use an even one")
     if not (math.isfinite(m.rope_theta) and m.rope_theta > 0):
@@ -247,9 +256,9 @@ RESUMABLE = frozenset({
     "wandb.tags",
     # the same function on the same batches, computed elsewhere or otherwise: other kernels, other rounding
     # (data.cycle changes only windows longer than their split, which fail without it)
-    "device", "compile", "compile_mode", "ac", "attn.name", "attn.sdpa_backend", "model.loss", "model.loss_chunk",
-    "model.mlp_chunk", "parallel.cp", "parallel.param_dtype", "parallel.reshard_after_forward", "parallel.unit_params",
-    "parallel.cp_rotate", "data.root", "data.cycle",
+    "device", "compile", "compile_mode", "ac", "attn.name", "attn.sdpa_backend", "attn.backend", "model.loss",
+    "model.loss_chunk", "model.mlp_chunk", "parallel.cp", "parallel.param_dtype", "parallel.reshard_after_forward",
+    "parallel.unit_params", "parallel.cp_rotate", "data.root", "data.cycle",
     # the lr schedule, which depends on max_steps anyway
     "optim.lr", "optim.min_lr_ratio", "optim.warmup_steps", "optim.grad_clip"})
 

@@ -3,9 +3,10 @@
 q (B, H, T, D), k and v (B, H_kv, S, D), H % H_kv == 0 (GQA: query head h reads kv head
 h // (H / H_kv)), causal bottom-right aligned, optional packed documents and a sliding window
 (kernels/masking.py). O, dQ, dK, dV are (B, T, H, D) in memory, returned as (B, H, T, D) views.
-Each direction runs the kernels kernels/backends.py chooses: kernels/triton/ (any GPU, and the
-CPU through Triton's interpreter, whose bf16 tl.dot is wrong: there bf16 is computed in fp32 and
-rounded) or kernels/hopper/ (sm_90).
+Each direction runs the kernels kernels/backends.py chooses for the caller's backend ("auto",
+"triton" or "gluon"): kernels/triton/ (any GPU, and the CPU through Triton's interpreter, whose
+bf16 tl.dot is wrong: there bf16 is computed in fp32 and rounded) or kernels/hopper/ (sm_90). The
+backward is deterministic: the same bits every run.
 """
 
 import functools
@@ -35,55 +36,56 @@ def _bf16_in_interpreter(q) -> bool:
     return q.dtype == torch.bfloat16 and interprets(q.device)
 
 
-def _signature(tensors: tuple, causal: bool, scale: float, bounds: Bounds | None) -> tuple:
+def _signature(tensors: tuple, causal: bool, scale: float, bounds: Bounds | None, backend: str) -> tuple:
     """What a call's kernels and launches depend on, and the key they are kept by: the tensors'
     layouts (the outputs are fresh from torch's allocator, 512-byte aligned, shaped by them), the
-    flags, the bounds' layout, and the variables that choose kernels (kernels/backends.py)."""
-    return (*layout(*tensors), causal, scale, None if bounds is None else layout(*bounds), backends.variables())
+    flags, the bounds' layout and the backend."""
+    return (*layout(*tensors), causal, scale, None if bounds is None else layout(*bounds), backend)
 
 
-def _forward(q, k, v, causal, scale, bounds):
+def _forward(q, k, v, causal, scale, bounds, backend):
     """(o, lse) of checked inputs."""
     if _bf16_in_interpreter(q):
-        o, lse = _forward(q.float(), k.float(), v.float(), causal, scale, bounds)
+        o, lse = _forward(q.float(), k.float(), v.float(), causal, scale, bounds, backend)
         return o.to(torch.bfloat16), lse
     B, H, T, D = q.shape
     o = empty_bhtd(B, H, T, D, q)
     lse = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
     key_lo = None if bounds is None else bounds.key_lo
-    signature = _signature((q, k, v), causal, scale, bounds)
-    if backends.kernels_for("forward", signature, (q, k, v)) == "gluon":
+    signature = _signature((q, k, v), causal, scale, bounds, backend)
+    if backends.kernels_for("forward", signature, (q, k, v), backend) == "gluon":
         _hopper("forward").forward(q, k, v, o, lse, causal, scale, key_lo, signature)
     else:
         fwd.forward(q, k, v, o, lse, causal, scale, key_lo, signature)
     return o, lse
 
 
-def _backward(do, q, k, v, o, lse, causal, scale, bounds):
-    """(dq, dk, dv) of checked inputs; deterministic (unless FLASH_ATTENTION_DETERMINISTIC=0 and the
-    Gluon backward runs)."""
+def _backward(do, q, k, v, o, lse, causal, scale, bounds, backend):
+    """(dq, dk, dv) of checked inputs."""
     if _bf16_in_interpreter(q):
-        grads = _backward(do.float(), q.float(), k.float(), v.float(), o.float(), lse, causal, scale, bounds)
+        grads = _backward(do.float(), q.float(), k.float(), v.float(), o.float(), lse, causal, scale, bounds, backend)
         return tuple(g.to(torch.bfloat16) for g in grads)
     (B, H, T, D), (H_kv, S) = q.shape, k.shape[1:3]
     dq, dk, dv = empty_bhtd(B, H, T, D, q), empty_bhtd(B, H_kv, S, D, k), empty_bhtd(B, H_kv, S, D, v)
-    signature = _signature((q, k, v, do, o, lse), causal, scale, bounds)
-    if backends.kernels_for("backward", signature, (q, k, v, do)) == "gluon":
-        _hopper("backward").backward(do, q, k, v, o, lse, dq, dk, dv, causal, scale, bounds,
-                                     backends.deterministic(), signature)
+    signature = _signature((q, k, v, do, o, lse), causal, scale, bounds, backend)
+    if backends.kernels_for("backward", signature, (q, k, v, do), backend) == "gluon":
+        _hopper("backward").backward(do, q, k, v, o, lse, dq, dk, dv, causal, scale, bounds, signature)
     else:
         bwd.backward(do, q, k, v, o, lse, dq, dk, dv, causal, scale, bounds, signature)
     return dq, dk, dv
 
 
-def flash_attn_forward(q, k, v, causal=True, softmax_scale=None, doc_ids=None, window=0):
+def flash_attn_forward(q, k, v, causal=True, softmax_scale=None, doc_ids=None, window=0, backend="auto"):
     """(o (B, H, T, D) in q's dtype, lse (B, H, T) fp32 in natural log), without autograd."""
+    backends.check_backend(backend)
     bounds = checked_bounds(q, k, v, causal, doc_ids, window)
-    return _forward(q, k, v, causal, softmax_scale_of(q, softmax_scale), bounds)
+    return _forward(q, k, v, causal, softmax_scale_of(q, softmax_scale), bounds, backend)
 
 
-def flash_attn_backward(do, q, k, v, o, lse, causal=True, softmax_scale=None, doc_ids=None, window=0):
+def flash_attn_backward(do, q, k, v, o, lse, causal=True, softmax_scale=None, doc_ids=None, window=0,
+                        backend="auto"):
     """(dq, dk, dv), shaped and typed like q, k, v, from the forward's o and lse; deterministic."""
+    backends.check_backend(backend)
     bounds = checked_bounds(q, k, v, causal, doc_ids, window)
     for name, t, like in (("do", do, q), ("o", o, q)):
         if not isinstance(t, torch.Tensor) or t.shape != like.shape or t.dtype != like.dtype:
@@ -91,7 +93,7 @@ def flash_attn_backward(do, q, k, v, o, lse, causal=True, softmax_scale=None, do
                              f"{like.dtype}, got {getattr(t, 'shape', type(t).__name__)}")
     if not isinstance(lse, torch.Tensor) or lse.shape != q.shape[:3] or lse.dtype != torch.float32:
         raise ValueError(f"flash_attn_backward: lse must be the forward's float32 {tuple(q.shape[:3])} tensor")
-    return _backward(do, q, k, v, o, lse, causal, softmax_scale_of(q, softmax_scale), bounds)
+    return _backward(do, q, k, v, o, lse, causal, softmax_scale_of(q, softmax_scale), bounds, backend)
 
 
 # --------------------------------------------------------------------------------------------
@@ -103,49 +105,51 @@ def flash_attn_backward(do, q, k, v, o, lse, causal=True, softmax_scale=None, do
 # one tensor). They are registered with define/impl, whose dispatch calls the Python function
 # directly (torch.library.custom_op wraps it in more Python per call). Eager calls take a plain
 # autograd.Function: any dispatch costs host time that short sequences cannot hide
-# (docs/perf-notes.md, v3). Both take the Bounds of documents and windows from flash_attention
+# (docs/perf-notes.md). Both take the Bounds of documents and windows from flash_attention
 # (kernels/masking.py: made once per batch or shape in eager calls).
 
 torch.library.define("kernels::flash_attn_fwd", "(Tensor q, Tensor k, Tensor v, bool causal, float scale, "
-                     "Tensor? key_lo, Tensor? row_hi) -> (Tensor, Tensor)")
+                     "Tensor? key_lo, Tensor? row_hi, str backend) -> (Tensor, Tensor)")
 torch.library.define("kernels::flash_attn_bwd", "(Tensor do, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, "
-                     "bool causal, float scale, Tensor? key_lo, Tensor? row_hi) -> (Tensor, Tensor, Tensor)")
+                     "bool causal, float scale, Tensor? key_lo, Tensor? row_hi, str backend) "
+                     "-> (Tensor, Tensor, Tensor)")
 
 
 @torch.library.impl("kernels::flash_attn_fwd", ("cpu", "cuda"))
-def _flash_attn_fwd_op(q, k, v, causal, scale, key_lo, row_hi):
-    return _forward(q, k, v, causal, scale, None if key_lo is None else Bounds(key_lo, row_hi))
+def _flash_attn_fwd_op(q, k, v, causal, scale, key_lo, row_hi, backend):
+    return _forward(q, k, v, causal, scale, None if key_lo is None else Bounds(key_lo, row_hi), backend)
 
 
 @torch.library.register_fake("kernels::flash_attn_fwd")
-def _(q, k, v, causal, scale, key_lo, row_hi):
+def _(q, k, v, causal, scale, key_lo, row_hi, backend):
     check_inputs(q, k, v)
     B, H, T, D = q.shape
     return empty_bhtd(B, H, T, D, q), q.new_empty((B, H, T), dtype=torch.float32)
 
 
 @torch.library.impl("kernels::flash_attn_bwd", ("cpu", "cuda"))
-def _flash_attn_bwd_op(do, q, k, v, o, lse, causal, scale, key_lo, row_hi):
-    return _backward(do, q, k, v, o, lse, causal, scale, None if key_lo is None else Bounds(key_lo, row_hi))
+def _flash_attn_bwd_op(do, q, k, v, o, lse, causal, scale, key_lo, row_hi, backend):
+    return _backward(do, q, k, v, o, lse, causal, scale, None if key_lo is None else Bounds(key_lo, row_hi), backend)
 
 
 @torch.library.register_fake("kernels::flash_attn_bwd")
-def _(do, q, k, v, o, lse, causal, scale, key_lo, row_hi):
+def _(do, q, k, v, o, lse, causal, scale, key_lo, row_hi, backend):
     (B, H, T, D), (H_kv, S) = q.shape, k.shape[1:3]
     return empty_bhtd(B, H, T, D, q), empty_bhtd(B, H_kv, S, D, k), empty_bhtd(B, H_kv, S, D, v)
 
 
 def _op_setup_context(ctx, inputs, output):
-    q, k, v, causal, scale, key_lo, row_hi = inputs
+    q, k, v, causal, scale, key_lo, row_hi, backend = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse, key_lo, row_hi)
-    ctx.causal, ctx.scale = causal, scale
+    ctx.causal, ctx.scale, ctx.backend = causal, scale, backend
 
 
 def _op_backward(ctx, do, dlse):  # dlse: LSE is an output for the backward only, never differentiated
     q, k, v, o, lse, key_lo, row_hi = ctx.saved_tensors
-    dq, dk, dv = torch.ops.kernels.flash_attn_bwd(do, q, k, v, o, lse, ctx.causal, ctx.scale, key_lo, row_hi)
-    return dq, dk, dv, None, None, None, None
+    dq, dk, dv = torch.ops.kernels.flash_attn_bwd(do, q, k, v, o, lse, ctx.causal, ctx.scale, key_lo, row_hi,
+                                                  ctx.backend)
+    return dq, dk, dv, None, None, None, None, None
 
 
 torch.library.register_autograd("kernels::flash_attn_fwd", _op_backward, setup_context=_op_setup_context)
@@ -155,19 +159,19 @@ class FlashAttentionFunction(torch.autograd.Function):
     """Eager autograd wrapper: the launchers without the custom-op dispatch (see above)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, bounds):
-        o, lse = _forward(q, k, v, causal, scale, bounds)
+    def forward(ctx, q, k, v, causal, scale, bounds, backend):
+        o, lse = _forward(q, k, v, causal, scale, bounds, backend)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.causal, ctx.scale, ctx.bounds = causal, scale, bounds
+        ctx.causal, ctx.scale, ctx.bounds, ctx.backend = causal, scale, bounds, backend
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
-        return *_backward(do, q, k, v, o, lse, ctx.causal, ctx.scale, ctx.bounds), None, None, None
+        return *_backward(do, q, k, v, o, lse, ctx.causal, ctx.scale, ctx.bounds, ctx.backend), None, None, None, None
 
 
-def flash_attention(q, k, v, causal=True, softmax_scale=None, doc_ids=None, window=0):
+def flash_attention(q, k, v, causal=True, softmax_scale=None, doc_ids=None, window=0, backend="auto"):
     """softmax(softmax_scale * q k^T, mask) v for q (B, H, T, D) and k, v (B, H_kv, S, D).
 
     Returns (B, H, T, D) in q's dtype; softmax_scale defaults to 1 / sqrt(D). doc_ids (B, T) of
@@ -175,14 +179,16 @@ def flash_attention(q, k, v, causal=True, softmax_scale=None, doc_ids=None, wind
     only within its own document, and the tiles of other documents are skipped. window W > 0
     (causal): query i sees only the W keys up to its own (a sliding window; with documents, within
     its document too), and the tiles outside the window are skipped.
-    Under torch.autocast, q, k and v are first cast to the autocast dtype, as autocast does for
-    scaled_dot_product_attention.
+    backend: "auto" (by length, the faster kernels here), "triton" (the portable kernels) or "gluon"
+    (the Hopper kernels; a ValueError where they cannot run). Under torch.autocast, q, k and v are
+    first cast to the autocast dtype, as autocast does for scaled_dot_product_attention.
     """
+    backends.check_backend(backend)
     q, k, v = autocast_inputs(q, k, v)
     bounds = checked_bounds(q, k, v, causal, doc_ids, window)
     scale = softmax_scale_of(q, softmax_scale)
     # the custom op where something watches the dispatcher: torch.compile, and modes such as
     # selective activation checkpointing, which must see the attention as one op to keep it
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
-        return torch.ops.kernels.flash_attn_fwd(q, k, v, bool(causal), scale, *(bounds or (None, None)))[0]
-    return FlashAttentionFunction.apply(q, k, v, bool(causal), scale, bounds)
+        return torch.ops.kernels.flash_attn_fwd(q, k, v, bool(causal), scale, *(bounds or (None, None)), backend)[0]
+    return FlashAttentionFunction.apply(q, k, v, bool(causal), scale, bounds, backend)

@@ -2,17 +2,12 @@
 H % H_kv == 0 (GQA), any strides, T and S, D <= MAX_HEAD_DIM, fp16, bf16 or fp32; doc_ids (B, T)
 and window (causal). The outputs' layout, the softmax scale, autocast, and whether TMA reads them."""
 
-import os
-
 import torch
 
 from kernels.masking import Bounds, document_bounds, window_bounds
 from kernels.runtime import chips
 from kernels.runtime.launch import interprets
 from kernels.triton.config import DTYPES, MAX_HEAD_DIM
-
-TMA_VARIABLE = "FLASH_ATTENTION_TMA"  # 0: the kernels read their inputs without TMA (for comparison)
-
 
 def check_inputs(q, k, v):
     """Raise ValueError, saying what is supported, for inputs the kernels do not handle."""
@@ -115,11 +110,9 @@ def uses_tma(*streamed: torch.Tensor) -> bool:
     """Whether the kernels read these streamed (B, H, T, D) inputs through TMA descriptors: compiled
     for an NVIDIA Hopper or newer GPU, with the head dim contiguous, rows that do not overlap (an
     expanded gradient's stride 0 does), and the base and every other stride 16-byte aligned (TMA's
-    requirements); FLASH_ATTENTION_TMA=0 turns it off (for comparison)."""
+    requirements)."""
     t = streamed[0]
     if interprets(t.device) or not chips.chip(t.device.index).tma:
-        return False
-    if os.environ.get(TMA_VARIABLE, "1") == "0":
         return False
     return all(x.stride(3) == 1 and x.stride(2) >= x.shape[3] and x.data_ptr() % 16 == 0
                and all(s * x.element_size() % 16 == 0 for s in x.stride()[:3]) for x in streamed)

@@ -75,7 +75,7 @@ def _block(ring: _Ring, step: int, c: int) -> tuple[slice, slice, bool]:
     return slice(c, None), slice(None), False  # the later chunk's queries, both of rank j's chunks
 
 
-def _ring_forward(q, k, v, scale, ring):
+def _ring_forward(q, k, v, scale, ring, backend):
     """(o in q's dtype, lse fp32 (B, H, 2c)) of this rank's queries over the whole sequence."""
     c = q.shape[2] // 2
     kv = (k.contiguous(), v.contiguous())  # P2P sends whole buffers
@@ -85,7 +85,7 @@ def _ring_forward(q, k, v, scale, ring):
             incoming = ring.shift(*kv)
         rows, keys, causal = _block(ring, step, c)
         o, block_lse = flash_attn_forward(q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys], causal=causal,
-                                          softmax_scale=scale)
+                                          softmax_scale=scale, backend=backend)
         if step == 0:
             out, lse = o.float(), block_lse
         else:
@@ -95,7 +95,7 @@ def _ring_forward(q, k, v, scale, ring):
     return out.to(q.dtype), lse
 
 
-def _ring_backward(do, q, k, v, o, lse, scale, ring):
+def _ring_backward(do, q, k, v, o, lse, scale, ring, backend):
     """(dq, dk, dv) of this rank's shards, typed like q, k, v."""
     c = q.shape[2] // 2
     # the kernels read LSE as a dense (B, H, T): the later chunk's rows copied once
@@ -108,7 +108,8 @@ def _ring_backward(do, q, k, v, o, lse, scale, ring):
             incoming = ring.shift(*kv)
         rows, keys, causal = _block(ring, step, c)
         dq_b, dk_b, dv_b = flash_attn_backward(do[:, :, rows], q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys],
-                                               o[:, :, rows], lse_of[rows.start], causal=causal, softmax_scale=scale)
+                                               o[:, :, rows], lse_of[rows.start], causal=causal, softmax_scale=scale,
+                                               backend=backend)
         dq[:, :, rows] += dq_b
         if step == 0:  # own K/V, every key (_block): the sums start here, dense as P2P sends them
             dkv = [torch.empty_like(t, dtype=torch.float32, memory_format=torch.contiguous_format).copy_(t)
@@ -130,16 +131,16 @@ def _ring_backward(do, q, k, v, o, lse, scale, ring):
 
 class RingAttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, scale, ring):
-        o, lse = _ring_forward(q, k, v, scale, ring)
+    def forward(ctx, q, k, v, scale, ring, backend):
+        o, lse = _ring_forward(q, k, v, scale, ring, backend)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.scale, ctx.ring = scale, ring
+        ctx.scale, ctx.ring, ctx.backend = scale, ring, backend
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
-        return *_ring_backward(do, q, k, v, o, lse, ctx.scale, ctx.ring), None, None
+        return *_ring_backward(do, q, k, v, o, lse, ctx.scale, ctx.ring, ctx.backend), None, None, None
 
 
 def _prepare(q, k, v, group, softmax_scale):
@@ -149,26 +150,26 @@ def _prepare(q, k, v, group, softmax_scale):
     return softmax_scale_of(q, softmax_scale), _Ring(group)
 
 
-def ring_attn_forward(q, k, v, group: dist.ProcessGroup, softmax_scale=None):
+def ring_attn_forward(q, k, v, group: dist.ProcessGroup, softmax_scale=None, backend="auto"):
     """(o, lse) of this rank's queries, as flash_attn_forward gives for those rows; no autograd."""
-    return _ring_forward(q, k, v, *_prepare(q, k, v, group, softmax_scale))
+    return _ring_forward(q, k, v, *_prepare(q, k, v, group, softmax_scale), backend)
 
 
-def ring_attn_backward(do, q, k, v, o, lse, group: dist.ProcessGroup, softmax_scale=None):
+def ring_attn_backward(do, q, k, v, o, lse, group: dist.ProcessGroup, softmax_scale=None, backend="auto"):
     """(dq, dk, dv) of this rank's shards from ring_attn_forward's o and lse; deterministic."""
-    return _ring_backward(do, q, k, v, o, lse, *_prepare(q, k, v, group, softmax_scale))
+    return _ring_backward(do, q, k, v, o, lse, *_prepare(q, k, v, group, softmax_scale), backend)
 
 
 @torch.compiler.disable  # point-to-point communication inside: compiled models call it eagerly
-def ring_attention(q, k, v, group: dist.ProcessGroup, softmax_scale=None):
+def ring_attention(q, k, v, group: dist.ProcessGroup, softmax_scale=None, backend="auto"):
     """Causal attention of a sequence held zigzag-sharded over `group` (see the module docstring).
 
     q (B, H, 2c, D) and k, v (B, H_kv, 2c, D) are this rank's chunks r and 2N-1-r of the whole
     sequence's q, k and v, in that order; returns this rank's (B, H, 2c, D) of the output, equal
-    to those rows of flash_attention over the whole sequence. Every rank of the group must call
-    it, in the same order. With one rank it is flash_attention.
+    to those rows of flash_attention over the whole sequence, run by the same backend. Every rank
+    of the group must call it, in the same order. With one rank it is flash_attention.
     """
     q, k, v = autocast_inputs(q, k, v)
     if dist.get_world_size(group) == 1:
-        return flash_attention(q, k, v, causal=True, softmax_scale=softmax_scale)
-    return RingAttentionFunction.apply(q, k, v, *_prepare(q, k, v, group, softmax_scale))
+        return flash_attention(q, k, v, causal=True, softmax_scale=softmax_scale, backend=backend)
+    return RingAttentionFunction.apply(q, k, v, *_prepare(q, k, v, group, softmax_scale), backend)

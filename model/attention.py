@@ -11,6 +11,7 @@ checks, the trainer, the benchmark and the equivalence check read it from here. 
 is a function and an entry below. How each decodes against the cache: model/kv_cache.py.
 """
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -45,6 +46,8 @@ class Attention:
     context_parallel: str | None = None
     # the ops selective activation checkpointing keeps (output and LSE); none: recomputed whole
     saved_ops: tuple = ()
+    # which of our kernels run it (kernels/backends.py: auto, triton, gluon); None: it has no such choice
+    backend: str | None = None
 
 
 # -----------------------------------------------------------------------------
@@ -78,9 +81,10 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: t
 
 
 def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None = None,
-                     window: int = 0) -> torch.Tensor:
-    """Our FlashAttention-2 Triton kernels (kernels/triton/); with documents or a window, block-sparse."""
-    return flash_attention(q, k, v, causal=True, doc_ids=doc_ids, window=window)
+                     window: int = 0, backend: str = "auto") -> torch.Tensor:
+    """Our FlashAttention kernels (kernels/triton/, and kernels/hopper/ on sm_90: backend chooses);
+    with documents or a window, block-sparse."""
+    return flash_attention(q, k, v, causal=True, doc_ids=doc_ids, window=window, backend=backend)
 
 
 # -----------------------------------------------------------------------------
@@ -98,7 +102,8 @@ ATTENTIONS = {a.name: a for a in (
                          torch.ops.aten._scaled_dot_product_cudnn_attention.default)),
     Attention("triton", triton_attention, "our FlashAttention-2 forward and backward Triton kernels",
               max_head_dim=MAX_HEAD_DIM, unsupported=unsupported, context_parallel="ring",
-              saved_ops=(torch.ops.kernels.flash_attn_fwd.default,), decode=triton_decode, graphable=True),
+              saved_ops=(torch.ops.kernels.flash_attn_fwd.default,), decode=triton_decode, graphable=True,
+              backend="auto"),
     # the peers ours is measured against (model/peers.py); flex decodes through SDPA, where a
     # BlockMask and a compile per cache length would cost more than the step
     Attention("flex", flex_attention, "torch.nn.attention.flex_attention, compiled, with BlockMasks (CUDA to train)",
@@ -109,10 +114,17 @@ ATTENTIONS = {a.name: a for a in (
 )}
 
 
-def get_attention(name: str) -> Attention:
+def get_attention(name: str, backend: str = "auto") -> Attention:
+    """The registry's entry of attn=name, its kernels' backend chosen where it has a choice (attn.backend)."""
     if name not in ATTENTIONS:
         raise ValueError(f"unknown attention {name!r}: choose one of {sorted(ATTENTIONS)} (attn=NAME)")
-    return ATTENTIONS[name]
+    entry = ATTENTIONS[name]
+    if backend == entry.backend or (backend == "auto" and entry.backend is None):
+        return entry
+    if entry.backend is None:
+        raise ValueError(f"attn.backend={backend}: chooses which of our kernels attn=triton runs; attn={name} "
+                         "has no such choice (attn.sdpa_backend pins SDPA's)")
+    return dataclasses.replace(entry, fn=functools.partial(entry.fn, backend=backend), backend=backend)
 
 
 # -----------------------------------------------------------------------------

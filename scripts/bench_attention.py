@@ -14,11 +14,9 @@ flash-attn-4` (CUDA 13) has installed it on an sm_90 or sm_100 GPU, and is skipp
     python scripts/bench_attention.py --documents synthetic --head-dims 64 --seq-lens 32768
     python scripts/bench_attention.py --window 1024 --seq-lens 32768      # sliding windows, with and without documents
 """
-import contextlib
 import functools
 import gc
 import math
-import os
 import sys
 from datetime import datetime
 from pathlib import Path
@@ -88,16 +86,14 @@ def _sdpa(backend):
 
 # the attentions of model/attention.py as the model calls them; SDPA once per backend, pinned, so
 # that a row names the kernel that ran (its math backend is naive's work again)
-# triton runs as training does (on sm_90 from 2048 queries on: the Gluon forward; the Gluon backward
-# at head dim 128, the Triton one at 64); triton_portable pins the Triton kernels both ways,
-# triton_gluon the Hopper kernels in Gluon ("n/a" off sm_90), triton_gluon_unordered them with dQ's
-# shares added as they come (FLASH_ATTENTION_DETERMINISTIC=0), what ordering them costs; fa4 is
-# FlashAttention-4 as attn=fa4 trains (dQ added atomically), fa4_det its ordered backward
+# triton runs as training does (attn.backend=auto: on sm_90 from 2048 queries on, the Hopper
+# kernels); triton_portable pins the Triton kernels both ways, triton_gluon the Hopper kernels in
+# Gluon ("n/a" off sm_90); fa4 is FlashAttention-4 as attn=fa4 trains (dQ added atomically),
+# fa4_det its ordered backward
 IMPLS = {"naive": _as_trained(ATTENTIONS["naive"]),
          "triton": _as_trained(ATTENTIONS["triton"]),
-         "triton_portable": _as_trained(ATTENTIONS["triton"]),
-         "triton_gluon": _as_trained(ATTENTIONS["triton"]),
-         "triton_gluon_unordered": _as_trained(ATTENTIONS["triton"]),
+         "triton_portable": _as_trained(ATTENTIONS["triton"], backend="triton"),
+         "triton_gluon": _as_trained(ATTENTIONS["triton"], backend="gluon"),
          **{f"sdpa_{name}": _sdpa(backend) for name, backend in SDPA_BACKENDS.items() if name != "math"},
          "fa4": _as_trained(ATTENTIONS["fa4"]),
          "fa4_det": _as_trained(ATTENTIONS["fa4"], deterministic=True),
@@ -118,24 +114,6 @@ def fa4_skipped(head_dims: list[int]) -> str | None:
         print(f"FlashAttention-4 (fa4, fa4_det) skipped: {why}")
     return why
 
-
-# environment variables a cell runs under, set for the whole cell: the backward reads them too
-CELL_ENV = {"triton_portable": {"FLASH_ATTENTION_BACKEND": "triton"}, "triton_gluon": {"FLASH_ATTENTION_BACKEND": "gluon"},
-            "triton_gluon_unordered": {"FLASH_ATTENTION_BACKEND": "gluon", "FLASH_ATTENTION_DETERMINISTIC": "0"}}
-
-
-@contextlib.contextmanager
-def environ(values: dict):
-    saved = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 # ---------------------------------------------------------------------------
 # Measurement
@@ -207,9 +185,8 @@ def run_cell(name, B, H, T, D, leaves, get_qkv, dout, args):
         return row
     try:
         attn = IMPLS[name](T)
-        with environ(CELL_ENV.get(name, {})):
-            row["fwd_ms"], row["fwdbwd_ms"], row["peak_extra_mb"] = bench_one(
-                attn, leaves, get_qkv, dout, args.warmup, args.rep)
+        row["fwd_ms"], row["fwdbwd_ms"], row["peak_extra_mb"] = bench_one(attn, leaves, get_qkv, dout, args.warmup,
+                                                                           args.rep)
     except torch.cuda.OutOfMemoryError:
         row["status"] = "OOM"
     except CELL_ERRORS as e:

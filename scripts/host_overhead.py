@@ -1,7 +1,7 @@
 """Host (CPU) time vs GPU time of one eager flash_attention forward+backward, and where it goes.
 
 When the host time per call exceeds the GPU time, the GPU waits on Python and short sequences
-look slow in eager benchmarks (docs/perf-notes.md, v2-v4 and v8). Host time here is wall time
+look slow in eager benchmarks (docs/perf-notes.md: the host's path). Host time here is wall time
 per call over a burst of calls whose GPU work is queued, not waited on. Rows:
 
   forward / backward launches   flash_attn_forward / flash_attn_backward, no autograd
@@ -24,7 +24,7 @@ beside SDPA's cuDNN backend: host time per forward+backward, the GPU held busy b
 (torch.cuda._sleep) so that the host never waits, min and median of 12 bursts of 40 calls; and
 the GPU's time per forward+backward alone, the call captured in a CUDA graph and replayed (both
 sides' include the backward of the q, k, v views, one copy kernel). Where the host's time passes
-the GPU's, an eager benchmark reads the host (docs/perf-notes.md v26, v27).
+the GPU's, an eager benchmark reads the host (docs/perf-notes.md).
 Needs a CUDA GPU:
 
     python scripts/host_overhead.py
@@ -161,8 +161,8 @@ def main() -> None:
                 step()
 
         def ops():
-            out, lse_ = torch.ops.kernels.flash_attn_fwd(q, k, v, True, D**-0.5, None, None)
-            torch.ops.kernels.flash_attn_bwd(do, q, k, v, out, lse_, True, D**-0.5, None, None)
+            out, lse_ = torch.ops.kernels.flash_attn_fwd(q, k, v, True, D**-0.5, None, None, "auto")
+            torch.ops.kernels.flash_attn_bwd(do, q, k, v, out, lse_, True, D**-0.5, None, None, "auto")
 
         def chained(attend, layers=12):
             def run():

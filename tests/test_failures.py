@@ -674,6 +674,8 @@ BAD_VALUES = [
     ("hydra.run.dir=/x/${oc.env:FLASH_GPT_UNSET}", "environment variable 'FLASH_GPT_UNSET' not found"),
     ("batch_size=100000000", "batch_size=100000000: with seq_len 32, a micro-step of 3,200,000,000 tokens needs"),
     ("attn.window=32", "attn.window=32: must be below seq_len 32"),
+    ("attn.backend=cudnn", "attn.backend"), ("attn=sdpa attn.backend=triton", "attn.backend=triton: chooses which"),
+    ("attn=triton attn.backend=gluon", "attn.backend=gluon: the Hopper kernels cannot run here"),
 ]
 
 

@@ -25,6 +25,7 @@ TMA cannot read the inputs or is switched off; run them on a CUDA machine with t
 command. The TMA path also runs here, in the interpreter, forced on.
 """
 
+import functools
 import os
 import subprocess
 import sys
@@ -34,17 +35,33 @@ import pytest
 import torch
 import triton
 
-from kernels import LAUNCHERS, backends, flash_attention, flash_attn_backward, flash_attn_forward, inputs
+import kernels
+from kernels import LAUNCHERS, backends, inputs
 from kernels.reference.flash_ref import attention_probs, attention_reference
 from kernels.runtime import chips
 from tests.helpers import REPO
 
 
-@pytest.fixture(autouse=True)
-def _portable_kernels(monkeypatch):
-    """These are the portable Triton kernels' tests, on every GPU, whatever the environment asks;
-    tests/test_hopper.py checks the Hopper backward (FLASH_ATTENTION_BACKEND=gluon)."""
-    monkeypatch.setenv(backends.BACKEND_VARIABLE, "triton")
+# These are the portable Triton kernels' tests, on every GPU: tests/test_hopper.py checks the Hopper
+# kernels (backend="gluon", and "auto" where it picks them)
+flash_attention = functools.partial(kernels.flash_attention, backend="triton")
+flash_attn_forward = functools.partial(kernels.flash_attn_forward, backend="triton")
+flash_attn_backward = functools.partial(kernels.flash_attn_backward, backend="triton")
+
+
+@pytest.fixture
+def pointer_loads(monkeypatch):
+    """The pointer loads where TMA could read the inputs (what a GPU before sm_90 runs): the launches
+    made meanwhile, kept per input signature, are dropped after, and those made before too."""
+    def drop_launches():
+        for launcher in LAUNCHERS.values():
+            launcher.bound.clear()
+        backends._CHOSEN.clear()
+
+    monkeypatch.setattr(inputs, "uses_tma", lambda *tensors: False)
+    drop_launches()
+    yield
+    drop_launches()
 
 
 # --------------------------------------------------------------------------------------------
@@ -125,11 +142,12 @@ def _assert_within_reference_error(name, got, ref64, ref_lowp, dtype, n_terms, e
 
 
 def _check_against_float64(case_id, B, H, H_kv, T, S, D, causal, dtype, layout, device="cpu", doc_ids=None,
-                           window=0):
+                           window=0, backend="triton"):
     q, k, v, do = _make_inputs(case_id, B, H, H_kv, T, S, D, dtype, layout, device)
-    o = flash_attention(q, k, v, causal=causal, doc_ids=doc_ids, window=window)
+    o = flash_attention(q, k, v, causal=causal, doc_ids=doc_ids, window=window, backend=backend)
     grads = torch.autograd.grad(o, (q, k, v), do)
-    _, lse = flash_attn_forward(q.detach(), k.detach(), v.detach(), causal, doc_ids=doc_ids, window=window)
+    _, lse = flash_attn_forward(q.detach(), k.detach(), v.detach(), causal, doc_ids=doc_ids, window=window,
+                                backend=backend)
 
     assert o.dtype == dtype and all(g.dtype == dtype for g in grads)
     ref64 = _dense(q, k, v, do, causal, torch.float64, doc_ids, window)
@@ -519,14 +537,15 @@ def _rows_past_2_31(T, H, D, dtype, device):
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("tma", ["1", "0"])
-def test_offsets_past_2_31_within_one_head(device, tma, monkeypatch):
+@pytest.mark.parametrize("loads", ["as chosen", "pointers"])
+def test_offsets_past_2_31_within_one_head(device, loads, request):
     # a million-token sequence's fused qkv puts a head's last rows past 2**31 elements: the
     # kernels' offsets are int64, so they read and write those rows as they do any other (the
     # same bits as compact copies of the same values); int32 offsets would wrap
-    if device == "cpu" and tma == "0":
+    if device == "cpu" and loads == "pointers":
         pytest.skip("the CPU runs the pointer path either way")
-    monkeypatch.setenv("FLASH_ATTENTION_TMA", tma)
+    if loads == "pointers":
+        request.getfixturevalue("pointer_loads")
     dtype = F16 if device == "cpu" else BF16
     q, k, v, do = _rows_past_2_31(40, 2, 16, dtype, device)
     assert (q.shape[2] - 1) * q.stride(2) >= 2**31
@@ -613,19 +632,19 @@ def test_gpu_matches_float64_reference(case):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", [(BF16, 2, 4, 2, 1000, 1000, 64, True, "packed", "0"),
-                                  (F16, 1, 3, 3, 777, 777, 20, True, "bthd", "1"),
-                                  (BF16, 1, 4, 2, 1500, 777, 128, True, "bthd", "0")],
-                         ids=lambda c: _case_id(*c[:-1]) + ("" if c[-1] == "1" else "-tma-off"))
-def test_gpu_pointer_path_matches_float64_reference(case, monkeypatch):
+@pytest.mark.parametrize("case", [(BF16, 2, 4, 2, 1000, 1000, 64, True, "packed", True),
+                                  (F16, 1, 3, 3, 777, 777, 20, True, "bthd", False),
+                                  (BF16, 1, 4, 2, 1500, 777, 128, True, "bthd", True)],
+                         ids=lambda c: _case_id(*c[:-1]) + ("-pointers" if c[-1] else ""))
+def test_gpu_pointer_path_matches_float64_reference(case, request):
     # the GPU runs the pointer loads where TMA cannot read the inputs (here 3 heads of D = 20 in
-    # fp16: a 120-byte row stride) or where FLASH_ATTENTION_TMA=0 turns it off
-
-    *case, tma_env = case
-    monkeypatch.setenv("FLASH_ATTENTION_TMA", tma_env)
+    # fp16: a 120-byte row stride), and on GPUs before sm_90 (here forced: pointer_loads)
+    *case, forced = case
+    if forced:
+        request.getfixturevalue("pointer_loads")
     dtype, B, H, H_kv, T, S, D, causal, layout = case
     q, k, v, _ = _make_inputs(_case_id(*case), B, H, H_kv, T, S, D, dtype, layout, device="cuda")
-    if tma_env == "1" and D == 20:
+    if not forced:
         assert not inputs.uses_tma(q, k, v)
     _check_against_float64("pointers-" + _case_id(*case), B, H, H_kv, T, S, D, causal, dtype, layout, "cuda")
 

@@ -27,33 +27,11 @@ SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0
 sm90 = pytest.mark.skipif(not SM90, reason="the Hopper kernel runs on sm_90 GPUs only")
 
 
-@pytest.fixture
-def gluon(monkeypatch):
-    """FLASH_ATTENTION_BACKEND=gluon: the Hopper kernels run both ways, or the call raises."""
-    monkeypatch.setenv(backends.BACKEND_VARIABLE, "gluon")
-
-
-# unset: the faster kernel per direction, head dim and length; gluon: both directions in Gluon
-BACKENDS = [pytest.param("", id="auto"), pytest.param("gluon", id="gluon")]
-
-
-@pytest.fixture(params=BACKENDS)
-def backend(request, monkeypatch):
-    monkeypatch.setenv(backends.BACKEND_VARIABLE, request.param)
+# auto: the faster kernels per direction, head dim and length (the Hopper ones from MIN_SEQ
+# queries on); gluon: both directions in Gluon, or the call raises
+@pytest.fixture(params=["auto", "gluon"])
+def backend(request):
     return request.param
-
-
-# the schedule variants (kernels/hopper/config.py), each the value its variable's default is not
-# (the forward's ring one slot shallower; its overlap is the default at FWD_OVERLAP_HEAD_DIMS, so
-# there its variant is 0, as are its consumers' turns at FWD_TURNS_HEAD_DIMS (none) and its exp2s
-# on the FMA pipe at FWD_EXP2_FMA_HEAD_DIMS); the backward
-# has other tiles only at BWD_BY_ROWS' head dims: `variant`;
-# its longest-first order is the default only from BWD_LONGEST_FIRST_FROM keys, more than compiled
-# or tested here)
-VARIANTS = {hopper.FWD_ORDER_VARIABLE: "heads", hopper.FWD_OVERLAP_VARIABLE: "1", hopper.FWD_STAGES_VARIABLE: "2",
-            hopper.FWD_PERSISTENT_VARIABLE: "0", hopper.BWD_BY_KEYS_VARIABLE: "0",
-            hopper.BWD_ORDER_VARIABLE: "longest", hopper.BWD_PERSISTENT_VARIABLE: "0",
-            hopper.FWD_TURNS_VARIABLE: "1", hopper.FWD_EXP2_FMA_VARIABLE: "1"}
 
 
 def loop_spills(sass: str) -> tuple[int, list[str]]:
@@ -72,81 +50,42 @@ def loop_spills(sass: str) -> tuple[int, list[str]]:
     return len(inner), spills
 
 
-def variant(variable: str, head_dim: int) -> str | None:
-    """The variable's value other than the default at this head dim; None where it has none."""
-    if variable == hopper.FWD_OVERLAP_VARIABLE and head_dim in hopper.FWD_OVERLAP_HEAD_DIMS:
-        return "0"
-    if variable == hopper.FWD_TURNS_VARIABLE and head_dim in hopper.FWD_TURNS_HEAD_DIMS:
-        return "0"
-    if variable == hopper.FWD_EXP2_FMA_VARIABLE and head_dim in hopper.FWD_EXP2_FMA_HEAD_DIMS:
-        return "0"
-    if variable == hopper.BWD_BY_KEYS_VARIABLE and head_dim not in hopper.BWD_BY_ROWS:
-        return None
-    return VARIANTS[variable]
-
-
-# compiled beside the defaults and VARIANTS: the backward persistent and longest first, its
-# default at D = 128 from BWD_LONGEST_FIRST_FROM keys (VARIANTS pairs longest first with a
-# program per tile), and the forward without its overlap
-LONGEST_PERSISTENT = {hopper.FWD_OVERLAP_VARIABLE: "0", hopper.BWD_ORDER_VARIABLE: "longest"}
-
-
 @pytest.mark.skipif(not GLUON and not (GLUON_TRITON_DIR / "triton").is_dir(),
                     reason=f"the kernel is written in triton {hopper.TRITON}x's Gluon: `make test` installs it")
-@pytest.mark.parametrize("variants", [{}, VARIANTS, LONGEST_PERSISTENT],
-                         ids=["defaults", "variants", "no-forward-overlap-longest-first"])
-def test_compiles_for_sm90_without_a_gpu(variants, tmp_path):
+def test_compiles_for_sm90_without_a_gpu(tmp_path):
     # a fresh process: the stand-in driver replaces Triton's for the process, and Gluon must not
     # see TRITON_INTERPRET (it has no interpreter)
-    env = {key: value for key, value in os.environ.items() if key not in ("TRITON_INTERPRET", *VARIANTS)}
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     if not GLUON:
         env["PYTHONPATH"] = os.pathsep.join([str(GLUON_TRITON_DIR), str(REPO)])
-    stdout = ""
-    for D in hopper.HEAD_DIMS:  # one process per head dim: a variant a head dim lacks is left unset there
-        chosen = {key: value for key, value in variants.items() if variant(key, D) is not None}
-        out = subprocess.run([sys.executable, "-m", "kernels.runtime.sm90", "--sass", "--out", str(tmp_path),
-                              "--head-dims", str(D)], cwd=REPO, env={**env, **chosen}, capture_output=True,
-                             text=True, timeout=1800)
-        assert out.returncode == 0, out.stderr[-3000:]
-        stdout += out.stdout
-    lines = stdout.strip().splitlines()
-    assert len(lines) == 12, stdout  # forward and backward, D 64 and 128, full, causal and documents
-    overlap = variants.get(hopper.FWD_OVERLAP_VARIABLE)
+    out = subprocess.run([sys.executable, "-m", "kernels.runtime.sm90", "--sass", "--out", str(tmp_path)], cwd=REPO,
+                         env=env, capture_output=True, text=True, timeout=1800)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.strip().splitlines()
+    # forward and backward, D 64 and 128, full, causal and documents; and the backward's longest
+    # first order, where a row has one (D = 128, causal from 8,192 keys)
+    longest = [D for D, row in hopper.TABLE.items() if row.bwd_longest_first_from]
+    assert len(lines) == 12 + len(longest), out.stdout
     for line in lines:
         assert int(re.search(r"(\d+) HGMMA", line)[1]) > 0, line  # the matmuls run on Hopper's wgmma
         assert int(re.search(r"(\d+) B shared", line)[1]) <= 232448, line  # an sm_90 block's most
         stack = int(re.search(r"(\d+) B stack", line)[1])
         loops, spills = loop_spills((tmp_path / f"{line.split(':')[0]}.sass").read_text())
         assert loops, line  # every kernel's matmuls sit in a loop the rule can see
-        if overlap == "1" and line.startswith("fwd_d64_documents"):
-            assert stack <= 32, line  # D 64's overlap, not adopted there, spills 16-32 B in the tile loop
-        elif variants.get(hopper.BWD_ORDER_VARIABLE) == "longest" and line.startswith("bwd_d128_documents"):
-            # longest first, never the default with documents, reloads one value a step (two with
-            # a program per tile)
-            assert stack <= 32 and len(spills) <= 2, line
-        else:  # no register spills, but once a tile: the backward's without a mask keep up to 24 B,
-            # the forward's with documents at D = 128 16 B (8 before perf-notes v30's mask)
-            limit = 32 if line.startswith("bwd") else 16 if line.startswith("fwd_d128_documents") else 8
-            assert stack <= limit and not spills, line
-    # where the forward overlaps (every head dim with the variant's 1), each step's softmax (a
-    # thread's 64 exp2s of a 64 x 128 block) sits between the wait for its S, P V of the block
-    # before still in flight, and the wait for that P V: ptxas had hoisted the second wait above
-    # the exp2s, which runs the two in turn again (on the exp2 unit: 64 and alpha's 2; with
-    # FWD_EXP2_FMA, mask-free steps move a share of the 64, known at compile time, not both paths)
-    dims = {"1": hopper.HEAD_DIMS, "0": ()}.get(overlap, hopper.FWD_OVERLAP_HEAD_DIMS)
-    exp2_fma = variants.get(hopper.FWD_EXP2_FMA_VARIABLE)
-    for D in dims:
-        on_fma = (exp2_fma == "1") if exp2_fma else (D in hopper.FWD_EXP2_FMA_HEAD_DIMS)
-        moved = 64 // hopper.FWD_EXP2_FMA_EVERY if on_fma else 0
+        # no register spills, but once a tile: the backward's without a mask keep up to 24 B, the
+        # forward's with documents at D = 128 16 B
+        limit = 32 if line.startswith("bwd") else 16 if line.startswith("fwd_d128_documents") else 8
+        assert stack <= limit and not spills, line
+    # where the forward overlaps, each step's softmax (a thread's 64 exp2s of a 64 x 128 block) sits
+    # between the wait for its S, P V of the block before still in flight, and the wait for that
+    # P V: ptxas had hoisted the second wait above the exp2s, which runs the two in turn again
+    for D in [D for D, row in hopper.TABLE.items() if row.fwd_overlap]:
         forwards = sorted(tmp_path.glob(f"fwd_d{D}_*.sass"))
         assert len(forwards) == 3, forwards
         for sass in forwards:
             steps = re.split(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1", sass.read_text())[1:]
             assert steps, sass.name
-            exp2s = [step.split("WARPGROUP.DEPBAR")[0].count("MUFU.EX2") for step in steps]
-            assert min(exp2s) >= 64 - moved, sass.name
-            if on_fma:  # the mask-free steps moved their share
-                assert min(exp2s) <= 66 - moved, (sass.name, exp2s)
+            assert min(step.split("WARPGROUP.DEPBAR")[0].count("MUFU.EX2") for step in steps) >= 64, sass.name
 
 
 def test_compiling_refuses_a_head_dim_without_kernels_in_one_line(tmp_path):
@@ -157,64 +96,27 @@ def test_compiling_refuses_a_head_dim_without_kernels_in_one_line(tmp_path):
     assert not (tmp_path / "sass").exists()  # refused before anything is written
 
 
-def test_forward_ring_depth_is_checked_against_shared_memory(monkeypatch):
-    monkeypatch.setenv(hopper.FWD_STAGES_VARIABLE, "4")
-    assert hopper.fwd_tiles(64, 4096).stages == 4
-    with pytest.raises(ValueError, match="FLASH_ATTENTION_FWD_STAGES=4: at head dim 128 the ring holds at most 3"):
-        hopper.fwd_tiles(128, 4096)
-    monkeypatch.setenv(hopper.FWD_STAGES_VARIABLE, "5")
-    with pytest.raises(ValueError, match="FLASH_ATTENTION_FWD_STAGES=5: use 2 or 3 or 4"):
-        hopper.fwd_tiles(64, 4096)
-
-
-def test_backward_tiles_by_rows_are_chosen_or_refused_per_head_dim(monkeypatch):
-    # by keys by default at every head dim; by rows where there are tiles by rows
-    assert not any(tiles.by_rows for tiles in hopper.BWD_TILES.values())
-    assert all(tiles.by_rows for tiles in hopper.BWD_BY_ROWS.values())
-    for choice, by_rows_64 in (("", False), ("1", False), ("0", True)):
-        monkeypatch.setenv(hopper.BWD_BY_KEYS_VARIABLE, choice)
-        assert hopper.bwd_tiles(64).by_rows == by_rows_64
-        assert hopper.bwd_tiles(64).block_m == 128  # both ways round, 128 queries a step
-        if choice != "0":
-            assert hopper.bwd_tiles(128) == hopper.BWD_TILES[128]
-    monkeypatch.setenv(hopper.BWD_BY_KEYS_VARIABLE, "0")
-    with pytest.raises(ValueError, match="FLASH_ATTENTION_BWD_BY_KEYS=0: at head dim 128 the backward is held by "
-                                         "keys only: use 1 or leave it unset"):
-        hopper.bwd_tiles(128)
-    monkeypatch.setenv(hopper.BWD_BY_KEYS_VARIABLE, "2")
-    with pytest.raises(ValueError, match="FLASH_ATTENTION_BWD_BY_KEYS=2: use 0 or 1"):
-        hopper.bwd_tiles(64)
-
-
-def test_backward_order_is_chosen_per_head_dim_mask_and_keys(monkeypatch):
-    # longest first by default only where it measured faster: plain causal, D = 128, from 8192 keys
-    monkeypatch.delenv(hopper.BWD_ORDER_VARIABLE, raising=False)
+def test_backward_order_is_chosen_per_head_dim_mask_and_keys():
+    # longest first only where its row says, and only where it measured faster: plain causal, D = 128,
+    # from 8192 keys
     assert hopper.bwd_longest_first(128, True, False, 8192) and hopper.bwd_longest_first(128, True, False, 2 ** 24)
     assert not hopper.bwd_longest_first(128, True, False, 8191)
     assert not hopper.bwd_longest_first(128, True, True, 8192)  # documents, a window
     assert not hopper.bwd_longest_first(128, False, False, 8192)
     assert not hopper.bwd_longest_first(64, True, False, 65536)
-    monkeypatch.setenv(hopper.BWD_ORDER_VARIABLE, "longest")
-    assert hopper.bwd_longest_first(64, False, True, 100)
-    monkeypatch.setenv(hopper.BWD_ORDER_VARIABLE, "shortest")
-    assert not hopper.bwd_longest_first(128, True, False, 16384)
-    monkeypatch.setenv(hopper.BWD_ORDER_VARIABLE, "lpt")
-    with pytest.raises(ValueError, match="FLASH_ATTENTION_BWD_ORDER=lpt: use shortest or longest"):
-        hopper.bwd_longest_first(128, True, False, 16384)
 
 
-@pytest.mark.parametrize("variable, chosen, default", [
-    (hopper.FWD_PERSISTENT_VARIABLE, hopper.fwd_persistent, hopper.FWD_PERSISTENT),
-    (hopper.BWD_PERSISTENT_VARIABLE, hopper.bwd_persistent, hopper.BWD_PERSISTENT)], ids=["forward", "backward"])
-def test_persistent_kernels_are_chosen_by_their_variables(variable, chosen, default, monkeypatch):
-    monkeypatch.delenv(variable, raising=False)
-    assert chosen() == default
-    for value, persistent in (("0", False), ("1", True)):
-        monkeypatch.setenv(variable, value)
-        assert chosen() is persistent
-    monkeypatch.setenv(variable, "yes")
-    with pytest.raises(ValueError, match=f"{variable}=yes: use 0 or 1"):
-        chosen()
+def test_every_choice_of_the_kernels_is_a_row_of_the_table_not_the_environment():
+    # no kernel file reads an environment variable but FLASH_ATTENTION_AUTOTUNE (how a config is
+    # first chosen for a shape, kept per shape): a launch kept per signature cannot go stale
+    for path in (REPO / "kernels").rglob("*.py"):
+        text = path.read_text()
+        assert set(re.findall(r'"(FLASH_ATTENTION_[A-Z0-9_]+)"', text)) <= {"FLASH_ATTENTION_AUTOTUNE"}, path
+        assert "os.environ" not in text or path.name == "launch.py", path
+    for D, row in hopper.TABLE.items():
+        for tiles in (row.fwd, row.fwd_long):
+            assert tiles.consumers * hopper.FWD_ROWS <= 192 and tiles.stages >= 2, (D, tiles)
+        assert row.bwd.block_m in (64, 128), (D, row.bwd)
 
 
 @pytest.mark.parametrize("T, D, block_m", [(300, 64, 128), (200, 128, 64), (64, 64, 64)])
@@ -257,61 +159,33 @@ def test_lse_delta_pass_lays_out_both_rows_for_tma_and_zeroes_the_rest(T, D, blo
     assert dq_acc.numel() == B * H * triton.cdiv(T, block_m) * block_m * D
 
 
-def test_every_variable_that_chooses_kernels_is_in_the_calls_signature(monkeypatch):
-    """A call's launches are kept per signature (kernels/api.py), and the signature reads the
-    variables that choose kernels all at once (backends.variables): each must be in VARIABLES, or a
-    change of it between calls would run the launch made before. Every FLASH_ATTENTION_* name the
-    kernels read but FLASH_ATTENTION_AUTOTUNE (how a config is first chosen, kept per shape) is."""
-    read = set()
-    for path in (REPO / "kernels").rglob("*.py"):
-        read |= set(re.findall(r'"(FLASH_ATTENTION_[A-Z0-9_]+)"', path.read_text()))
-    assert read - {"FLASH_ATTENTION_AUTOTUNE"} == set(backends.VARIABLES)
-    for name in backends.VARIABLES:
-        monkeypatch.delenv(name, raising=False)
-    assert backends.variables() == (None,) * len(backends.VARIABLES)
-    for name in backends.VARIABLES:
-        before = backends.variables()
-        monkeypatch.setenv(name, "1")
-        after = backends.variables()
-        assert [a != b for a, b in zip(after, before)] == [n == name for n in backends.VARIABLES]
-
-
-def test_backend_variable_is_checked(monkeypatch):
+def test_backend_is_checked():
     q = k = v = torch.randn(1, 1, 4, 16)
-    monkeypatch.setenv(backends.BACKEND_VARIABLE, "cudnn")
-    with pytest.raises(ValueError, match="FLASH_ATTENTION_BACKEND=cudnn: use triton or gluon"):
-        flash_attention(q.requires_grad_(), k, v).sum().backward()
-    with pytest.raises(ValueError, match="FLASH_ATTENTION_BACKEND=cudnn: use triton or gluon"):
-        backends.backends(16, torch.float32, torch.device("cpu"), 1024)
-    monkeypatch.setenv(backends.BACKEND_VARIABLE, "gluon")
-    with pytest.raises(ValueError, match="FLASH_ATTENTION_BACKEND=gluon: .*CUDA GPUs only"):
-        flash_attention(q, k, v).sum().backward()
-    monkeypatch.delenv(backends.BACKEND_VARIABLE)
-    monkeypatch.setenv(backends.DETERMINISTIC_VARIABLE, "yes")
-    with pytest.raises(ValueError, match="FLASH_ATTENTION_DETERMINISTIC=yes: use 1 .* or 0"):
-        backends.backends(16, torch.float32, torch.device("cpu"), 1024)
+    with pytest.raises(ValueError, match="flash_attention: backend='cudnn': choose one of auto, triton, gluon"):
+        flash_attention(q.requires_grad_(), k, v, backend="cudnn")
+    with pytest.raises(ValueError, match="flash_attention: backend='cudnn': choose one of auto, triton, gluon"):
+        backends.backends(16, torch.float32, torch.device("cpu"), 1024, "cudnn")
+    with pytest.raises(ValueError, match="backend=gluon: .*CUDA GPUs only"):
+        flash_attention(q, k, v, backend="gluon").sum().backward()
 
 
-def test_backends_say_which_kernels_run(monkeypatch):
+def test_backends_say_which_kernels_run():
     cpu = torch.device("cpu")
-    monkeypatch.delenv(backends.BACKEND_VARIABLE, raising=False)
     assert backends.backends(64, BF16, cpu, 4096) == {"forward": "triton", "backward": "triton"}
     assert "CUDA GPUs only" in backends.unsupported(64, BF16, cpu, "gluon")
     if SM90 and GLUON:
         gpu = torch.device("cuda")
-        # unset: from MIN_SEQ queries on, the Gluon kernels where they cover the inputs, the
+        # auto: from MIN_SEQ queries on, the Gluon kernels where they cover the inputs, the
         # faster; the Triton kernels below it, where host time decides
         long, short = hopper.MIN_SEQ, hopper.MIN_SEQ - 1
         assert backends.backends(128, BF16, gpu, long) == {"forward": "gluon", "backward": "gluon"}
         assert backends.backends(64, BF16, gpu, long) == {"forward": "gluon", "backward": "gluon"}
         assert backends.backends(128, BF16, gpu, short) == {"forward": "triton", "backward": "triton"}
         assert backends.backends(80, BF16, gpu, long) == {"forward": "triton", "backward": "triton"}
-        monkeypatch.setenv(backends.BACKEND_VARIABLE, "triton")
-        assert backends.backends(128, BF16, gpu, long) == {"forward": "triton", "backward": "triton"}
-        monkeypatch.setenv(backends.BACKEND_VARIABLE, "gluon")
-        assert backends.backends(128, BF16, gpu, short) == {"forward": "gluon", "backward": "gluon"}
+        assert backends.backends(128, BF16, gpu, long, "triton") == {"forward": "triton", "backward": "triton"}
+        assert backends.backends(128, BF16, gpu, short, "gluon") == {"forward": "gluon", "backward": "gluon"}
         with pytest.raises(ValueError, match="head_dim 64 and 128, not 80"):
-            backends.backends(80, BF16, gpu, long)
+            backends.backends(80, BF16, gpu, long, "gluon")
 
 
 # (dtype, B, H, H_kv, T, S, D, causal, layout): both head dims and dtypes, causal and not, odd T,
@@ -334,8 +208,8 @@ GPU_CASES = [
 @pytest.mark.parametrize("case", [pytest.param(c, id=_case_id(*c)) for c in GPU_CASES])
 def test_gluon_matches_float64_reference(case, backend):
     dtype, B, H, H_kv, T, S, D, causal, layout = case
-    _check_against_float64(f"gluon{backend}-" + _case_id(*case), B, H, H_kv, T, S, D, causal, dtype, layout,
-                           device="cuda")
+    _check_against_float64(f"gluon-{backend}-" + _case_id(*case), B, H, H_kv, T, S, D, causal, dtype, layout,
+                           device="cuda", backend=backend)
 
 
 # (dtype, B, H, H_kv, D, layout, document lengths per batch row): one-token documents (many in a
@@ -355,14 +229,14 @@ GPU_DOC_CASES = [
 def test_gluon_document_mask_matches_float64_reference(case, backend):
     dtype, B, H, H_kv, D, layout, lengths = case
     T = sum(lengths[0])
-    _check_against_float64(f"gluon{backend}-docs-{lengths}", B, H, H_kv, T, T, D, True, dtype, layout, "cuda",
-                           doc_ids=_doc_ids(lengths, "cuda"))
+    _check_against_float64(f"gluon-{backend}-docs-{lengths}", B, H, H_kv, T, T, D, True, dtype, layout, "cuda",
+                           doc_ids=_doc_ids(lengths, "cuda"), backend=backend)
 
 
 @pytest.mark.gpu
 @sm90
 @pytest.mark.parametrize("D", [64, 128])
-def test_gluon_tiles_of_other_documents_are_skipped_not_masked(D, gluon):
+def test_gluon_tiles_of_other_documents_are_skipped_not_masked(D):
     # NaN in one document: a tile of it that the other document's rows or keys only masked would
     # still multiply NaN into their sums (0 * NaN); a skipped tile is never loaded, so the other
     # document's results stay bit for bit those of clean inputs. The boundary, 1536, is an edge
@@ -372,7 +246,7 @@ def test_gluon_tiles_of_other_documents_are_skipped_not_masked(D, gluon):
 
     def run(q, k, v, do):
         q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
-        o = flash_attention(q, k, v, doc_ids=doc_ids)
+        o = flash_attention(q, k, v, doc_ids=doc_ids, backend="gluon")
         return (o, *torch.autograd.grad(o, (q, k, v), do))
 
     clean = run(q, k, v, do)
@@ -408,8 +282,8 @@ GPU_WINDOW_CASES = [
 def test_gluon_window_matches_float64_reference(case, backend):
     dtype, B, H, H_kv, T, S, D, layout, window, lengths = case
     doc_ids = None if lengths is None else _doc_ids(lengths, "cuda")
-    _check_against_float64(f"gluon{backend}-window-{case}", B, H, H_kv, T, S, D, True, dtype, layout, "cuda",
-                           doc_ids=doc_ids, window=window)
+    _check_against_float64(f"gluon-{backend}-window-{case}", B, H, H_kv, T, S, D, True, dtype, layout, "cuda",
+                           doc_ids=doc_ids, window=window, backend=backend)
 
 
 @pytest.mark.gpu
@@ -425,7 +299,7 @@ def test_gluon_tiles_outside_the_window_are_skipped_not_masked(D, backend):
 
     def run(q, k, v, do):
         q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
-        o = flash_attention(q, k, v, window=window)
+        o = flash_attention(q, k, v, window=window, backend=backend)
         return (o, *torch.autograd.grad(o, (q, k, v), do))
 
     clean = run(q, k, v, do)
@@ -446,8 +320,7 @@ def test_gluon_tiles_outside_the_window_are_skipped_not_masked(D, backend):
 @pytest.mark.gpu
 @sm90
 @pytest.mark.parametrize("D", [64, 128])
-def test_gluon_forward_never_reads_keys_past_its_rows(D, monkeypatch):
-    monkeypatch.delenv(backends.BACKEND_VARIABLE, raising=False)
+def test_gluon_forward_never_reads_keys_past_its_rows(D):
     # causal: the program of the first 192 rows (at most: 3 warpgroups of 64) loads no key block
     # past key 255; NaN there must not reach its rows, whose output stays bit for bit the same
     q, k, v, _ = _make_inputs(f"gluon-skip-{D}", 1, 4, 2, 4096, 4096, D, BF16, "bthd", "cuda")
@@ -463,17 +336,17 @@ def test_gluon_forward_never_reads_keys_past_its_rows(D, monkeypatch):
 
 @pytest.mark.gpu
 @sm90
-@pytest.mark.parametrize("order", ["", "longest"], ids=["order-default", "longest-first"])
 @pytest.mark.parametrize("mask", ["causal", "full", "documents", "window"])
-@pytest.mark.parametrize("D", [64, 128])
-def test_gluon_backward_is_bit_identical_over_100_runs(D, mask, order, gluon, monkeypatch):
-    # the dQ shares are added in a fixed order, either launch order; unordered atomics would differ
-    # within a few runs
-    monkeypatch.setenv(hopper.BWD_ORDER_VARIABLE, order)
-    q, k, v, do = _make_inputs(f"gluon-determinism-{mask}-{D}", 2, 1024 // D, 2, 2048, 2048, D, BF16, "packed",
-                               "cuda")
-    doc_ids = _doc_ids([[300, 1, 900, 847], [2048]], "cuda") if mask == "documents" else None
-    o = flash_attention(q, k, v, causal=mask != "full", doc_ids=doc_ids, window=700 if mask == "window" else 0)
+@pytest.mark.parametrize("D, T", [(64, 2048), (128, 2048), (128, 8192)], ids=["D64", "D128", "D128-longest-first"])
+def test_gluon_backward_is_bit_identical_over_100_runs(D, T, mask):
+    # the dQ shares are added in a fixed order, either launch order (at D = 128, causal, from 8192
+    # keys: longest first); unordered atomics would differ within a few runs
+    B = 2 if T == 2048 else 1
+    q, k, v, do = _make_inputs(f"gluon-determinism-{mask}-{D}-{T}", B, 1024 // D, 2, T, T, D, BF16, "packed", "cuda")
+    lengths = [[300, 1, 900, 847], [2048]] if T == 2048 else [[300, 1, 900, 6991]]
+    doc_ids = _doc_ids(lengths, "cuda") if mask == "documents" else None
+    o = flash_attention(q, k, v, causal=mask != "full", doc_ids=doc_ids, window=700 if mask == "window" else 0,
+                        backend="gluon")
     first = torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
     for _ in range(100):
         for a, b in zip(first, torch.autograd.grad(o, (q, k, v), do, retain_graph=True), strict=True):
@@ -482,40 +355,19 @@ def test_gluon_backward_is_bit_identical_over_100_runs(D, mask, order, gluon, mo
 
 @pytest.mark.gpu
 @sm90
-@pytest.mark.parametrize("case", [GPU_CASES[1], GPU_CASES[3], GPU_CASES[5]], ids=lambda c: _case_id(*c))
-def test_gluon_unordered_dq_matches_float64_reference(case, gluon, monkeypatch):
-    # FLASH_ATTENTION_DETERMINISTIC=0: dQ's shares added as they come, not in turn
-    monkeypatch.setenv(backends.DETERMINISTIC_VARIABLE, "0")
-    dtype, B, H, H_kv, T, S, D, causal, layout = case
-    _check_against_float64("gluon-unordered-" + _case_id(*case), B, H, H_kv, T, S, D, causal, dtype, layout,
-                           device="cuda")
-
-
-@pytest.mark.gpu
-@sm90
-def test_gluon_unordered_dq_with_documents(gluon, monkeypatch):
-    monkeypatch.setenv(backends.DETERMINISTIC_VARIABLE, "0")
-    dtype, B, H, H_kv, D, layout, lengths = GPU_DOC_CASES[2]
-    T = sum(lengths[0])
-    _check_against_float64(f"gluon-unordered-docs-{lengths}", B, H, H_kv, T, T, D, True, dtype, layout, "cuda",
-                           doc_ids=_doc_ids(lengths, "cuda"))
-
-
-@pytest.mark.gpu
-@sm90
-def test_gluon_refuses_what_it_cannot_run(gluon):
+def test_gluon_refuses_what_it_cannot_run():
     q, k, v, do = _make_inputs("gluon-d80", 1, 2, 2, 256, 256, 80, BF16, "bthd", "cuda")
-    with pytest.raises(ValueError, match="FLASH_ATTENTION_BACKEND=gluon: the Hopper forward .*head_dim 64 and 128, not 80"):
-        torch.autograd.grad(flash_attention(q, k, v), (q, k, v), do)
+    with pytest.raises(ValueError, match="backend=gluon: the Hopper forward .*head_dim 64 and 128, not 80"):
+        torch.autograd.grad(flash_attention(q, k, v, backend="gluon"), (q, k, v), do)
 
 
 @pytest.mark.gpu
 @sm90
 def test_gluon_under_inductor_fullgraph(backend):
-    q, k, v, do = _make_inputs(f"gluon{backend}-compile", 2, 4, 2, 1024, 1024, 128, BF16, "packed", "cuda")
+    q, k, v, do = _make_inputs(f"gluon-{backend}-compile", 2, 4, 2, 1024, 1024, 128, BF16, "packed", "cuda")
 
     def attend(q, k, v):
-        return flash_attention(q, k, v, causal=True)
+        return flash_attention(q, k, v, causal=True, backend=backend)
 
     torch._dynamo.reset()
     compiled = torch.compile(attend, fullgraph=True)
@@ -530,7 +382,7 @@ def test_gluon_under_inductor_fullgraph(backend):
 @sm90
 @pytest.mark.parametrize("documents", [False, True], ids=["causal", "documents"])
 @pytest.mark.parametrize("D", [64, 128])
-def test_gluon_later_launches_use_the_new_tensors(D, documents, gluon):
+def test_gluon_later_launches_use_the_new_tensors(D, documents):
     # the first call per layout goes through Triton's front door; later calls launch the compiled
     # kernels with descriptors rebuilt from the new tensors' addresses (and the new documents')
     from kernels.hopper import bwd, fwd
@@ -538,7 +390,7 @@ def test_gluon_later_launches_use_the_new_tensors(D, documents, gluon):
     doc_ids = _doc_ids([[300, 1, 699]], "cuda") if documents else None
 
     def run(q, k, v, do):
-        o = flash_attention(q, k, v, doc_ids=doc_ids)
+        o = flash_attention(q, k, v, doc_ids=doc_ids, backend="gluon")
         return (o, *torch.autograd.grad(o, (q, k, v), do))
 
     fwd._BOUND.clear()
@@ -554,7 +406,7 @@ def test_gluon_later_launches_use_the_new_tensors(D, documents, gluon):
     assert not torch.equal(first_a[0], first_b[0])
 
 
-def _poisoned_grads(q, k, v, do, doc_ids, window):
+def _poisoned_grads(q, k, v, do, doc_ids, window, backend="gluon"):
     """o, lse, dq, dk, dv of one forward and backward whose outputs may get memory that held NaN
     just before (freed at once, the caching allocator may hand the blocks on): a tile a launch
     skipped would keep it. dq is scaled from a zeroed accumulator, so only its value shows a
@@ -562,39 +414,39 @@ def _poisoned_grads(q, k, v, do, doc_ids, window):
     poison = [torch.full_like(x, float("nan")) for x in (q, q, k, k)]
     poison.append(torch.full(q.shape[:3], float("nan"), device=q.device))
     del poison
-    o, lse = flash_attn_forward(q, k, v, doc_ids=doc_ids, window=window)
-    return (o, lse, *flash_attn_backward(do, q, k, v, o, lse, doc_ids=doc_ids, window=window))
+    o, lse = flash_attn_forward(q, k, v, doc_ids=doc_ids, window=window, backend=backend)
+    return (o, lse, *flash_attn_backward(do, q, k, v, o, lse, doc_ids=doc_ids, window=window, backend=backend))
 
 
 @pytest.mark.gpu
 @sm90
 @pytest.mark.parametrize("D", [64, 128])
-def test_persistent_kernels_take_every_tile_once(D, gluon, monkeypatch):
-    # persistent, the forward's and the backward's programs take tiles from counters zeroed for
-    # each launch; a program per tile computes the same bits (the backward's dQ in its fixed order).
+def test_persistent_kernels_take_every_tile_once(D):
+    # the forward's and the backward's programs take tiles from counters zeroed for each launch: a
+    # tile taken twice would add into dQ twice, one never taken would leave NaN where the poison
+    # was, and either would differ from the portable kernels (one program per tile, by launch).
     # More tiles than SMs (up to ~4 a program, so that the rings and the tile ring wrap), fewer,
     # documents (tiles of unequal length, some with no steps), a window, longest first (D = 128
     # from 8192 keys); launches in a row, on a second stream, and from two CUDA graphs replayed in
-    # reverse order
+    # reverse order, each with the first launch's bits
     docs = [1, 700, 1300, 64, 33, 1950]
     cases = [(4, 8, 2, 3000, None, 0), (1, 2, 2, 300, None, 0), (2, 4, 2, 4048, [docs, [4048]], 0),
              (4, 8, 4, 4048, [docs, [4048], docs[::-1], [2024, 2024]], 0), (1, 8, 8, 8192, None, 0),
              (1, 8, 8, 8192, [[3000, 5192]], 1024)]
-    variables = (hopper.FWD_PERSISTENT_VARIABLE, hopper.BWD_PERSISTENT_VARIABLE)
     for B, H, H_kv, T, lengths, window in cases:
         q, k, v, do = _make_inputs(f"gluon-persistent-{D}-{T}", B, H, H_kv, T, T, D, BF16, "packed", "cuda")
         doc_ids = _doc_ids(lengths, "cuda") if lengths else None
-        for variable in variables:
-            monkeypatch.setenv(variable, "0")
-        per_tile = _poisoned_grads(q, k, v, do, doc_ids, window)
-        for variable in variables:
-            monkeypatch.setenv(variable, "1")
+        first = _poisoned_grads(q, k, v, do, doc_ids, window)
+        portable = _poisoned_grads(q, k, v, do, doc_ids, window, backend="triton")
+        for name, x, y in zip(("o", "lse", "dq", "dk", "dv"), first, portable, strict=True):
+            assert torch.isfinite(x).all(), name
+            assert (x.float() - y.float()).norm() <= 0.02 * y.float().norm(), name  # rounding, not a tile
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         for stream in (torch.cuda.current_stream(), side):
             with torch.cuda.stream(stream):
                 for _ in range(2):
-                    for x, y in zip(_poisoned_grads(q, k, v, do, doc_ids, window), per_tile, strict=True):
+                    for x, y in zip(_poisoned_grads(q, k, v, do, doc_ids, window), first, strict=True):
                         assert torch.equal(x, y)
         torch.cuda.current_stream().wait_stream(side)
         graphs, outs = [torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()], []
@@ -606,7 +458,7 @@ def test_persistent_kernels_take_every_tile_once(D, gluon, monkeypatch):
                 x.fill_(float("nan"))
             graph.replay()
             torch.cuda.synchronize()
-            for x, y in zip(out, per_tile, strict=True):
+            for x, y in zip(out, first, strict=True):
                 assert torch.equal(x, y)
 
 
@@ -652,13 +504,13 @@ def held_backward(q, k, v, do, o, lse, free_sms: int = 4) -> tuple[int, int, int
     polls = 50_000_000
     _hold_sm[(1,)](flag + 1, arrived.clone(), released.clone(), polls, num_warps=1)  # flag set: returns
     _wait_for[(1,)](arrived + holders, holders, seen, polls, num_warps=1)  # count reached: returns
-    flash_attn_backward(do, q, k, v, o, lse)
+    flash_attn_backward(do, q, k, v, o, lse, backend="gluon")
     side = torch.cuda.Stream()
     torch.cuda.synchronize()
     with torch.cuda.stream(side):
         _hold_sm[(holders,)](flag, arrived, released, polls, num_warps=1)
     _wait_for[(1,)](arrived, holders, seen, polls, num_warps=1)  # every holder is on its SM
-    grads = flash_attn_backward(do, q, k, v, o, lse)
+    grads = flash_attn_backward(do, q, k, v, o, lse, backend="gluon")
     flag.fill_(1)
     torch.cuda.synchronize()
     return holders, seen.item(), released.eq(1).sum().item(), grads
@@ -666,48 +518,16 @@ def held_backward(q, k, v, do, o, lse, free_sms: int = 4) -> tuple[int, int, int
 
 @pytest.mark.gpu
 @sm90
-@pytest.mark.parametrize("persistent", ["0", "1"])
-def test_backward_finishes_while_another_kernel_holds_most_sms(persistent, gluon, monkeypatch):
+def test_backward_finishes_while_another_kernel_holds_most_sms():
     # dQ's fixed order makes a backward tile wait on the tiles before it, so those must be tiles
-    # that running programs hold, whatever else runs (a program per tile: the GPU starts a grid's
-    # programs in order; persistent: a program takes every tile from the counter once it runs).
-    # With every SM but 4 held by another kernel until this backward is done, it ends on the 4,
-    # and the flag set after it releases the holders, not their poll limit
-    monkeypatch.setenv(hopper.BWD_PERSISTENT_VARIABLE, persistent)
-    monkeypatch.setenv(backends.DETERMINISTIC_VARIABLE, "1")  # dQ's order: the waits under test
+    # that running programs hold, whatever else runs: a program takes every tile from the counter
+    # once it runs. With every SM but 4 held by another kernel until this backward is done, it ends
+    # on the 4, and the flag set after it releases the holders, not their poll limit
     q, k, v, do = _make_inputs("gluon-held-sms", 2, 8, 8, 4096, 4096, 128, BF16, "packed", "cuda")
-    o, lse = flash_attn_forward(q, k, v)
-    expected = flash_attn_backward(do, q, k, v, o, lse)
+    o, lse = flash_attn_forward(q, k, v, backend="gluon")
+    expected = flash_attn_backward(do, q, k, v, o, lse, backend="gluon")
     holders, started, released, grads = held_backward(q, k, v, do, o, lse)
     assert started == holders, f"{started} of {holders} holders had started before the backward"
     assert released == holders, f"{holders - released} of {holders} holders stopped by their poll limit"
     for x, y in zip(grads, expected, strict=True):
         assert torch.equal(x, y)
-
-
-@pytest.mark.gpu
-@sm90
-@pytest.mark.parametrize("variable", list(VARIANTS))
-@pytest.mark.parametrize("D", [64, 128])
-def test_gluon_schedule_variants_match_float64_reference(variable, D, gluon, monkeypatch):
-    # each variant reorders work or waits, never the arithmetic, but FWD_EXP2_FMA, which takes a share
-    # of the forward's exponentials as a cubic: odd T, T < S and T > S (causal, bottom-right), GQA,
-    # documents and a window against float64, and a backward with the same bits every run
-    if variant(variable, D) is None:
-        pytest.skip(f"{variable} has one value at head dim {D}")
-    monkeypatch.setenv(variable, variant(variable, D))
-    dtype = BF16
-    _check_against_float64(f"gluon-{variable}-odd-{D}", 2, 4, 2, 2049, 2049, D, True, dtype, "packed", "cuda")
-    for T, S in ((777, 1500), (1500, 777)):
-        _check_against_float64(f"gluon-{variable}-T{T}-S{S}-{D}", 1, 4, 2, T, S, D, True, dtype, "bthd", "cuda")
-    _check_against_float64(f"gluon-{variable}-full-{D}", 1, 4, 1, 1000, 1000, D, False, dtype, "bthd", "cuda")
-    lengths = [[1, 700, 1300, 64, 33, 1950], [4048]]
-    _check_against_float64(f"gluon-{variable}-docs-{D}", 2, 4, 2, 4048, 4048, D, True, dtype, "packed", "cuda",
-                           doc_ids=_doc_ids(lengths, "cuda"))
-    _check_against_float64(f"gluon-{variable}-window-{D}", 1, 8, 2, 3000, 3000, D, True, dtype, "bthd", "cuda",
-                           window=700)
-    q, k, v, do = _make_inputs(f"gluon-{variable}-determinism-{D}", 2, 8, 2, 2048, 2048, D, dtype, "packed", "cuda")
-    o = flash_attention(q, k, v)
-    first = torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
-    for a, b in zip(first, torch.autograd.grad(o, (q, k, v), do), strict=True):
-        assert torch.equal(a, b)

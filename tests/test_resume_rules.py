@@ -23,8 +23,8 @@ REPORTING = {"max_steps", "log_interval", "eval_interval", "eval_steps", "ckpt_i
              "sample_prompt", "profile", "resume", "model.name", "wandb.project", "wandb.mode", "wandb.entity",
              "wandb.group", "wandb.name", "wandb.tags"}
 # the same function on the same batches, computed elsewhere or by other kernels
-SAME_FUNCTION = {"device", "compile", "compile_mode", "ac", "attn.name", "attn.sdpa_backend", "model.loss",
-                 "model.loss_chunk", "model.mlp_chunk", "parallel.cp", "parallel.param_dtype",
+SAME_FUNCTION = {"device", "compile", "compile_mode", "ac", "attn.name", "attn.sdpa_backend", "attn.backend",
+                 "model.loss", "model.loss_chunk", "model.mlp_chunk", "parallel.cp", "parallel.param_dtype",
                  "parallel.reshard_after_forward", "parallel.unit_params", "parallel.cp_rotate", "data.root",
                  "data.cycle"}
 SCHEDULE = {"optim.lr", "optim.min_lr_ratio", "optim.warmup_steps", "optim.grad_clip"}

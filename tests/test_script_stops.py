@@ -81,7 +81,6 @@ GPU_SCRIPTS = {
     "bench_attention.py": (["--seq-lens", "1024,2048,4096", "--head-dims", "64", "--out", "{out}"], 3),
     "bench_loss.py": (["--tokens", "8192,16384"], 5),
     "bench_decode.py": (["--batches", "1,4", "--cache-lens", "1024,4096"], 2),
-    "bench_variants.py": (["--head-dims", "64", "--seq-lens", "2048,4096"], 3),
     "tune_attention.py": (["--seq-lens", "1024", "--head-dims", "64"], 1),
     "profile_attention.py": (["--seq-lens", "4096,8192", "--head-dims", "64", "--steps", "50"], 3),
     "host_overhead.py": ([], 2),

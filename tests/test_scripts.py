@@ -92,12 +92,6 @@ BAD = [
     case("bench_decode.py", "--cache-lens 0", "argument --cache-lens: '0'"),
     case("bench_decode.py", "--new 8", "--new 8: must be at least 16"),
     case("bench_decode.py", "", "bench_decode.py needs a CUDA GPU", what="(no CUDA)", marks=NO_CUDA),
-    # bench_variants.py
-    case("bench_variants.py", "--head-dims 80", "--head-dims 80: the Hopper kernels take 64, 128"),
-    case("bench_variants.py", "--seq-lens 0", "argument --seq-lens: '0'"),
-    case("bench_variants.py", "--groups fwd", "--groups fwd: use default, persistent, turns, exp2, backward or order"),
-    case("bench_variants.py", "--documents --window 0", "argument --window: '0'"),
-    case("bench_variants.py", "", "bench_variants.py needs a CUDA GPU", what="(no CUDA)", marks=NO_CUDA),
     # profile_attention.py
     case("profile_attention.py", "--head-dims 100", "--head-dims: [100] do not divide --width 1024"),
     case("profile_attention.py", "--seq-lens 3000", "--seq-lens: [3000] do not divide --tokens 16384"),

@@ -173,8 +173,8 @@ class Parallel:
         more: selective activation checkpointing recomputes it); torch's patches SDPA in place."""
         if self.cp is None or self.cp.method != "ring":
             return attention
-        return dataclasses.replace(attention, fn=functools.partial(ring_attention, group=self.cp.group),
-                                   saved_ops=())
+        return dataclasses.replace(attention, fn=functools.partial(ring_attention, group=self.cp.group,
+                                                                   backend=attention.backend), saved_ops=())
 
     def shard(self, model: nn.Module, param_dtype: torch.dtype | None = None,
               reshard_after_forward: bool = True, unit_params: int = 1) -> list[int]:

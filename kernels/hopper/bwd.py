@@ -3,19 +3,15 @@ kernel of 5 matmuls per tile pair (the portable kernels/triton/bwd.py runs 7, in
 
 A tile is a K/V block (BLOCK_N keys of one kv head) and every Q/dO block that sees it, of every
 query head of its group. One program per SM takes tile after tile in launch order from a counter
-zeroed for the launch, and the next tile's first Q/dO loads run during this one's last steps; or
-(config.bwd_persistent off) a program runs one tile. A producer warp issues the TMA copies into
-a STAGES-deep ring, two matmul warpgroups compute S = Q K^T, P from the forward's LSE,
-dP = dO V^T, dV += P^T dO, dK += dS^T Q and a dQ share dS K, and a dQ-writer warp adds each
-share to an fp32 accumulator with one TMA reduce-add: in a fixed order, so that dQ has the same
-bits every run (deterministic), or as the shares come. dK and dV stay in registers to the tile's
-end.
-The matmul warpgroups hold a step one of two ways round (config.BwdTiles.by_rows): by keys,
-transposed (_bwd_tile_keys, the default), or by rows (_bwd_tile_rows, D = 64 with
-FLASH_ATTENTION_BWD_BY_KEYS=0). The tiles go out
-shortest or (long causal sequences at D = 128) longest first (config.bwd_longest_first), and the
-fixed order of dQ's adds follows that order: a share waits only on tiles already taken by
-programs that run.
+zeroed for the launch, and the next tile's first Q/dO loads run during this one's last steps. A
+producer warp issues the TMA copies into a STAGES-deep ring; two matmul warpgroups hold each step
+by keys, transposed as FlashAttention-3 does: S^T = K Q^T, P^T from the forward's LSE,
+dP^T = V dO^T, dV += P^T dO, dK += dS^T Q (P^T and dS^T kept in registers as the A operands) and
+a dQ share dS K; a dQ-writer warp adds each share to an fp32 accumulator with one TMA reduce-add,
+in a fixed order, so that dQ has the same bits every run. dK and dV stay in registers to the
+tile's end. The tiles go out shortest or (long causal sequences at D = 128) longest first
+(config.bwd_longest_first), and the fixed order of dQ's adds follows that order: a share waits
+only on tiles already taken by programs that run.
 Two Triton passes (bwd_passes.py) run around it: LSE * log2(e) and delta = rowsum(dO * O) laid
 out for TMA before, dQ scaled out of the accumulator after. docs/flash-attention.md derives the
 products and the order; tiles: kernels/hopper/config.py.
@@ -32,7 +28,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from kernels.hopper import bwd_passes as passes
 from kernels.hopper import config
-from kernels.hopper.blocks import descriptor, dq_layout, dq_turn, q_blocks, tile_masked, visible, visible_t
+from kernels.hopper.blocks import descriptor, dq_layout, dq_turn, q_blocks, tile_masked, visible_t
 from kernels.hopper.pipeline import (BwdBuffers, BwdIO, BwdProgram, BwdWork, bulk_done, hand_out_tile, load_acquire,
                                      take_tile, tma_add)
 from kernels.masking import Bounds
@@ -98,24 +94,16 @@ def _bwd_step_rows(j, program, BLOCK_M: gl.constexpr):
 
 
 @gluon.jit
-def _hand_out(t, n_tiles, work, buffers):
-    """The producer's t-th tile: the program's own, then none; or (persistent) the t-th it takes
-    from the counter and hands to the other partitions (pipeline.hand_out_tile)."""
-    if work.PERSISTENT:
-        tile = hand_out_tile(t, 0, work, buffers.tile_smem, buffers.tile_ready, buffers.tile_empty)
-    else:
-        tile = gl.where(t == 0, gl.program_id(0), n_tiles)
-    return tile
+def _hand_out(t, work, buffers):
+    """The producer's t-th tile, taken from the counter and handed to the other partitions
+    (pipeline.hand_out_tile)."""
+    return hand_out_tile(t, 0, work, buffers.tile_smem, buffers.tile_ready, buffers.tile_empty)
 
 
 @gluon.jit
-def _take(t, n_tiles, work, buffers, NUM_WARPS: gl.constexpr):
-    """The matmul warps' or the dQ writer's t-th tile, as the producer's (_hand_out)."""
-    if work.PERSISTENT:
-        tile = take_tile(t, buffers.tile_smem, buffers.tile_ready, buffers.tile_empty, NUM_WARPS)
-    else:
-        tile = gl.where(t == 0, gl.program_id(0), n_tiles)
-    return tile
+def _take(t, buffers, NUM_WARPS: gl.constexpr):
+    """The matmul warps' or the dQ writer's t-th tile, as the producer handed it out (_hand_out)."""
+    return take_tile(t, buffers.tile_smem, buffers.tile_ready, buffers.tile_empty, NUM_WARPS)
 
 
 @gluon.jit
@@ -133,23 +121,22 @@ def _issue_tile(q_desc, do_desc, aux_desc, bar, q_buf, do_buf, lse_buf, delta_bu
 
 @gluon.jit
 def _bwd_produce(io, buffers, work, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr):
-    """The producer warp: the program's tile's K and V and its steps' Q, dO, LSE and delta; or
-    (persistent) each tile's, tile after tile, every one taken from the counter and handed to the
-    other partitions (pipeline.hand_out_tile), the first too: a tile then goes only to a program
-    that is running, and a share of dQ's order never waits on a program that has no SM yet
-    (another kernel may hold some)."""
+    """The producer warp: each tile's K and V and its steps' Q, dO, LSE and delta, tile after tile,
+    every one taken from the counter and handed to the other partitions (pipeline.hand_out_tile),
+    the first too: a tile then goes only to a program that is running, and a share of dQ's order
+    never waits on a program that has no SM yet (another kernel may hold some)."""
     BLOCK_M: gl.constexpr = buffers.q_smem.type.shape[1]
     BLOCK_N: gl.constexpr = buffers.k_smem.type.shape[0]
     n_blocks, n_tiles = _tiles(work, BLOCK_N)
     t = gl.program_id(0) * 0  # the tiles done
     base = t  # the steps through the ring so far: its slots and phases run on across tiles
-    tile = _hand_out(t, n_tiles, work, buffers)
+    tile = _hand_out(t, work, buffers)
     while tile < n_tiles:
         program, _, _, _ = _program(tile, n_blocks, work, CAUSAL, BOUNDED, BLOCK_M, BLOCK_N)
         _bwd_load_tile(io, buffers, program, base, t)
         base += program.steps * program.GROUP
         t += 1
-        tile = _hand_out(t, n_tiles, work, buffers)
+        tile = _hand_out(t, work, buffers)
 
 
 @gluon.jit
@@ -198,29 +185,26 @@ def _landed(j, q_smem, do_smem, ready):
 
 
 @gluon.jit
-def _bwd_write_dq(io, buffers, work, SEM, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr, DETERMINISTIC: gl.constexpr):
-    """The dQ writer warp: the dQ shares of the program's tile, or (persistent) of each tile it is
-    handed (_bwd_write_tile)."""
+def _bwd_write_dq(io, buffers, work, SEM, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr):
+    """The dQ writer warp: the dQ shares of each tile it is handed (_bwd_write_tile)."""
     BLOCK_M: gl.constexpr = buffers.q_smem.type.shape[1]
     BLOCK_N: gl.constexpr = buffers.k_smem.type.shape[0]
     n_blocks, n_tiles = _tiles(work, BLOCK_N)
     t = gl.program_id(0) * 0
     base = t  # as the producer counts it
-    tile = _take(t, n_tiles, work, buffers, 1)
+    tile = _take(t, buffers, 1)
     while tile < n_tiles:
         program, _, _, key_lo = _program(tile, n_blocks, work, CAUSAL, BOUNDED, BLOCK_M, BLOCK_N)
-        _bwd_write_tile(io, buffers, program, SEM, key_lo, base, CAUSAL, BOUNDED, DETERMINISTIC)
+        _bwd_write_tile(io, buffers, program, SEM, key_lo, base, CAUSAL, BOUNDED)
         base += program.steps * program.GROUP
         t += 1
-        tile = _take(t, n_tiles, work, buffers, 1)
+        tile = _take(t, buffers, 1)
 
 
 @gluon.jit
-def _bwd_write_tile(io, buffers, program, SEM, KEY_LO, base, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr,
-                    DETERMINISTIC: gl.constexpr):
+def _bwd_write_tile(io, buffers, program, SEM, KEY_LO, base, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr):
     """Adds each step's dQ share into the fp32 accumulator by one TMA reduce-add, in key-block
-    order (blocks.dq_turn), or (not DETERMINISTIC) as soon as it is ready, in whatever order the
-    programs get there; step j's share is in buffer (base + j) % 2."""
+    order (blocks.dq_turn), the same every run; step j's share is in buffer (base + j) % 2."""
     dq_smem, dq_full, dq_empty = buffers.dq_smem, buffers.dq_full, buffers.dq_empty
     off_b, n, steps = program.off_b, program.n, program.steps
     H, GROUP, T, S = program.H, program.GROUP, program.T, program.S
@@ -233,53 +217,37 @@ def _bwd_write_tile(io, buffers, program, SEM, KEY_LO, base, CAUSAL: gl.constexp
     for j in range(steps * GROUP):
         off_h, start_m = _bwd_step_rows(j, program, BLOCK_M)
         counter = SEM + (off_b * H + off_h) * m_blocks + start_m // BLOCK_M + lane_zero
-        if DETERMINISTIC:
-            landed = load_acquire(counter)  # read now, its latency hidden behind the wait below
+        landed = load_acquire(counter)  # read now, its latency hidden behind the wait below
         # every lane of every program whose turn comes first has released its share
         turn = dq_turn(KEY_LO, start_m, n, program.n_blocks, T, S, CAUSAL, BOUNDED, program.LONGEST_FIRST, BLOCK_M,
                        BLOCK_N) * 32
         r = base + j
         buf = r % 2
         mbarrier.wait(dq_full.index(buf), (r // 2) & 1)
-        if DETERMINISTIC:
-            while gl.min(landed, 0) < turn:
-                landed = load_acquire(counter)
+        while gl.min(landed, 0) < turn:
+            landed = load_acquire(counter)
         # the Q block's BLOCK_M x D floats are LINES lines of the accumulator, as in shared memory
         tma_add(io.dqacc_desc, [((off_b * H + off_h) * m_blocks + start_m // BLOCK_M) * LINES, 0], dq_smem.index(buf))
         bulk_done(lane_zero)  # the add has landed in global memory, and its shared reads are done
         mbarrier.arrive(dq_empty.index(buf), count=1)
-        if DETERMINISTIC:
-            gl.atomic_add(counter, lane_zero + 1, sem="release")
+        gl.atomic_add(counter, lane_zero + 1, sem="release")
 
 
 @gluon.jit
-def _bwd_consume(buffers, work, outs, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr, BY_ROWS: gl.constexpr,
-                 NUM_WARPS: gl.constexpr):
-    """The matmul warps: the steps of the program's tile, or (persistent) of each tile they are
-    handed (_bwd_tile)."""
+def _bwd_consume(buffers, work, outs, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr, NUM_WARPS: gl.constexpr):
+    """The matmul warps: the steps of each tile they are handed (_bwd_tile)."""
     BLOCK_M: gl.constexpr = buffers.q_smem.type.shape[1]
     BLOCK_N: gl.constexpr = buffers.k_smem.type.shape[0]
     n_blocks, n_tiles = _tiles(work, BLOCK_N)
     t = gl.program_id(0) * 0
     base = t  # as the producer counts it
-    tile = _take(t, n_tiles, work, buffers, NUM_WARPS)
+    tile = _take(t, buffers, NUM_WARPS)
     while tile < n_tiles:
         program, row_hi, full_hi, key_lo = _program(tile, n_blocks, work, CAUSAL, BOUNDED, BLOCK_M, BLOCK_N)
-        _bwd_tile(buffers, program, outs, (row_hi, full_hi, key_lo), base, t, CAUSAL, BOUNDED, BY_ROWS, NUM_WARPS)
+        _bwd_tile(buffers, program, outs, (row_hi, full_hi, key_lo), base, t, CAUSAL, BOUNDED, NUM_WARPS)
         base += program.steps * program.GROUP
         t += 1
-        tile = _take(t, n_tiles, work, buffers, NUM_WARPS)
-
-
-@gluon.jit
-def _bwd_tile(buffers, program, outs, row_bounds, base, t, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr,
-              BY_ROWS: gl.constexpr, NUM_WARPS: gl.constexpr):
-    """The t-th tile's steps, held by rows (_bwd_tile_rows) or by keys (_bwd_tile_keys,
-    config.BwdTiles.by_rows); step j is ring slot base + j."""
-    if BY_ROWS:
-        _bwd_tile_rows(buffers, program, outs, row_bounds, base, t, CAUSAL, BOUNDED, NUM_WARPS)
-    else:
-        _bwd_tile_keys(buffers, program, outs, row_bounds, base, t, CAUSAL, BOUNDED, NUM_WARPS)
+        tile = _take(t, buffers, NUM_WARPS)
 
 
 @gluon.jit
@@ -291,8 +259,8 @@ def _kv_read(kv_empty):
 
 
 @gluon.jit
-def _bwd_tile_keys(buffers, program, outs, row_bounds, base, t, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr,
-                   NUM_WARPS: gl.constexpr):
+def _bwd_tile(buffers, program, outs, row_bounds, base, t, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr,
+              NUM_WARPS: gl.constexpr):
     """The t-th tile with S^T by keys (two warpgroups, one wgmma M of BLOCK_N keys; BLOCK_M = 64
     at D = 128, 128 at D = 64): the five products of every step, P^T and dS^T kept in registers as
     dV's and dK's A operands, dK and dV in registers to the end, each dQ share handed to the
@@ -361,7 +329,7 @@ def _bwd_tile_keys(buffers, program, outs, row_bounds, base, t, CAUSAL: gl.const
             ds_buf = ds_smem.index(r % 2)  # two buffers: the barrier below also ends step j - 1's reads
             ds_buf.store(ds_lo)
         else:
-            # 128 queries (FlashAttention-3's D = 64 step, perf-notes v28): S^T and dP^T whole, one
+            # 128 queries (FlashAttention-3's D = 64 step): S^T and dP^T whole, one
             # m64n128 product each; P^T, dS^T, dV and dK one 64-query column half at a time, so a
             # thread holds 16 LSE and 16 delta values at once, not 32 each (which spill)
             gl.static_assert(BLOCK_M == 128)
@@ -434,13 +402,13 @@ def _hand_dq(j, dq, dq_smem, dq_full, dq_empty):
     # in 8-column slabs (D / 8, BLOCK_M, 8), unswizzled: a wgmma accumulator's thread holds two
     # adjacent floats of a row and its quad the row's 8, so a half-warp's 64-bit stores fill 4 rows
     # of a slab, 128 contiguous bytes, one wavefront (row by row under the 128-byte swizzle they
-    # took two, perf-notes v24); the reshape and permute move no data. (_reinterpret: triton 3.6's
+    # took two); the reshape and permute move no data. (_reinterpret: triton 3.6's
     # name for viewing a buffer under another shape and layout; later releases call it reinterpret)
     slabs = dq_smem.index(buf)._reinterpret(gl.float32, [HEAD_DIM // 8, BLOCK_M, 8],
                                             gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
     slabs.store(gl.permute(gl.reshape(dq, [BLOCK_M, HEAD_DIM // 8, 8]), [1, 0, 2]))
     fence_async_shared()  # the writer's TMA reads what these threads wrote
-    gl.thread_barrier()  # every warp's part is written (and, by rows, every warp's dV is done: P is read)
+    gl.thread_barrier()  # every warp's part is written
     mbarrier.arrive(dq_full.index(buf), count=1)
 
 
@@ -464,93 +432,6 @@ def _store_dkv(dk, dv, outs, off_b, off_hkv, start_n, S):
 
 
 @gluon.jit
-def _bwd_tile_rows(buffers, program, outs, row_bounds, base, t, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr,
-                   NUM_WARPS: gl.constexpr):
-    """The t-th tile with S by query rows (128 x 128 tiles at D = 64 with
-    FLASH_ATTENTION_BWD_BY_KEYS=0): each warpgroup computes S = Q K^T and dP = dO V^T for 64 of the
-    step's query rows against all BLOCK_N keys. dV += P^T dO and dK += dS^T Q need P and dS
-    transposed, so they go to shared memory; the dQ share dS K takes this warpgroup's own rows of
-    dS from registers. Twice the 64-row _bwd_tile_keys's rows a step in the same registers: no P^T
-    or dS^T held for the tensor cores, and LSE and delta are per row, 2 values a thread instead of
-    32. Each product is issued as soon as its operands are ready: dV while dS is made, dK while
-    the dQ share is handed over. Step j is ring slot base + j."""
-    k_smem, v_smem, q_smem, do_smem = buffers.k_smem, buffers.v_smem, buffers.q_smem, buffers.do_smem
-    lse_smem, delta_smem = buffers.lse_smem, buffers.delta_smem
-    p_smem, ds_smem = buffers.ds_smem.index(0), buffers.ds_smem.index(1)  # (BLOCK_M, BLOCK_N) each
-    n, steps = program.n, program.steps
-    GROUP, T, S = program.GROUP, program.T, program.S
-    qk_scale = outs[5]
-    _, full_hi, KEY_LO = row_bounds  # as _bwd_tile_keys'; the batch row's key_lo
-    dtype: gl.constexpr = q_smem.dtype
-    STAGES: gl.constexpr = q_smem.type.shape[0]
-    BLOCK_M: gl.constexpr = q_smem.type.shape[1]
-    BLOCK_N: gl.constexpr = k_smem.type.shape[0]
-    HEAD_DIM: gl.constexpr = k_smem.type.shape[1]
-    start_n = n * BLOCK_N
-
-    # wgmma accumulators: (BLOCK_M, BLOCK_N) for S and dP, (BLOCK_N, D) for dK and dV, (BLOCK_M, D)
-    # for a dQ share, whose A operand dS is laid out as the forward's P for P V
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                        instr_shape=[16, HEAD_DIM, 16])
-    acc_layout: gl.constexpr = dq_layout(BLOCK_M, HEAD_DIM, NUM_WARPS)
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)  # a vector over S's rows: queries
-
-    offs_m = gl.arange(0, BLOCK_M, layout=row_layout)
-    zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    zero_q = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, acc_layout)
-    dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
-    dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
-    past_s = start_n + BLOCK_N > S  # as in _bwd_tile_keys
-    mbarrier.wait(buffers.kv_bar, t & 1)
-    for j in range(steps * GROUP):
-        off_h, start_m = _bwd_step_rows(j, program, BLOCK_M)
-        r = base + j
-        stage = r % STAGES
-        # -- S = Q K^T and dP = dO V^T, both in flight --
-        q_t, do_t = _landed(r, q_smem, do_smem, buffers.ready)
-        st = warpgroup_mma(q_t, k_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        dp = warpgroup_mma(do_t, v_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        # -- P from LSE (rows past T: as in _bwd_tile_keys), to shared memory --
-        lse = lse_smem.index(stage).reshape([BLOCK_M]).load(row_layout)
-        st = warpgroup_mma_wait(1, deps=[st])
-        p = gl.exp2(st * qk_scale - lse[:, None])
-        if tile_masked(start_m, start_n, past_s, full_hi, T, S, CAUSAL, BOUNDED, BLOCK_M, BLOCK_N):
-            # masked as the forward masks, by each row's first key: 2 a thread, where each key's
-            # row_hi would be 32. The keys are rebuilt each step from gl.minimum(start_m, 0), which
-            # is 0 but ties them to the loop: hoisted out of it, 32 a thread, they would spill
-            rows = start_m + offs_m
-            key_lo = rows
-            if BOUNDED:
-                key_lo = gl.load(KEY_LO + rows, mask=rows < T, other=0)
-            cols = (start_n + gl.minimum(start_m, 0)) + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-            p = gl.where(visible(rows, cols, T, S, key_lo, CAUSAL, BOUNDED), p, 0.0)
-        p_smem.store(p.to(dtype))
-        fence_async_shared()  # the wgmmas read what every warp wrote (and the barrier: the last
-        gl.thread_barrier()  # step's dK has read dS in both warpgroups)
-        # -- dV += P^T dO, in flight while dS is made --
-        dv = warpgroup_mma(p_smem.permute((1, 0)), do_t, dv, is_async=True)
-        # -- dS = P (dP - delta): the dQ share dS K from registers; dK += dS^T Q from shared memory --
-        delta = delta_smem.index(stage).reshape([BLOCK_M]).load(row_layout)
-        dp = warpgroup_mma_wait(1, deps=[dp])
-        ds = (p * (dp - delta[:, None])).to(dtype)
-        dq = warpgroup_mma(gl.convert_layout(ds, a_layout), k_smem, zero_q, use_acc=False, is_async=True)
-        ds_smem.store(ds)
-        fence_async_shared()
-        gl.thread_barrier()
-        dk = warpgroup_mma(ds_smem.permute((1, 0)), q_t, dk, is_async=True)
-        # -- the dQ share to the writer while dK runs --
-        dv, dq = warpgroup_mma_wait(1, deps=[dv, dq])
-        _hand_dq(r, dq, buffers.dq_smem, buffers.dq_full, buffers.dq_empty)  # its barrier: P is read
-        dk = warpgroup_mma_wait(0, deps=[dk])
-        mbarrier.arrive(buffers.empty.index(stage), count=1)  # Q and dO are read: the producer may refill
-    _kv_read(buffers.kv_empty)
-    _store_dkv(dk, dv, outs, program.off_b, program.off_hkv, start_n, S)
-
-
-@gluon.jit
 def _bwd_kernel(
     q_desc, k_desc, v_desc, do_desc,  # TMA descriptors of (B, H, T, D), (B, H_kv, S, D) x2, (B, H, T, D)
     aux_desc,  # of (B, H, 2, T_pad) fp32: LSE * log2(e) and delta = rowsum(dO * O), zero past T
@@ -558,14 +439,13 @@ def _bwd_kernel(
     SEM,  # (B, H, cdiv(T, BLOCK_M)) int32, zeroed: how many writer lanes have released a share per Q block
     ROW_HI, KEY_LO,  # (B, S), (B, T) int32 (BOUNDED: documents, a window): one past the last query that
     # sees each key; each query's first key
-    COUNTER,  # (1,) int32, zero: the tiles handed out (PERSISTENT: every one, the first too)
+    COUNTER,  # (1,) int32, zero: the tiles handed out, every one, the first too
     DK, DV,  # outputs, (B, H_kv, S, D) with these strides (head dim contiguous)
     dk_strides, dv_strides,  # each (batch, head, key)
     H, B, GROUP, T, S,
     sm_scale, qk_scale,  # softmax_scale, and softmax_scale * log2(e)
-    CAUSAL: gl.constexpr, BOUNDED: gl.constexpr, DETERMINISTIC: gl.constexpr, BLOCK_M: gl.constexpr,
-    STAGES: gl.constexpr, BY_ROWS: gl.constexpr, LONGEST_FIRST: gl.constexpr, PERSISTENT: gl.constexpr,
-    WORKER_REGS: gl.constexpr,
+    CAUSAL: gl.constexpr, BOUNDED: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+    LONGEST_FIRST: gl.constexpr, WORKER_REGS: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     dtype: gl.constexpr = q_desc.dtype
@@ -574,8 +454,7 @@ def _bwd_kernel(
 
     m_tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
     n_tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
-    # two tiles: by rows P and dS, (BLOCK_M, BLOCK_N); by keys dS^T, (BLOCK_N, BLOCK_M), twice
-    ds_shape: gl.constexpr = [BLOCK_M, BLOCK_N] if BY_ROWS else [BLOCK_N, BLOCK_M]
+    ds_shape: gl.constexpr = [BLOCK_N, BLOCK_M]  # dS^T, twice: a step's, while the next step's is written
     ds_tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for(ds_shape, dtype)
     k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], n_tile)
     v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], n_tile)
@@ -608,12 +487,12 @@ def _bwd_kernel(
     io = BwdIO(q_desc, k_desc, v_desc, do_desc, aux_desc, dqacc_desc)
     buffers = BwdBuffers(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_bar, kv_empty,
                          ready, empty, dq_full, dq_empty, tile_smem, tile_ready, tile_empty)
-    work = BwdWork(COUNTER, ROW_HI, KEY_LO, H, B, GROUP, T, S, LONGEST_FIRST, PERSISTENT)
+    work = BwdWork(COUNTER, ROW_HI, KEY_LO, H, B, GROUP, T, S, LONGEST_FIRST)
     outs = (DK, DV, dk_strides, dv_strides, sm_scale, qk_scale)
     # -- the partitions: the matmul warpgroups in the kernel's own warps, the producer and the dQ writer beside --
-    gl.warp_specialize([(_bwd_consume, (buffers, work, outs, CAUSAL, BOUNDED, BY_ROWS, num_warps)),
+    gl.warp_specialize([(_bwd_consume, (buffers, work, outs, CAUSAL, BOUNDED, num_warps)),
                         (_bwd_produce, (io, buffers, work, CAUSAL, BOUNDED)),
-                        (_bwd_write_dq, (io, buffers, work, SEM, CAUSAL, BOUNDED, DETERMINISTIC))],
+                        (_bwd_write_dq, (io, buffers, work, SEM, CAUSAL, BOUNDED))],
                        [1, 1], [WORKER_REGS, WORKER_REGS])
 
 
@@ -636,13 +515,13 @@ class _Launches(NamedTuple):
 
 
 def _launch(do, q, k, v, o, lse, dq, dk, dv, bounds: Bounds | None, causal: bool, scale: float, longest_first: bool,
-            persistent: bool, deterministic: bool = True, warmup: bool = False):
+            warmup: bool = False):
     """Launches the backward (the LSE-delta pass, the kernel, the dQ pass) through Triton's front
     door and returns the three launches bound for later calls of this layout (or, with warmup,
-    only compiles the backward kernel and returns it). bounds: as backward's; longest_first,
-    persistent: config.bwd_longest_first's and config.bwd_persistent's choices."""
+    only compiles the backward kernel and returns it). bounds: as backward's; longest_first:
+    config.bwd_longest_first's choice."""
     (B, H, T, D), (H_kv, S) = q.shape, k.shape[1:3]
-    tiles = config.bwd_tiles(D)
+    tiles = config.TABLE[D].bwd
     scratch, views = passes.buffers(q, tiles.block_m, "cpu" if warmup else q.device)
     aux, dq_acc, sem, counter, zeroed = views
     if not warmup:
@@ -655,12 +534,11 @@ def _launch(do, q, k, v, o, lse, dq, dk, dv, bounds: Bounds | None, causal: bool
             descriptor(dq_acc, [tiles.block_m * D // passes.LINE, passes.LINE], swizzled=False), sem, row_hi,
             key_lo, counter, dk, dv, dk.stride()[:3], dv.stride()[:3], H, B, H // H_kv, T, S, scale,
             scale * LOG2E.value)
-    options = dict(CAUSAL=causal, BOUNDED=bounds is not None, DETERMINISTIC=deterministic, BLOCK_M=tiles.block_m,
-                   STAGES=tiles.stages, BY_ROWS=tiles.by_rows, LONGEST_FIRST=longest_first, PERSISTENT=persistent,
-                   WORKER_REGS=config.WORKER_REGS, num_warps=config.BWD_WARPS, maxnreg=config.bwd_maxnreg())
+    options = dict(CAUSAL=causal, BOUNDED=bounds is not None, BLOCK_M=tiles.block_m, STAGES=tiles.stages,
+                   LONGEST_FIRST=longest_first, WORKER_REGS=config.WORKER_REGS, num_warps=config.BWD_WARPS,
+                   maxnreg=config.bwd_maxnreg())
     n_tiles = triton.cdiv(S, tiles.block_n) * H_kv * B
-    # persistent, one program per SM (or per tile, where there are fewer); else a program per tile
-    grid = (min(n_tiles, (chips.H100 if warmup else chips.chip(q.device.index)).sms) if persistent else n_tiles,)
+    grid = (min(n_tiles, (chips.H100 if warmup else chips.chip(q.device.index)).sms),)  # a program per SM, or per tile
     if warmup:
         return _bwd_kernel.warmup(*args, grid=grid, **options)
     bwd_bound = launch_and_bind(_bwd_kernel, grid, args, options)
@@ -674,13 +552,12 @@ _BOUND: dict[tuple, _Launches] = {}
 
 
 def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, bounds: Bounds | None,
-             deterministic: bool, signature: tuple) -> None:
+             signature: tuple) -> None:
     """Writes dq, dk, dv (shaped like q, k, v; head dim contiguous) from the forward's o and lse
-    ((B, H, T) fp32, contiguous). bounds: None, or (causal only) kernels/masking.py's Bounds, to
-    attend within documents or a window. deterministic: dQ's shares added in a fixed order (the
-    same bits every run), or in the order they come (not). signature: kernels/api.py's, which fixes
-    all the launches depend on but the addresses, the schedule's variables included. Rows that see
-    no key (causal, T > S) get no share: their dq is zero."""
+    ((B, H, T) fp32, contiguous), the same bits every run. bounds: None, or (causal only)
+    kernels/masking.py's Bounds, to attend within documents or a window. signature: kernels/api.py's,
+    which fixes all the launches depend on but the addresses. Rows that see no key (causal, T > S)
+    get no share: their dq is zero."""
     if launches := _BOUND.get(signature):
         # the buffers by address alone: the launches read nothing else of them
         scratch = torch.empty(launches.floats, dtype=torch.float32, device=q.device)
@@ -692,8 +569,7 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, bounds
         return
     longest_first = config.bwd_longest_first(q.shape[3], causal, bounds is not None, k.shape[2])
     with on_device(q):
-        _BOUND[signature] = _launch(do, q, k, v, o, lse, dq, dk, dv, bounds, causal, scale, longest_first,
-                                    config.bwd_persistent(), deterministic)
+        _BOUND[signature] = _launch(do, q, k, v, o, lse, dq, dk, dv, bounds, causal, scale, longest_first)
 
 
 def compile_only(do, q, k, v, causal: bool, bounded: bool = False):
@@ -703,5 +579,4 @@ def compile_only(do, q, k, v, causal: bool, bounded: bool = False):
     bounds = Bounds(torch.empty((B, T), dtype=torch.int32), torch.empty((B, S), dtype=torch.int32)) if bounded else None
     longest_first = config.bwd_longest_first(q.shape[3], causal, bounded, S)
     o, dq, dk, dv = torch.empty_like(q), torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    return _launch(do, q, k, v, o, lse, dq, dk, dv, bounds, causal, q.shape[3] ** -0.5, longest_first,
-                   config.bwd_persistent(), warmup=True)
+    return _launch(do, q, k, v, o, lse, dq, dk, dv, bounds, causal, q.shape[3] ** -0.5, longest_first, warmup=True)

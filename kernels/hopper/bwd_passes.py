@@ -4,8 +4,8 @@ kernel's dQ writer added into, back in row order.
 
 The accumulator holds each (batch, head, Q block) as the matmul warps store a dQ share: in
 8-column slabs, (D / 8, BLOCK_M, 8), so that the share goes to shared memory without bank
-conflicts and out by one TMA reduce-add of BLOCK_M * D / 256 lines of 256 floats (docs/perf-notes.md
-v25). Plain Triton: they run in Triton's interpreter, where the Gluon kernel cannot.
+conflicts and out by one TMA reduce-add of BLOCK_M * D / 256 lines of 256 floats. Plain Triton:
+they run in Triton's interpreter, where the Gluon kernel cannot.
 """
 
 import torch

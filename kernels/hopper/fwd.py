@@ -6,16 +6,13 @@ K/V blocks by TMA into a STAGES-deep ring; each consumer warpgroup owns FWD_ROWS
 the online softmax over every block (S = Q K_j^T by wgmma, P straight from registers as the A
 operand of P V_j) and frees the slot when its matmuls are done. While one consumer waits on its
 matmuls the other's exp2s run: the overlap FlashAttention-3 gets from its second warpgroup,
-without its hand-written schedule (FLASH_ATTENTION_FWD_TURNS=1 adds that schedule, the consumers
-issuing in turn, pipeline.Turns: no faster; FLASH_ATTENTION_FWD_EXP2_FMA=1 takes one exponential in
-eight on the FMA pipe, _exp2: slower). At D = 128 (config.fwd_overlap;
-FLASH_ATTENTION_FWD_OVERLAP=0 or 1 chooses) it adds the overlap FlashAttention-3 gets within a
-warpgroup: each block's P V is issued behind the next block's S and runs during that block's
-softmax. Q arrives by TMA once a tile; O leaves by TMA through Q's buffer. The program is
-persistent (config.fwd_persistent): one per SM, it takes tile after tile in launch order from a
-counter zeroed for the launch, and the ring runs on from one tile into the next, so that the next
-tile's first loads overlap this one's last blocks and its epilogue; or
-(FLASH_ATTENTION_FWD_PERSISTENT=0) a program per tile.
+without its hand-written schedule. Where the head dim's row says so (config.Row.fwd_overlap) it
+adds the overlap FlashAttention-3 gets within a warpgroup: each block's P V is issued behind the
+next block's S and runs during that block's softmax. Q arrives by TMA once a tile; O leaves by TMA
+through Q's buffer. The program is persistent: one per SM, it takes tile after tile in launch
+order (L2-sized sections, config.fwd_section) from a counter zeroed for the launch, and the ring
+runs on from one tile into the next, so that the next tile's first loads overlap this one's last
+blocks and its epilogue.
 Tiles, stages and registers: kernels/hopper/config.py. docs/flash-attention.md derives it.
 """
 
@@ -28,7 +25,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from kernels.hopper import config
 from kernels.hopper.blocks import descriptor, kv_blocks, kv_runs, visible
-from kernels.hopper.pipeline import FwdBuffers, FwdIO, FwdProgram, FwdWork, Turns, hand_out_tile, skip_slot, take_tile
+from kernels.hopper.pipeline import FwdBuffers, FwdIO, FwdProgram, FwdWork, hand_out_tile, skip_slot, take_tile
 from kernels.runtime import chips
 from kernels.runtime.launch import Bound, launch_and_bind, on_device
 from kernels.triton.blocks import LOG2E
@@ -41,13 +38,9 @@ PRODUCER_REGS = gl.constexpr(config.FWD_PRODUCER_REGS)  # the producer issues TM
 
 @gluon.jit
 def _tile_of(tile, n_m, H, B, SECTION: gl.constexpr, BLOCK_M: gl.constexpr):
-    """(start_m, off_h, off_b) of tile number `tile` of n_m * H * B in launch order: head by head,
-    each head's query blocks longest first (SECTION = 0), or in sections of SECTION (batch, head)
-    pairs, each section's query blocks longest first, its heads in turn within a block row:
-    tiles running together share K and V that fit L2."""
-    if SECTION == 0:
-        head = tile // n_m
-        return (n_m - 1 - (tile - head * n_m)) * BLOCK_M, head % H, head // H
+    """(start_m, off_h, off_b) of tile number `tile` of n_m * H * B in launch order: in sections of
+    SECTION (batch, head) pairs, each section's query blocks longest first, its heads in turn within
+    a block row: tiles running together share K and V that fit L2."""
     section = tile // (SECTION * n_m)
     first = section * SECTION
     heads = gl.minimum(H * B - first, SECTION)  # the last section may have fewer
@@ -58,13 +51,10 @@ def _tile_of(tile, n_m, H, B, SECTION: gl.constexpr, BLOCK_M: gl.constexpr):
 
 @gluon.jit
 def _first_tile(work, BLOCK_M: gl.constexpr):
-    """(the program's first tile, n_m query blocks a head, the launch's n_tiles)."""
+    """(the program's first tile, n_m query blocks a head, the launch's n_tiles): the first tiles go
+    out at launch, a program each, the rest from COUNTER."""
     n_m = gl.cdiv(work.T, BLOCK_M)
-    if work.PERSISTENT:  # grid (programs,): the first tiles go out at launch, the rest from COUNTER
-        first = gl.program_id(0)
-    else:  # grid (n_m, H, B): a tile per program, numbered as in launch order
-        first = gl.program_id(0) + n_m * (gl.program_id(1) + work.H * gl.program_id(2))
-    return first, n_m, n_m * work.H * work.B
+    return gl.program_id(0), n_m, n_m * work.H * work.B
 
 
 @gluon.jit
@@ -94,42 +84,10 @@ def _scores(i, q_t, k_smem, k_ready, ASYNC: gl.constexpr):
                          use_acc=False, is_async=ASYNC)
 
 
-FMA_EVERY = gl.constexpr(config.FWD_EXP2_FMA_EVERY)
-
-
-@gluon.jit
-def _exp2_on_fma(x):
-    """2^x for finite x <= 0 on the FMA pipe, not the exp2 unit: x = j + f, j an integer and f in
-    [-0.5, 0.5]; 2^f from a cubic (relative error 7.5e-5, under bf16's 2^-9), and j added to its
-    exponent bits. Below -125, 2^-125: nothing beside a row's largest term, 1 (a NaN, too, which
-    the clamp drops: the exp2 unit would keep it)."""
-    x = gl.maximum(x, -125.0)
-    t = x + 12582912.0  # 1.5 * 2^23: x rounded to the integer j, which sits in t's low mantissa bits
-    f = x - (t - 12582912.0)
-    p = ((0.05517166 * f + 0.24261112) * f + 0.69326099) * f + 0.99992807  # 2^f on [-0.5, 0.5]
-    return (p.to(gl.int32, bitcast=True) + (t.to(gl.int32, bitcast=True) << 23)).to(gl.float32, bitcast=True)
-
-
-@gluon.jit
-def _exp2(x, cols, ON_FMA: gl.constexpr):
-    """2^x (ROWS, BLOCK_N); ON_FMA, the columns of one 8-column group in FMA_EVERY on the FMA pipe
-    (a thread holds 2 rows of 2 columns in each group: 4 of its 64 scores a group). The exp2 unit
-    makes 16 a cycle where the FMA pipe makes 128 products, and at D = 64 the forward keeps the
-    first the busier (perf-notes v30); a moved score costs 8 instructions in place of the exp2
-    unit's 1. Measured slower (v31): off unless FLASH_ATTENTION_FWD_EXP2_FMA=1. Which columns move
-    is known at compile time: each score takes one path, not both."""
-    if ON_FMA:
-        group = cols // 8  # the wgmma layout's 8-column groups
-        return gl.where((group % FMA_EVERY == FMA_EVERY - 1)[None, :], _exp2_on_fma(x), gl.exp2(x))
-    return gl.exp2(x)
-
-
 @gluon.jit
 def _softmax(qk, j, m_i, l_i, rows, cols, key_lo, T, S, qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
-             BOUNDED: gl.constexpr, EXP2_FMA: gl.constexpr):
-    """Key block j's scores qk (ROWS, BLOCK_N) through the online softmax: (P, alpha, l_i, m_new).
-    EXP2_FMA: a share of the exponentials on the FMA pipe (_exp2), in mask-free blocks, where every
-    score is finite."""
+             BOUNDED: gl.constexpr):
+    """Key block j's scores qk (ROWS, BLOCK_N) through the online softmax: (P, alpha, l_i, m_new)."""
     BLOCK_N: gl.constexpr = qk.type.shape[1]
     if MASKED:
         qk = gl.where(visible(rows, j * BLOCK_N + cols, T, S, key_lo, CAUSAL, BOUNDED), qk, float("-inf"))
@@ -138,7 +96,7 @@ def _softmax(qk, j, m_i, l_i, rows, cols, key_lo, T, S, qk_scale, MASKED: gl.con
     m_sub = m_new
     if MASKED:  # a row that has seen no key yet keeps m = -inf: subtract 0 so exp2 gives 0, not NaN
         m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
-    p = _exp2(qk * qk_scale - m_sub[:, None], cols, EXP2_FMA and not MASKED)
+    p = gl.exp2(qk * qk_scale - m_sub[:, None])
     alpha = gl.exp2(m_i - m_sub)
     l_i = l_i * alpha + gl.sum(p, 1)
     return p, alpha, l_i, m_new
@@ -157,19 +115,14 @@ def _rescale(acc, alpha):
 
 @gluon.jit
 def _fwd_step(i, j, acc, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready, kv_empty, rows, cols, key_lo, T, S,
-              qk_scale, turns, MASKED: gl.constexpr, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr,
-              EXP2_FMA: gl.constexpr):
-    """Key block j (ring slot i) of the online softmax, S issued in turn; frees the slot when its
-    matmuls are done."""
+              qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr):
+    """Key block j (ring slot i) of the online softmax; frees the slot when its matmuls are done."""
     STAGES: gl.constexpr = k_smem.type.shape[0]
     stage = i % STAGES
     phase = (i // STAGES) & 1
-    turns.take(i)
     qk = _scores(i, q_t, k_smem, k_ready, True)
-    turns.done()
     qk = warpgroup_mma_wait(0, deps=[qk])
-    p, alpha, l_i, m_new = _softmax(qk, j, m_i, l_i, rows, cols, key_lo, T, S, qk_scale, MASKED, CAUSAL, BOUNDED,
-                                    EXP2_FMA)
+    p, alpha, l_i, m_new = _softmax(qk, j, m_i, l_i, rows, cols, key_lo, T, S, qk_scale, MASKED, CAUSAL, BOUNDED)
     acc = _rescale(acc, alpha)
     # -- O += P V, then the slot is free --
     mbarrier.wait(v_ready.index(stage), phase)
@@ -180,21 +133,17 @@ def _fwd_step(i, j, acc, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready, kv_emp
 
 @gluon.jit
 def _fwd_step_overlap(i, j, acc, p_prev, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready, kv_empty, rows, cols,
-                      key_lo, T, S, qk_scale, turns, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
-                      BOUNDED: gl.constexpr, EXP2_FMA: gl.constexpr):
+                      key_lo, T, S, qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr):
     """Key block j (ring slot i) while block j - 1's P V (p_prev, slot i - 1, its V landed) runs
-    on the tensor cores: S of block j and that P V are issued one after the other, in turn, the
-    softmax waits for S alone, and slot i - 1 is freed once its P V is done. Returns block j's P
-    for the next step."""
+    on the tensor cores: S of block j and that P V are issued one after the other, the softmax
+    waits for S alone, and slot i - 1 is freed once its P V is done. Returns block j's P for the
+    next step."""
     STAGES: gl.constexpr = k_smem.type.shape[0]
     prev = (i - 1) % STAGES
-    turns.take(i)
     qk = _scores(i, q_t, k_smem, k_ready, True)
     acc = warpgroup_mma(p_prev, v_smem.index(prev), acc, is_async=True)
-    turns.done()
     qk = warpgroup_mma_wait(1, deps=[qk])  # wgmma groups complete in order: S, then P V
-    p, alpha, l_i, m_new = _softmax(qk, j, m_i, l_i, rows, cols, key_lo, T, S, qk_scale, MASKED, CAUSAL, BOUNDED,
-                                    EXP2_FMA)
+    p, alpha, l_i, m_new = _softmax(qk, j, m_i, l_i, rows, cols, key_lo, T, S, qk_scale, MASKED, CAUSAL, BOUNDED)
     # block j's V, for the next step's P V; its wait loop also ends ptxas's scheduling region
     # here, which would otherwise hoist the wait below above the softmax and run both in turn
     mbarrier.wait(v_ready.index(i % STAGES), (i // STAGES) & 1)
@@ -205,12 +154,12 @@ def _fwd_step_overlap(i, j, acc, p_prev, l_i, m_i, q_t, k_smem, v_smem, k_ready,
 
 @gluon.jit
 def _fwd_blocks_overlap(acc, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready, kv_empty, rows, cols, key_lo, origin,
-                        own_lo, full_lo, n_full, n_blocks, T, S, qk_scale, turns, CAUSAL: gl.constexpr,
-                        BOUNDED: gl.constexpr, EXP2_FMA: gl.constexpr):
+                        own_lo, full_lo, n_full, n_blocks, T, S, qk_scale, CAUSAL: gl.constexpr,
+                        BOUNDED: gl.constexpr):
     """The consumer's key blocks own_lo .. n_blocks - 1 with each P V one block late
-    (FLASH_ATTENTION_FWD_OVERLAP): the first block's S and softmax alone, then the steps, then the
-    last block's P V; key block j is ring slot j - origin. Every wait drains the wgmma queue before
-    a loop's back edge."""
+    (config.Row.fwd_overlap): the first block's S and softmax alone, then the steps, then the last
+    block's P V; key block j is ring slot j - origin. Every wait drains the wgmma queue before a
+    loop's back edge."""
     STAGES: gl.constexpr = k_smem.type.shape[0]
     BLOCK_N: gl.constexpr = k_smem.type.shape[1]
     ROWS: gl.constexpr = q_t.type.shape[0]
@@ -218,27 +167,22 @@ def _fwd_blocks_overlap(acc, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready, kv
     p = gl.zeros([ROWS, BLOCK_N], q_t.dtype, p_layout)
     if own_lo < n_blocks:  # masked: the first block may need it (visible is exact on a mask-free one)
         i = own_lo - origin
-        turns.take(i)
         qk = _scores(i, q_t, k_smem, k_ready, True)
-        turns.done()
         qk = warpgroup_mma_wait(0, deps=[qk])
         p_first, _, l_i, m_i = _softmax(qk, own_lo, m_i, l_i, rows, cols, key_lo, T, S, qk_scale, True, CAUSAL,
-                                        BOUNDED, EXP2_FMA)
+                                        BOUNDED)
         p = _operand(p_first, acc, q_t.dtype)
         mbarrier.wait(v_ready.index(i % STAGES), (i // STAGES) & 1)
     start = own_lo + 1
     for j in range(start, gl.minimum(full_lo, n_full)):
         acc, p, l_i, m_i = _fwd_step_overlap(j - origin, j, acc, p, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready,
-                                             kv_empty, rows, cols, key_lo, T, S, qk_scale, turns, True, CAUSAL, BOUNDED,
-                                             EXP2_FMA)
+                                             kv_empty, rows, cols, key_lo, T, S, qk_scale, True, CAUSAL, BOUNDED)
     for j in range(gl.maximum(full_lo, start), n_full):
         acc, p, l_i, m_i = _fwd_step_overlap(j - origin, j, acc, p, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready,
-                                             kv_empty, rows, cols, key_lo, T, S, qk_scale, turns, False, CAUSAL,
-                                             BOUNDED, EXP2_FMA)
+                                             kv_empty, rows, cols, key_lo, T, S, qk_scale, False, CAUSAL, BOUNDED)
     for j in range(gl.maximum(start, n_full), n_blocks):
         acc, p, l_i, m_i = _fwd_step_overlap(j - origin, j, acc, p, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready,
-                                             kv_empty, rows, cols, key_lo, T, S, qk_scale, turns, True, CAUSAL, BOUNDED,
-                                             EXP2_FMA)
+                                             kv_empty, rows, cols, key_lo, T, S, qk_scale, True, CAUSAL, BOUNDED)
     if own_lo < n_blocks:  # the last block's P V (its V landed), and its slot
         stage = (n_blocks - 1 - origin) % STAGES
         acc = warpgroup_mma(p, v_smem.index(stage), acc)
@@ -258,21 +202,17 @@ def _fwd_consume(io, buffers, work, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr,
     base = tile * 0  # the key blocks through the ring so far: its slots and phases run on across tiles
     while tile < n_tiles:
         program = _program(tile, n_m, work, CAUSAL, BOUNDED, CONSUMERS * ROWS, BLOCK_N)
-        _fwd_tile(io, buffers, program, program.lo - base, t, Turns(buffers.turn, C, work.TURNS), CAUSAL, BOUNDED,
-                  OVERLAP, work.EXP2_FMA, C)
+        _fwd_tile(io, buffers, program, program.lo - base, t, CAUSAL, BOUNDED, OVERLAP, C)
         base += gl.maximum(program.n_blocks - program.lo, 0)
         t += 1
-        if work.PERSISTENT:
-            tile = take_tile(t - 1, buffers.tile_smem, buffers.tile_ready, buffers.tile_empty, 4)
-        else:
-            tile = n_tiles
+        tile = take_tile(t - 1, buffers.tile_smem, buffers.tile_ready, buffers.tile_empty, 4)
 
 
 @gluon.jit
-def _fwd_tile(io, buffers, program, origin, t, turns, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr,
-              OVERLAP: gl.constexpr, EXP2_FMA: gl.constexpr, C: gl.constexpr):
+def _fwd_tile(io, buffers, program, origin, t, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr, OVERLAP: gl.constexpr,
+              C: gl.constexpr):
     """Consumer warpgroup C's rows start_m + 64 C .. + 63 of the program's t-th tile against its key
-    blocks, its matmuls issued in turn (Turns); key block j is ring slot j - origin."""
+    blocks; key block j is ring slot j - origin."""
     q_smem, k_smem, v_smem = buffers.q_smem, buffers.k_smem, buffers.v_smem
     k_ready, v_ready, kv_empty = buffers.k_ready, buffers.v_ready, buffers.kv_empty
     lo, n_blocks, T, S, qk_scale = program.lo, program.n_blocks, program.T, program.S, program.qk_scale
@@ -298,23 +238,21 @@ def _fwd_tile(io, buffers, program, origin, t, turns, CAUSAL: gl.constexpr, BOUN
     mbarrier.wait(buffers.q_bar.index(C), t & 1)
     # -- the key blocks: other consumers' (passed unread), masked, mask-free, masked --
     for j in range(lo, own_lo):
-        turns.take(j - origin)
         skip_slot(j - origin, k_ready, v_ready, kv_empty, STAGES)
-        turns.done()
     if OVERLAP:
         acc, l_i, m_i = _fwd_blocks_overlap(acc, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready, kv_empty, rows, cols,
-                                            key_lo, origin, own_lo, full_lo, n_full, n_blocks, T, S, qk_scale,
-                                            turns, CAUSAL, BOUNDED, EXP2_FMA)
+                                            key_lo, origin, own_lo, full_lo, n_full, n_blocks, T, S, qk_scale, CAUSAL,
+                                            BOUNDED)
     else:
         for j in range(own_lo, gl.minimum(full_lo, n_full)):
             acc, l_i, m_i = _fwd_step(j - origin, j, acc, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready, kv_empty,
-                                      rows, cols, key_lo, T, S, qk_scale, turns, True, CAUSAL, BOUNDED, EXP2_FMA)
+                                      rows, cols, key_lo, T, S, qk_scale, True, CAUSAL, BOUNDED)
         for j in range(full_lo, n_full):
             acc, l_i, m_i = _fwd_step(j - origin, j, acc, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready, kv_empty,
-                                      rows, cols, key_lo, T, S, qk_scale, turns, False, CAUSAL, BOUNDED, EXP2_FMA)
+                                      rows, cols, key_lo, T, S, qk_scale, False, CAUSAL, BOUNDED)
         for j in range(gl.maximum(own_lo, n_full), n_blocks):
             acc, l_i, m_i = _fwd_step(j - origin, j, acc, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready, kv_empty,
-                                      rows, cols, key_lo, T, S, qk_scale, turns, True, CAUSAL, BOUNDED, EXP2_FMA)
+                                      rows, cols, key_lo, T, S, qk_scale, True, CAUSAL, BOUNDED)
 
     # -- epilogue: LSE, and O through Q's buffer --
     l_safe = gl.where(l_i == 0.0, 1.0, l_i)  # rows that attend no key: O = 0, LSE = -inf
@@ -343,8 +281,8 @@ def _fwd_consume_2(io, buffers, work, CAUSAL: gl.constexpr, BOUNDED: gl.constexp
 
 @gluon.jit
 def _fwd_produce(io, buffers, work, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr):
-    """The producer warp: each tile's Q tiles and K/V blocks, tile after tile; persistent, it hands
-    out the tiles (pipeline.hand_out_tile)."""
+    """The producer warp: each tile's Q tiles and K/V blocks, tile after tile; it hands out the tiles
+    (pipeline.hand_out_tile)."""
     CONSUMERS: gl.constexpr = buffers.q_smem.type.shape[0]
     ROWS: gl.constexpr = buffers.q_smem.type.shape[1]
     BLOCK_N: gl.constexpr = buffers.k_smem.type.shape[1]
@@ -356,12 +294,9 @@ def _fwd_produce(io, buffers, work, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr)
         _fwd_load_tile(io, buffers, program, program.lo - base, t)
         base += gl.maximum(program.n_blocks - program.lo, 0)
         t += 1
-        if work.PERSISTENT:
-            # the first num_programs tiles went out at launch: a forward tile waits on no other
-            tile = hand_out_tile(t - 1, gl.num_programs(0), work, buffers.tile_smem, buffers.tile_ready,
-                                 buffers.tile_empty)
-        else:
-            tile = n_tiles
+        # the first num_programs tiles went out at launch: a forward tile waits on no other
+        tile = hand_out_tile(t - 1, gl.num_programs(0), work, buffers.tile_smem, buffers.tile_ready,
+                             buffers.tile_empty)
 
 
 @gluon.jit
@@ -409,16 +344,13 @@ def _fwd_kernel(
     o_desc,  # of (B, H, T, D): the output
     LSE,  # (B, H, T) fp32, natural log
     KEY_LO,  # (B, T) int32: each query's first key (BOUNDED only: documents, a window)
-    COUNTER,  # (1,) int32, zero (PERSISTENT only): the tiles handed out
+    COUNTER,  # (1,) int32, zero: the tiles handed out
     H, B, GROUP, T, S,
     qk_scale,  # softmax_scale * log2(e)
     CAUSAL: gl.constexpr, BOUNDED: gl.constexpr, CONSUMERS: gl.constexpr, STAGES: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
-    SECTION: gl.constexpr,  # 0, or the (batch, head) pairs per L2 section (config.fwd_section)
-    OVERLAP: gl.constexpr,  # config.fwd_overlap
-    PERSISTENT: gl.constexpr,  # config.fwd_persistent: a grid of at most one program per SM
-    TURNS: gl.constexpr,  # config.fwd_turns: the consumers take turns on the tensor cores
-    EXP2_FMA: gl.constexpr,  # config.fwd_exp2_fma: a share of the exponentials on the FMA pipe
+    SECTION: gl.constexpr,  # the (batch, head) pairs per L2 section (config.fwd_section)
+    OVERLAP: gl.constexpr,  # config.Row.fwd_overlap
 ):
     dtype: gl.constexpr = q_desc.dtype
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
@@ -437,12 +369,9 @@ def _fwd_kernel(
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     tile_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     tile_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     for c in gl.static_range(CONSUMERS):
         mbarrier.init(q_bar.index(c), count=1)
         mbarrier.init(q_empty.index(c), count=1)
-        if TURNS:
-            mbarrier.init(turn.index(c), count=1)
     for s in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(s), count=1)
         mbarrier.init(v_ready.index(s), count=1)
@@ -453,8 +382,8 @@ def _fwd_kernel(
 
     io = FwdIO(q_desc, k_desc, v_desc, o_desc, LSE)
     buffers = FwdBuffers(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty, tile_smem, tile_ready,
-                         tile_empty, turn)
-    work = FwdWork(COUNTER, KEY_LO, H, B, GROUP, T, S, qk_scale, PERSISTENT, SECTION, TURNS, EXP2_FMA)
+                         tile_empty)
+    work = FwdWork(COUNTER, KEY_LO, H, B, GROUP, T, S, qk_scale, SECTION)
     # -- the partitions: consumer 0 in the kernel's own warps, the others and the producer beside it --
     if CONSUMERS == 2:
         gl.warp_specialize([(_fwd_consume, (io, buffers, work, CAUSAL, BOUNDED, OVERLAP, 0)),
@@ -473,14 +402,12 @@ def _fwd_kernel(
 # launching
 
 
-def _options(causal: bool, bounded: bool, tiles: config.FwdTiles, section: int, head_dim: int,
-             persistent: bool) -> dict:
+def _options(causal: bool, bounded: bool, tiles: config.FwdTiles, section: int, head_dim: int) -> dict:
     """The kernel's constexprs and compile options for these tiles, order (config.fwd_section) and
-    schedule (config.fwd_overlap, config.fwd_persistent, config.fwd_turns, config.fwd_exp2_fma)."""
+    head dim (config.Row.fwd_overlap)."""
     maxnreg, consumer_regs = config.fwd_registers(tiles.consumers)
     return dict(CAUSAL=causal, BOUNDED=bounded, CONSUMERS=tiles.consumers, STAGES=tiles.stages,
-                CONSUMER_REGS=consumer_regs, SECTION=section, OVERLAP=config.fwd_overlap(head_dim),
-                PERSISTENT=persistent, TURNS=config.fwd_turns(head_dim), EXP2_FMA=config.fwd_exp2_fma(head_dim),
+                CONSUMER_REGS=consumer_regs, SECTION=section, OVERLAP=config.TABLE[head_dim].fwd_overlap,
                 num_warps=4, maxnreg=maxnreg)
 
 
@@ -489,11 +416,11 @@ def _section(q, k) -> int:
     return config.fwd_section(B * H, H // H_kv, S, D, q.element_size())
 
 
-def _grid(q, tiles: config.FwdTiles, persistent: bool, chip: chips.Chip) -> tuple[int, ...]:
-    """(n_m, H, B): a program per tile; persistent, one per SM or per tile, whichever is fewer."""
+def _grid(q, tiles: config.FwdTiles, chip: chips.Chip) -> tuple[int]:
+    """One program per SM, or per tile, whichever is fewer."""
     B, H, T, _ = q.shape
     n_m = triton.cdiv(T, tiles.consumers * config.FWD_ROWS)
-    return (min(n_m * H * B, chip.sms),) if persistent else (n_m, H, B)
+    return (min(n_m * H * B, chip.sms),)
 
 
 def _args(q, k, v, o, lse, key_lo, counter, scale: float, tiles: config.FwdTiles) -> tuple:
@@ -504,40 +431,37 @@ def _args(q, k, v, o, lse, key_lo, counter, scale: float, tiles: config.FwdTiles
             H // H_kv, T, S, scale * LOG2E.value)
 
 
-# the compiled forward per call signature, and whether it is persistent: later calls launch it
-# directly with descriptors over the new addresses, where Triton's front door would bind every
-# argument again and TensorDescriptor would re-check what the signature fixes (perf-notes v12, v27)
-_BOUND: dict[tuple, tuple[Bound, bool]] = {}
+# the compiled forward per call signature: later calls launch it directly with descriptors over the
+# new addresses, where Triton's front door would bind every argument again and TensorDescriptor
+# would re-check what the signature fixes
+_BOUND: dict[tuple, Bound] = {}
 
 
 def forward(q, k, v, o, lse, causal: bool, scale: float, key_lo: torch.Tensor | None, signature: tuple) -> None:
     """Writes o (shaped like q, head dim contiguous) and lse ((B, H, T) fp32, contiguous, natural
     log). key_lo ((B, T) int32, contiguous; causal only): each query's first key, to attend within
     documents or a window (kernels/masking.py's Bounds.key_lo). signature: kernels/api.py's, which
-    fixes all the launch depends on but the addresses, the schedule's variables included."""
+    fixes all the launch depends on but the addresses."""
     bounded = key_lo is not None
     key_lo = lse if key_lo is None else key_lo  # lse stands in for absent bounds: unread
-    bound, persistent = _BOUND.get(signature) or (None, config.fwd_persistent())
     # zeroed for each launch: a counter kept from call to call and left zero by every launch would
     # break under CUDA graphs (a capture records its launches, and a graph's pool may reuse memory)
-    counter = torch.zeros(1, dtype=torch.int32, device=q.device) if persistent else lse  # lse: unread
-    if bound:
+    counter = torch.zeros(1, dtype=torch.int32, device=q.device)
+    if bound := _BOUND.get(signature):
         bound(q, k, v, o, lse, key_lo, counter)
         return
     tiles = config.fwd_tiles(q.shape[3], q.shape[2])
     args = _args(q, k, v, o, lse, key_lo, counter, scale, tiles)
-    grid = _grid(q, tiles, persistent, chips.chip(q.device.index))
-    options = _options(causal, bounded, tiles, _section(q, k), q.shape[3], persistent)
+    options = _options(causal, bounded, tiles, _section(q, k), q.shape[3])
     with on_device(q):
-        _BOUND[signature] = launch_and_bind(_fwd_kernel, grid, args, options), persistent
+        _BOUND[signature] = launch_and_bind(_fwd_kernel, _grid(q, tiles, chips.chip(q.device.index)), args, options)
 
 
 def compile_only(q, k, v, causal: bool, bounded: bool = False):
     """The compiled forward kernel for these inputs' layout, without launching it (kernels/runtime/sm90.py)."""
     (B, H, T, D) = q.shape
     tiles = config.fwd_tiles(D, T)
-    persistent = config.fwd_persistent()
     args = _args(q, k, v, torch.empty_like(q), torch.empty((B, H, T), dtype=torch.float32),
                  torch.empty((B, T), dtype=torch.int32), torch.zeros(1, dtype=torch.int32), D ** -0.5, tiles)
-    return _fwd_kernel.warmup(*args, grid=_grid(q, tiles, persistent, chips.H100),
-                              **_options(causal, bounded, tiles, _section(q, k), D, persistent))
+    return _fwd_kernel.warmup(*args, grid=_grid(q, tiles, chips.H100), **_options(causal, bounded, tiles,
+                                                                                  _section(q, k), D))

@@ -41,8 +41,8 @@ class FwdIO:
 class FwdBuffers:
     """Shared memory and its barriers: a Q tile per consumer (q_bar: loaded; q_empty: its O has left
     through it), the STAGES-deep K/V ring (k_ready, v_ready: loaded; kv_empty: freed by every
-    consumer), (persistent) a 2-slot ring of the next tiles' numbers (tile_ready: written by the
-    producer; tile_empty: read by every consumer), and the consumers' turns (Turns)."""
+    consumer), and a 2-slot ring of the next tiles' numbers (tile_ready: written by the producer;
+    tile_empty: read by every consumer)."""
     q_smem: gl.shared_memory_descriptor
     k_smem: gl.shared_memory_descriptor
     v_smem: gl.shared_memory_descriptor
@@ -54,23 +54,20 @@ class FwdBuffers:
     tile_smem: gl.shared_memory_descriptor
     tile_ready: gl.shared_memory_descriptor
     tile_empty: gl.shared_memory_descriptor
-    turn: gl.shared_memory_descriptor
 
     @gluon.constexpr_function
     def __init__(self, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty, tile_smem, tile_ready,
-                 tile_empty, turn):
+                 tile_empty):
         self.q_smem, self.k_smem, self.v_smem = q_smem, k_smem, v_smem
         self.q_bar, self.q_empty, self.k_ready, self.v_ready, self.kv_empty = q_bar, q_empty, k_ready, v_ready, kv_empty
-        self.tile_smem, self.tile_ready, self.tile_empty, self.turn = tile_smem, tile_ready, tile_empty, turn
+        self.tile_smem, self.tile_ready, self.tile_empty = tile_smem, tile_ready, tile_empty
 
 
 @aggregate
 class FwdWork:
     """The launch's work: tiles of a query block (CONSUMERS * FWD_ROWS rows) of one head and batch
-    row, numbered in launch order (fwd._tile_of: SECTION); with PERSISTENT, COUNTER (int32, zeroed
-    for the launch): the tiles handed out past the first num_programs; the sizes and the scale;
-    TURNS: whether the consumers take turns on the tensor cores (Turns); EXP2_FMA: whether a share
-    of the exponentials runs on the FMA pipe (fwd._exp2)."""
+    row, numbered in launch order (fwd._tile_of: SECTION); COUNTER (int32, zeroed for the launch):
+    the tiles handed out past the first num_programs; the sizes and the scale."""
     COUNTER: gl.tensor
     KEY_LO: gl.tensor
     H: Scalar
@@ -79,55 +76,12 @@ class FwdWork:
     T: Scalar
     S: Scalar
     qk_scale: gl.tensor
-    PERSISTENT: gl.constexpr
     SECTION: gl.constexpr
-    TURNS: gl.constexpr
-    EXP2_FMA: gl.constexpr
 
     @gluon.constexpr_function
-    def __init__(self, COUNTER, KEY_LO, H, B, GROUP, T, S, qk_scale, PERSISTENT, SECTION, TURNS, EXP2_FMA):
+    def __init__(self, COUNTER, KEY_LO, H, B, GROUP, T, S, qk_scale, SECTION):
         self.COUNTER, self.KEY_LO, self.H, self.B, self.GROUP = COUNTER, KEY_LO, scalar(H), scalar(B), scalar(GROUP)
-        self.T, self.S, self.qk_scale = scalar(T), scalar(S), qk_scale
-        self.PERSISTENT, self.SECTION, self.TURNS = gl.constexpr(PERSISTENT), gl.constexpr(SECTION), gl.constexpr(TURNS)
-        self.EXP2_FMA = gl.constexpr(EXP2_FMA)
-
-
-@aggregate
-class Turns:
-    """Consumer C's turn on the tensor cores (FlashAttention-3's warp-scheduler barriers, as
-    mbarriers): it issues its matmuls of ring slot i once consumer C - 1 has issued its own (consumer
-    0: once the last consumer has issued slot i - 1's). With the forward's overlap a turn covers S
-    and the previous block's P V; without it, S alone (P V follows the softmax). The consumers'
-    matmuls then reach the tensor cores one consumer at a time, round the ring, so that each runs
-    its softmax while the next one's matmuls run; FlashAttention-3 schedules its warpgroups so, lest
-    they issue together and then all wait. (Here the tensor pipes were as busy without it:
-    perf-notes v26.) Every consumer takes one turn per ring slot of its tile, lo .. n_blocks - 1, the
-    slots it skips too (blocks.kv_runs keeps lo <= own_lo <= n_blocks), so no turn waits for a pass
-    that never comes, and none gets a turn ahead of the others: a parity wait suffices. ON false:
-    no waits, no passes."""
-    bars: gl.shared_memory_descriptor  # (CONSUMERS, 1) mbarriers of count 1: consumer C waits on bars[C]
-    C: gl.constexpr
-    ON: gl.constexpr
-
-    @gluon.constexpr_function
-    def __init__(self, bars, C, ON):
-        self.bars, self.C, self.ON = bars, gl.constexpr(C), gl.constexpr(ON)
-
-    @gluon.jit
-    def take(self, i):
-        """Waits for this consumer's turn at ring slot i."""
-        if self.ON:
-            phase = i & 1
-            if self.C == 0:  # its pass comes from slot i - 1; the first wait passes a fresh barrier
-                phase = phase ^ 1
-            mbarrier.wait(self.bars.index(self.C), phase)
-
-    @gluon.jit
-    def done(self):
-        """This consumer has issued its matmuls of the slot: the next consumer's turn."""
-        if self.ON:
-            CONSUMERS: gl.constexpr = self.bars.type.shape[0]
-            mbarrier.arrive(self.bars.index((self.C + 1) % CONSUMERS), count=1)
+        self.T, self.S, self.qk_scale, self.SECTION = scalar(T), scalar(S), qk_scale, gl.constexpr(SECTION)
 
 
 @aggregate
@@ -179,8 +133,8 @@ class BwdIO:
 class BwdBuffers:
     """Shared memory and its barriers: the tile's K and V (kv_bar: loaded; kv_empty: read to the
     end); the STAGES-deep ring of Q, dO, LSE and delta (ready, empty); ds_smem, two tiles: by keys
-    dS^T, twice, by rows P and dS; the dQ shares on their way to the writer (dq_full, dq_empty),
-    twice; and (persistent) the 2-slot ring of the next tiles' numbers, as the forward's."""
+    dS^T, twice; the dQ shares on their way to the writer (dq_full, dq_empty), twice; and the 2-slot
+    ring of the next tiles' numbers, as the forward's."""
     k_smem: gl.shared_memory_descriptor
     v_smem: gl.shared_memory_descriptor
     q_smem: gl.shared_memory_descriptor
@@ -212,9 +166,9 @@ class BwdBuffers:
 @aggregate
 class BwdWork:
     """The launch's work: tiles of one key block (BLOCK_N keys) of one kv head and batch row,
-    numbered in launch order (bwd._tile_of: LONGEST_FIRST); with PERSISTENT, COUNTER (int32,
-    zeroed for the launch): the tiles handed out, every one of them; the batch rows' ROW_HI and
-    KEY_LO (bounded), the sizes."""
+    numbered in launch order (bwd._tile_of: LONGEST_FIRST); COUNTER (int32, zeroed for the
+    launch): the tiles handed out, every one of them; the batch rows' ROW_HI and KEY_LO (bounded),
+    the sizes."""
     COUNTER: gl.tensor
     ROW_HI: gl.tensor
     KEY_LO: gl.tensor
@@ -224,13 +178,12 @@ class BwdWork:
     T: Scalar
     S: Scalar
     LONGEST_FIRST: gl.constexpr
-    PERSISTENT: gl.constexpr
 
     @gluon.constexpr_function
-    def __init__(self, COUNTER, ROW_HI, KEY_LO, H, B, GROUP, T, S, LONGEST_FIRST, PERSISTENT):
+    def __init__(self, COUNTER, ROW_HI, KEY_LO, H, B, GROUP, T, S, LONGEST_FIRST):
         self.COUNTER, self.ROW_HI, self.KEY_LO = COUNTER, ROW_HI, KEY_LO
         self.H, self.B, self.GROUP, self.T, self.S = scalar(H), scalar(B), scalar(GROUP), scalar(T), scalar(S)
-        self.LONGEST_FIRST, self.PERSISTENT = gl.constexpr(LONGEST_FIRST), gl.constexpr(PERSISTENT)
+        self.LONGEST_FIRST = gl.constexpr(LONGEST_FIRST)
 
 
 @aggregate

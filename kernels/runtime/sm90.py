@@ -9,14 +9,10 @@ SASS without spending GPU time:
     python -m kernels.runtime.sm90            # registers, spills, shared memory of each Hopper kernel
     python -m kernels.runtime.sm90 --sass     # and their SASS, beside the cubins under bench/sass/
     python -m kernels.runtime.sm90 --head-dims 64  # one head dim's kernels
-
-The schedule variants' environment variables (kernels/hopper/config.py) compile those variants;
-a variant a head dim does not have is refused, so compile those head dims on their own.
 """
 
 import argparse
 import contextlib
-import itertools
 import pathlib
 import re
 import subprocess
@@ -66,21 +62,33 @@ def stand_in():
 
 
 MASKS = ("full", "causal", "documents")  # documents: causal within packed documents (windows: the same kernels)
+SEQ = 4096  # T = S of the compiled inputs: the forward's tiles of long sequences
 
 
-def compile_hopper(direction: str, head_dim: int, dtype: torch.dtype, mask: str):
+def compile_hopper(direction: str, head_dim: int, dtype: torch.dtype, mask: str, seq: int = SEQ):
     """The compiled forward or backward kernel for one configuration (compiled in a fresh Triton
-    cache key only when its source or options changed)."""
+    cache key only when its source or options changed); seq keys and queries pick the schedule its
+    head dim's row gives them."""
     from kernels.hopper import bwd, fwd
 
-    B, H, H_kv, T, S = 1, 2, 1, 4096, 4096  # T picks the forward's tiles: those of long sequences
-    q, do = (torch.empty(B, T, H, head_dim, dtype=dtype).transpose(1, 2) for _ in range(2))
-    k, v = (torch.empty(B, S, H_kv, head_dim, dtype=dtype).transpose(1, 2) for _ in range(2))
+    B, H, H_kv = 1, 2, 1
+    q, do = (torch.empty(B, seq, H, head_dim, dtype=dtype).transpose(1, 2) for _ in range(2))
+    k, v = (torch.empty(B, seq, H_kv, head_dim, dtype=dtype).transpose(1, 2) for _ in range(2))
     causal, documents = mask != "full", mask == "documents"
     with stand_in():
         if direction == "fwd":
             return fwd.compile_only(q, k, v, causal, documents)
         return bwd.compile_only(do, q, k, v, causal, documents)
+
+
+def kernels(head_dims) -> list[tuple[str, int, str, int]]:
+    """(direction, head dim, mask, seq) of every kernel the rows of these head dims run: each
+    direction and mask at SEQ, and the backward's longest first order where a row has one."""
+    from kernels.hopper.config import TABLE
+
+    every = [(direction, D, mask, SEQ) for direction in ("fwd", "bwd") for D in head_dims for mask in MASKS]
+    return every + [("bwd", D, "causal", TABLE[D].bwd_longest_first_from) for D in head_dims
+                    if TABLE[D].bwd_longest_first_from]
 
 
 def _tool(name: str) -> str:
@@ -104,9 +112,9 @@ def main() -> None:
         parser.error(f"--head-dims {args.head_dims}: the Hopper kernels have head dims {', '.join(map(str, HEAD_DIMS))}")
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    for direction, head_dim, mask in itertools.product(("fwd", "bwd"), map(int, head_dims), MASKS):
-        kernel = compile_hopper(direction, head_dim, torch.bfloat16, mask)
-        name = f"{direction}_d{head_dim}_{mask}"
+    for direction, head_dim, mask, seq in kernels(list(map(int, head_dims))):
+        kernel = compile_hopper(direction, head_dim, torch.bfloat16, mask, seq)
+        name = f"{direction}_d{head_dim}_{mask}" + (f"_T{seq}" if seq != SEQ else "")
         cubin = out / f"{name}.cubin"
         cubin.write_bytes(kernel.asm["cubin"])
         usage = re.search(r"REG:(\d+) STACK:(\d+)", _run(_tool("cuobjdump"), "-res-usage", str(cubin)))
