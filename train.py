@@ -57,8 +57,8 @@ from trainer.preflight import FOLLOWER, placed, preflight  # noqa: E402
 from trainer.profiling import Profiler  # noqa: E402
 from trainer.curves import CURVES_NAME, write_curves  # noqa: E402
 from trainer.report import Meter, RunLog, outcome_lines  # noqa: E402
-from trainer.rundir import (abandon_run_dir, claim_run_dir, finished_summary, holds, resume_target,  # noqa: E402
-                            write_record)
+from trainer.rundir import (abandon_run_dir, claim_run_dir, finished_summary, holds, release_run_dirs,  # noqa: E402
+                            resume_target, write_record)
 from trainer.signals import Stopped, StopSignals, stop_signals  # noqa: E402
 
 register_configs()
@@ -728,6 +728,8 @@ if __name__ == "__main__":
             main()
         except KeyboardInterrupt:
             sys.exit(130)  # under torchrun: train() said where to resume
+        finally:
+            release_run_dirs()
         if stopping.received:  # after the last point that acts on one (Hydra's own --help, --cfg ...)
             print(f"train.py: stopped by {signal.Signals(stopping.received).name} as it ended; what it did is complete",
                   file=sys.stderr)

@@ -146,7 +146,7 @@ def task_config(cfg: DictConfig) -> DictConfig:
     return OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"])
 
 
-def compose_checked(config_dir: Path, config_name: str, overrides: list[str],
+def compose_checked(config_dir: Path, config_name: str | None, overrides: list[str],
                     return_hydra_config: bool = False) -> DictConfig:
     """The config these overrides compose to, every value resolvable: an override's ${...} is
     resolved here, not where its value is first read (the run dirs among Hydra's keys too).

@@ -9,6 +9,7 @@ from kernels.runtime import chips
 from kernels.runtime.launch import interprets
 from kernels.triton.config import DTYPES, MAX_HEAD_DIM
 
+
 def check_inputs(q, k, v):
     """Raise ValueError, saying what is supported, for inputs the kernels do not handle."""
     for name, t in (("q", q), ("k", k), ("v", v)):

@@ -17,12 +17,11 @@ from trainer.startup import startup  # noqa: E402
 
 startup(__name__)  # before the heavy imports below: trainer/startup.py says why
 
-from hydra import compose, initialize_config_dir  # noqa: E402
 from hydra.errors import HydraException  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 from omegaconf.errors import OmegaConfBaseException  # noqa: E402
 
-from configs.overrides import one_line  # noqa: E402
+from configs.overrides import compose_checked, one_line  # noqa: E402
 from configs.store import register_configs  # noqa: E402
 from configs.validate import ConfigError, validate_data  # noqa: E402
 from data import DatasetError, TokenizerError  # noqa: E402
@@ -42,8 +41,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     register_configs()
     try:
-        with initialize_config_dir(config_dir=str(CONFIGS), version_base=None):
-            cfg = compose(overrides=[f"+data={args.name}", *(f"data.{o}" for o in args.overrides)])
+        cfg = compose_checked(CONFIGS, None, [f"+data={args.name}", *(f"data.{o}" for o in args.overrides)])
         validate_data(cfg)
         # a signal is acted on between units of work (data/prepare.py), never inside the tokenizing pool
         with StopSignals() as stop:

@@ -107,8 +107,8 @@ def stoppable(script: str, kept: Callable[[], str]) -> Iterator[None]:
 
 
 def trained(cfg: "DictConfig", run_dir: Path) -> dict:
-    """train.train(cfg, run_dir)'s summary; Stop where a signal stopped the run (in its setup, or
-    after its step in flight, checkpointed): the script stops with it."""
+    """train.train(cfg, run_dir)'s summary; Stop where a signal stopped the run (in its setup, after
+    its step in flight, checkpointed, or as it closed): the script stops with it."""
     import train  # the trainer: loaded by the scripts that train, not by every one that stops
     from trainer.rundir import abandon_run_dir
     from trainer.signals import Stopped
@@ -121,6 +121,6 @@ def trained(cfg: "DictConfig", run_dir: Path) -> dict:
     except Exception:  # where it could not start, the dir it made goes, as under train.py's own command
         abandon_run_dir(run_dir)
         raise
-    if summary["status"] == "stopped":
+    if "signal" in summary:  # stopped in its loop, or as it closed (its status is then ok): the script stops too
         raise Stop(signal.Signals[summary["signal"]])
     return summary

@@ -256,7 +256,8 @@ def test_a_corpus_that_makes_no_dataset_is_refused_and_leaves_nothing(kind, tmp_
     (["shakespeare", "name=../escape"], "data.name=../escape: must be a plain directory name"),
     (["tinystories", "hf_path=/no/such/dir"], "data.hf_path=/no/such/dir: no such directory"),
     (["shakespeare", "max_docs=0"], "data.max_docs=0: must be at least 1"),
-], ids=["unknown", "type", "escape", "missing", "max_docs"])
+    (["shakespeare", "max_docs=${nothere}"], "data.max_docs=${nothere}: interpolation key 'nothere' not found"),
+], ids=["unknown", "type", "escape", "missing", "max_docs", "interpolation"])
 def test_the_prepare_command_says_what_is_wrong_in_one_line(args, said, tmp_path):
     done = subprocess.run([sys.executable, str(PREPARE), *args, f"root={tmp_path / 'root'}"], cwd=REPO,
                           capture_output=True, text=True, timeout=300)

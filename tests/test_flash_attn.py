@@ -21,8 +21,8 @@ The test_gpu_* tests (skipped without CUDA) check bf16 and fp16 up to T = 8192 a
 {64, 80, 96, 128, 256}, GQA, autocast and inductor, and every block/warp/stage config that
 autotuning may pick for D = 64 and 256 (autotuning itself is off in these tests: conftest.py
 sets FLASH_ATTENTION_AUTOTUNE=0). On Hopper they run the TMA path, and the pointer path where
-TMA cannot read the inputs or is switched off; run them on a CUDA machine with the same
-command. The TMA path also runs here, in the interpreter, forced on.
+TMA cannot read the inputs (and, forced by the pointer_loads fixture, where it could); run them
+on a CUDA machine with the same command. The TMA path also runs here, in the interpreter, forced on.
 """
 
 import functools

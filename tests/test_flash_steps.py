@@ -54,8 +54,13 @@ def test_script_exits_zero():
 
 
 def _top_level_functions(path):
+    """Functions, classes and assigned names (a pointer may name a table the code reads)."""
     tree = ast.parse(path.read_text())
-    return {node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
+    names = {node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        names |= {t.id for t in targets if isinstance(t, ast.Name)}
+    return names
 
 
 def test_doc_pointers_name_existing_functions():

@@ -1,12 +1,13 @@
 """Every script stops on a signal at once, in one line, with exit code 128 + the signal's number.
 
 Real processes, real signals (scripts/stopping.py is the mechanism):
-- loss_equivalence.py stopped by SIGTERM or Ctrl-C (SIGINT) during its first attention's run says
-  so in one line, starts no other run, gives no verdict and writes no result;
+- loss_equivalence.py stopped by SIGTERM or Ctrl-C (SIGINT) during its first attention's run, or
+  as that run closes, says so in one line, starts no other run, gives no verdict and writes no
+  result;
 - sample.py stopped while it generates: one line, exit 143, no traceback;
 - on a GPU, every benchmark script stopped after its first printed row: one line, exit 143, no
   traceback, no file torn (each is written whole or not at all).
-The CPU tests start three processes (a few minutes on 2 busy cores):
+The CPU tests start four processes (a few minutes on 2 busy cores):
 
     .venv/bin/python -m pytest tests/test_script_stops.py -q
 """
@@ -56,6 +57,17 @@ def test_a_stopped_loss_equivalence_says_so_and_gives_no_verdict(sig, data_root,
         f"error: hydra.run.dir={out} holds the runs of an earlier check (sdpa): the check trains every attention "
         "from step 0: choose another hydra.run.dir, or remove that dir"), again.stderr[-2000:]
     assert sorted(p.relative_to(out) for p in out.rglob("*")) == before
+
+
+def test_a_stop_as_a_run_of_loss_equivalence_closes_stops_the_script_there(data_root, tmp_path):
+    # sent once sdpa's summary.json is written: W&B's close and curves.png follow it, and a stop then
+    # leaves sdpa's run whole (status ok) but still stops the check before naive's run
+    out = tmp_path / "check"
+    proc = start([str(REPO / "scripts" / "loss_equivalence.py"), *TINY, f"data.root={data_root}", "max_steps=2",
+                  "attns=[sdpa,naive]", "wandb.mode=offline", f"hydra.run.dir={out}"], tmp_path)
+    wait_for(proc, tmp_path, lambda: (out / "sdpa" / "summary.json").exists(), "sdpa's summary.json")
+    stopped(proc, tmp_path, signal.SIGTERM, "loss_equivalence.py")
+    assert not (out / "naive").exists() and not list(out.glob("equivalence.*"))
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,6 @@ import re
 import sys
 from pathlib import Path
 
-from hydra import compose, initialize_config_dir
 from hydra._internal.utils import get_args_parser
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
@@ -38,15 +37,9 @@ from trainer.rundir import claim_new, claim_run_dir, resume_target
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
-def _compose(overrides: list[str]):
-    register_configs()  # train.py's schema (idempotent): preflight runs before anything else did it
-    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
-        return compose("config", overrides=overrides, return_hydra_config=True)
-
-
 def _compose_checked(overrides: list[str]) -> DictConfig:
-    """_compose, every value resolved; ConfigError in one line."""
-    register_configs()
+    """The config with Hydra's keys, every value resolved; ConfigError in one line."""
+    register_configs()  # train.py's schema (idempotent): preflight runs before anything else did it
     return compose_checked(CONFIGS, "config", overrides, return_hydra_config=True)
 
 
@@ -65,9 +58,9 @@ def _check_additions(overrides: list[str]) -> None:
     if len(others) == len(parsed):
         return
     try:
-        composed = _compose([o for o in others if "," not in o])  # a sweep list composes one job at a time
-    except (HydraException, OmegaConfBaseException):
-        return  # Hydra reports it
+        composed = _compose_checked([o for o in others if "," not in o])  # a sweep list composes one job at a time
+    except ConfigError:
+        return  # reported where the whole command is composed
     groups = {p.name for p in CONFIGS.iterdir() if p.is_dir() and not p.name.startswith("_")}
     try:
         check_additions(overrides, composed, groups)
@@ -120,6 +113,7 @@ def _check_sweep_dir(sweep_dir: Path, overrides: list[str]) -> None:
     except (OSError, OmegaConfBaseException, AttributeError) as e:
         _exit(f"hydra.sweep.dir={sweep_dir}: its multirun.yaml cannot be read ({type(e).__name__}): choose another "
               "hydra.sweep.dir")
+
     def settings(items: list[str]) -> set[str]:
         return {o for o in items if not re.match(r"\+*max_steps=", o)}
 
@@ -157,7 +151,7 @@ def preflight(argv: list[str]) -> list[str]:
                   "resume")
         # each job writes Hydra's record of its command itself, once its dir is its own (train.py)
         if any(re.match(r"\+*hydra\.sweep\.dir=", arg) for arg in args.overrides):
-            _check_sweep_dir(Path(cfg.hydra.sweep.dir), [o for o in args.overrides if not o.startswith("hydra.")])
+            _check_sweep_dir(Path(cfg.hydra.sweep.dir), [o for o in args.overrides if not re.match(r"\+*hydra\.", o)])
             return ["hydra.output_subdir=null"]
         return [override("hydra.sweep.dir", str(claim_new(Path(cfg.hydra.sweep.dir)))), "hydra.output_subdir=null"]
     if len(args.overrides) < len(argv):  # --cfg, --help, -cn ...: Hydra's own business

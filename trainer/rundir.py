@@ -162,12 +162,15 @@ def _refuse_odd_files(run_dir: Path, error: type, prefix: str = "") -> None:
                         "remove it, or use another run dir")
 
 
-def _release_all() -> None:
+def release_run_dirs() -> None:
+    """Give up every run dir this process holds: a process that ends cleanly leaves no holder's name
+    in their locks (train.py calls it before it hands its stop handling back: a stop after that ends
+    the process with os._exit, which skips atexit)."""
     for lock in _locks.values():
         lock.release()
 
 
-atexit.register(_release_all)  # a process that ends cleanly leaves no holder's name in its run dirs' locks
+atexit.register(release_run_dirs)
 
 
 def claim_new(template: Path) -> Path:

@@ -35,8 +35,10 @@ from trainer.startup import STOP_SIGNALS, handed_over
 
 
 class Stopped(BaseException):
-    """A stop signal arrived while the run was being set up: no step ran, nothing is saved. A
-    BaseException, as KeyboardInterrupt: a request to stop passes every `except Exception`."""
+    """A stop signal acted on outside the loop: while the run was being set up (no step ran, nothing
+    is saved: its message says so), or between the end-of-run sample's tokens, where train.py
+    catches it and closes the run. A BaseException, as KeyboardInterrupt: a request to stop passes
+    every `except Exception`."""
 
     def __init__(self, signum: int):
         super().__init__(f"stopped by {signal.Signals(signum).name} before the first step; nothing was saved: "
