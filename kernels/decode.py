@@ -25,16 +25,13 @@ j > position - W. Returns (B, H, T, D) in q's dtype. fp16, bf16, fp32.
 """
 
 import functools
-import math
 
 import torch
 import triton
 import triton.language as tl
 
 from kernels.runtime.launch import Launcher, on_device
-
-_LOG2E = tl.constexpr(math.log2(math.e))
-
+from kernels.triton.blocks import LOG2E, visible
 
 @triton.jit
 def _split_kernel(
@@ -57,6 +54,7 @@ def _split_kernel(
     off_h = off_hkv * GROUP + rows // T
     t = rows % T
     pos = length - T + t  # each row's key position
+    key_lo = tl.where(window > 0, pos - window + 1, 0)  # each row's first key (kernels/masking.py's rule)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     q_ptrs = (Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64)[:, None] * stride_qh
@@ -84,10 +82,8 @@ def _split_kernel(
         k = tl.load(k_base + cols.to(tl.int64)[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_mask,
                     other=0.0)
         qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)  # (BLOCK_M, BLOCK_N)
-        visible = (cols[None, :] < end) & (cols[None, :] <= pos[:, None])
-        if window > 0:
-            visible = visible & (cols[None, :] > pos[:, None] - window)
-        qk = tl.where(visible, qk, float("-inf"))
+        seen = visible(t, cols, T, length, key_lo, True, True) & (cols[None, :] < end)
+        qk = tl.where(seen, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: exp2 gives 0, not NaN
         p = tl.math.exp2(tl.fma(qk, qk_scale, -m_sub[:, None]))
@@ -170,7 +166,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         out = decode_attention(q.float(), k_cache.float(), v_cache.float(), length, window, softmax_scale, splits)
         return out.to(torch.bfloat16)
     splits = splits or num_splits(B, H_kv, S_max, q.device)
-    scale = (D ** -0.5 if softmax_scale is None else softmax_scale) * _LOG2E.value
+    scale = (D ** -0.5 if softmax_scale is None else softmax_scale) * LOG2E.value
     group = H // H_kv
     o_part = torch.empty((B, H, T, splits, D), dtype=torch.float32, device=q.device)
     lse_part = torch.empty((B, H, T, splits), dtype=torch.float32, device=q.device)

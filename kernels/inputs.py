@@ -4,10 +4,13 @@ and window (causal). The outputs' layout, the softmax scale, autocast, and wheth
 
 import torch
 
-from kernels.masking import Bounds, document_bounds, window_bounds
+from kernels.masking import Bounds, Mask
 from kernels.runtime import chips
 from kernels.runtime.launch import interprets
-from kernels.triton.config import DTYPES, MAX_HEAD_DIM
+
+# what both backends take; each may take less (kernels/backends.py says so)
+MAX_HEAD_DIM = 256  # tiles pad D to a power of two >= 16 and mask the rest
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # fp32 as true IEEE matmuls
 
 
 def check_inputs(q, k, v):
@@ -83,9 +86,7 @@ def checked_bounds(q, k, v, causal, doc_ids, window) -> Bounds | None:
         if key is not None:
             _CHECKED.add(key)
     (B, _, T, _), S = q.shape, k.shape[2]
-    if doc_ids is None:
-        return window_bounds(window, B, T, S, q.device)
-    return document_bounds(doc_ids, window, B, T, S, q.device)
+    return Mask(T, S, causal, doc_ids, window).bounds(B, q.device)
 
 
 def softmax_scale_of(q, softmax_scale=None) -> float:

@@ -11,9 +11,12 @@ masks both, a query block needs keys only from its first row's key_lo on, a key 
 queries up to its last key's row_hi, and tiles outside that band are skipped, not masked.
 Rows that see no key get O = 0, LSE = -inf and zero gradients. Each dialect computes the tile
 ranges and the element mask from these in one module: kernels/triton/blocks.py,
-kernels/hopper/blocks.py; kernels/reference/flash_ref.py checks them independently.
+kernels/hopper/blocks.py. Every other reader takes the rule from a Mask: the dense boolean mask
+(naive, SDPA, the references and the tests, which so check the Bounds independently),
+FlexAttention's mask_mod and FlashAttention-4's arguments.
 """
 
+import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -25,6 +28,60 @@ class Bounds(NamedTuple):
     int32, every query's first key; row_hi (B, S) int32, one past every key's last query."""
     key_lo: torch.Tensor
     row_hi: torch.Tensor
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Mask:
+    """Which of S keys each of T queries sees: bottom-right causal (query i sits at key position
+    i + S - T: the newest T of S keys), within its document (doc_ids (B, T), T == S; a row's
+    documents have distinct ids) and fewer than `window` keys back (0: any)."""
+    T: int
+    S: int
+    causal: bool = True
+    doc_ids: torch.Tensor | None = None
+    window: int = 0
+
+    def sees(self, b, rows, cols) -> torch.Tensor:
+        """Whether query `rows` of batch row b (read only with documents) sees key `cols`, for
+        broadcasting index tensors."""
+        return sees(b, rows, cols, self.T, self.S, self.causal, self.window or None, self.doc_ids)
+
+    def dense(self, device: torch.device | None = None) -> torch.Tensor:
+        """(B or 1, 1, T, S) bool, True where a query sees a key."""
+        device = self.doc_ids.device if self.doc_ids is not None else device
+        rows = torch.arange(self.T, device=device)[:, None]
+        cols = torch.arange(self.S, device=device)[None, :]
+        if self.doc_ids is None:
+            return self.sees(None, rows, cols)[None, None]
+        b = torch.arange(self.doc_ids.shape[0], device=device)[:, None, None]
+        return self.sees(b, rows, cols)[:, None]
+
+    def mask_mod(self, device: torch.device):
+        """FlexAttention's mask_mod(b, h, q_idx, kv_idx) of this rule. The window is a tensor the
+        kernel reads, not a constant compiled into it: one kernel (and one of dynamo's 8 compiles
+        per function) serves every window of a sweep; 0 reaches all S keys."""
+        T, S, causal, doc_ids = self.T, self.S, self.causal, self.doc_ids
+        reach = torch.tensor(self.window or S, device=device)
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return sees(b, q_idx, kv_idx, T, S, causal, reach, doc_ids)
+        return mask_mod
+
+    def bounds(self, B: int, device: torch.device) -> Bounds | None:
+        """The Bounds our kernels read (None: the causal mask alone), made once per batch or shape."""
+        if self.doc_ids is None:
+            return window_bounds(self.window, B, self.T, self.S, device)
+        return document_bounds(self.doc_ids, self.window, B, self.T, self.S, device)
+
+    def fa4(self) -> dict:
+        """FlashAttention-4's arguments: its window_size (W - 1 keys before, none after); with
+        documents those of its varlen entry, where the B rows are flattened to B·T tokens."""
+        args = {"causal": self.causal, "window_size": (self.window - 1, 0) if self.window else (None, None)}
+        if self.doc_ids is not None:
+            offsets = _batch_cu_seqlens(self.doc_ids)
+            # T bounds every document (none crosses a row): no host sync for the longest
+            args |= {"cu_seqlens_q": offsets, "cu_seqlens_k": offsets, "max_seqlen_q": self.T, "max_seqlen_k": self.S}
+        return args
 
 
 def bounds(doc_ids: torch.Tensor | None, window: int, B: int, T: int, S: int, device: torch.device) -> Bounds | None:
@@ -113,3 +170,31 @@ def window_bounds(window: int, B: int, T: int, S: int, device: torch.device) -> 
             _WINDOWS.clear()
         _WINDOWS[key] = bounds(None, window, B, T, S, device)
     return _WINDOWS[key]
+
+
+def sees(b, rows, cols, T: int, S: int, causal: bool, reach, doc_ids: torch.Tensor | None) -> torch.Tensor:
+    """The rule, for broadcasting index tensors: query i (rows) of batch row b sees key j (cols) iff
+    both are real, j is no later than i's own position i + S - T (causal), fewer than reach keys
+    behind it (an int or a tensor; None: any) and in i's document."""
+    behind = rows + (S - T) - cols  # how far key j lies behind query i's own position
+    seen = (rows < T) & (cols < S)
+    if causal:
+        seen = seen & (behind >= 0)
+    if reach is not None:
+        seen = seen & (behind < reach)
+    if doc_ids is not None:
+        seen = seen & (doc_ids[b, rows] == doc_ids[b, cols])
+    return seen
+
+
+def cu_seqlens(doc_ids: torch.Tensor) -> torch.Tensor:
+    """(B, T) document ids -> (N + 1,) int32: where each of the N documents of the B rows, flattened
+    to B·T tokens, starts, then B·T. A document is a run of equal ids, and every row's first token
+    starts one."""
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    offsets = starts.flatten().nonzero().flatten()  # the number of documents: one host sync per batch
+    return torch.cat([offsets, offsets.new_tensor([doc_ids.numel()])]).to(torch.int32)
+
+
+_batch_cu_seqlens = once_per_batch(cu_seqlens)

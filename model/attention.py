@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import MAX_HEAD_DIM, flash_attention, unsupported
+from kernels.masking import Mask
 from model.kv_cache import DecodeFn, dense_decode, triton_decode
 from model.peers import fa4_attention, fa4_unsupported, flex_attention, flex_unsupported
 
@@ -62,7 +63,8 @@ def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: 
     if k.size(1) != q.size(1):  # query head h reads kv head h // (H / H_kv)
         k, v = (t.repeat_interleave(q.size(1) // k.size(1), dim=1) for t in (k, v))
     scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.size(-1)))  # (B, H, T, S)
-    scores = scores.masked_fill(hidden_keys(doc_ids, q.size(-2), q.device, window, k.size(-2)), float("-inf"))
+    seen = Mask(q.size(-2), k.size(-2), True, doc_ids, window).dense(q.device)  # (B or 1, 1, T, S)
+    scores = scores.masked_fill(~seen, float("-inf"))
     # softmax in (at least) fp32: bf16 exp/sum would lose the many small probabilities
     probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(q.dtype, torch.float32)).to(q.dtype)
     return probs @ v  # (B, H, T, D)
@@ -76,8 +78,15 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: t
     T, S = q.size(-2), k.size(-2)
     if not sdpa_masked(doc_ids is not None, window, T, S):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=~hidden_keys(doc_ids, T, q.device, window, S),
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=Mask(T, S, True, doc_ids, window).dense(q.device),
                                           enable_gqa=gqa)
+
+
+def sdpa_masked(documents: bool, window: int, T: int, S: int) -> bool:
+    """Whether sdpa_attention passes SDPA a dense mask (which its flash and cuDNN kernels do not take):
+    with documents, a window shorter than the keys, or fewer queries than keys (SDPA's is_causal is
+    aligned top-left, the newest queries' bottom-right)."""
+    return documents or 0 < window < S or T != S
 
 
 def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None = None,
@@ -125,27 +134,3 @@ def get_attention(name: str, backend: str = "auto") -> Attention:
         raise ValueError(f"attn.backend={backend}: chooses which of our kernels attn=triton runs; attn={name} "
                          "has no such choice (attn.sdpa_backend pins SDPA's)")
     return dataclasses.replace(entry, fn=functools.partial(entry.fn, backend=backend), backend=backend)
-
-
-# -----------------------------------------------------------------------------
-# the dense mask of naive and sdpa
-
-
-def hidden_keys(doc_ids: torch.Tensor | None, T: int, device: torch.device, window: int = 0,
-                S: int | None = None) -> torch.Tensor:
-    """(B or 1, 1, T, S) bool: True where query i, the key position i + S - T (the newest T of S
-    keys; S = T by default, S > T when decoding against a cache), may not see key j: the future,
-    another document (T = S), W or more keys back."""
-    S = T if S is None else S
-    offset = torch.arange(T, device=device)[:, None] + (S - T) - torch.arange(S, device=device)[None, :]  # i' - j
-    hidden = (offset < 0) | (offset >= window) if window else offset < 0
-    if doc_ids is None:
-        return hidden[None, None]
-    return hidden[None, None] | (doc_ids[:, None, :, None] != doc_ids[:, None, None, :])
-
-
-def sdpa_masked(documents: bool, window: int, T: int, S: int) -> bool:
-    """Whether sdpa_attention passes SDPA a dense mask (which its flash and cuDNN kernels do not take):
-    with documents, a window shorter than the keys, or fewer queries than keys (SDPA's is_causal is
-    aligned top-left, the newest queries' bottom-right)."""
-    return documents or 0 < window < S or T != S

@@ -24,7 +24,7 @@ import functools
 import torch
 from torch.nn.attention import flex_attention as torch_flex
 
-from kernels.masking import once_per_batch
+from kernels.masking import Mask, once_per_batch
 
 FA4_NEEDS = ("FlashAttention-4 needs the flash-attn-4 package (pip install flash-attn-4, CUDA 13) and an sm_90 or "
              "sm_100 GPU")
@@ -32,22 +32,6 @@ FA4_NEEDS = ("FlashAttention-4 needs the flash-attn-4 package (pip install flash
 
 # ---------------------------------------------------------------------------
 # FlexAttention
-
-
-def _visible(T: int, S: int, window: int, device: torch.device, doc_ids: torch.Tensor | None = None):
-    """The mask_mod of hidden_keys (model/attention.py) negated: query q_idx, the key position
-    q_idx + S - T, sees key kv_idx if it is no later, fewer than `window` back (0: any), in its document."""
-    # the window is a tensor the kernel reads, not a constant compiled into it: one kernel (and one
-    # of dynamo's 8 compiles per function) serves every window of a sweep; 0: S, all keys
-    reach = torch.tensor(window or S, device=device)
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        offset = q_idx + (S - T) - kv_idx
-        seen = (offset >= 0) & (offset < reach)
-        if doc_ids is not None:
-            seen = seen & (doc_ids[b, q_idx] == doc_ids[b, kv_idx])
-        return seen
-    return mask_mod
 
 
 @functools.cache
@@ -65,13 +49,13 @@ def _block_mask(mask_mod, B: int | None, T: int, S: int, device: torch.device) -
 @torch.compiler.disable
 @functools.cache
 def _shape_mask(T: int, S: int, window: int, device: torch.device) -> torch_flex.BlockMask:
-    return _block_mask(_visible(T, S, window, device), None, T, S, device)
+    return _block_mask(Mask(T, S, window=window).mask_mod(device), None, T, S, device)
 
 
 @once_per_batch
 def _document_mask(doc_ids: torch.Tensor, window: int) -> torch_flex.BlockMask:
     B, T = doc_ids.shape
-    return _block_mask(_visible(T, T, window, doc_ids.device, doc_ids), B, T, T, doc_ids.device)
+    return _block_mask(Mask(T, T, True, doc_ids, window).mask_mod(doc_ids.device), B, T, T, doc_ids.device)
 
 
 def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None = None,
@@ -95,37 +79,22 @@ def flex_unsupported(head_dim: int, dtype: torch.dtype, device: torch.device) ->
 # FlashAttention-4
 
 
-def cu_seqlens(doc_ids: torch.Tensor) -> torch.Tensor:
-    """(B, T) document ids -> (N + 1,) int32: where each of the N documents of the B rows, flattened
-    to B·T tokens, starts, then B·T. A document is a run of equal ids; ids restart in every row
-    (data/tokenizer.py document_ids), so every row's first token starts one too."""
-    starts = torch.ones_like(doc_ids, dtype=torch.bool)
-    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
-    offsets = starts.flatten().nonzero().flatten()  # the number of documents: one host sync per batch
-    return torch.cat([offsets, offsets.new_tensor([doc_ids.numel()])]).to(torch.int32)
-
-
-_batch_cu_seqlens = once_per_batch(cu_seqlens)
-
-
 @torch.compiler.disable
 def fa4_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None = None,
                   window: int = 0, deterministic: bool = False) -> torch.Tensor:
-    """FlashAttention-4, causal (bottom-right aligned, as hidden_keys: T new queries of S keys);
+    """FlashAttention-4, causal (bottom-right aligned, as kernels/masking.py's Mask: T new queries of S keys);
     deterministic: its ordered dQ backward."""
     from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
 
     B, H, T, D = q.shape
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, T, H, D): a view, the model's memory order
-    window_size = (window - 1, 0) if window else (None, None)
+    args = Mask(T, k.size(1), True, doc_ids, window).fa4()
     if doc_ids is None:
-        out, _ = flash_attn_func(q, k, v, causal=True, window_size=window_size, deterministic=deterministic)
+        out, _ = flash_attn_func(q, k, v, deterministic=deterministic, **args)
         return out.transpose(1, 2)
-    offsets = _batch_cu_seqlens(doc_ids)
-    # (B·T, H, D), views of the model's q, k, v; T bounds every document (none crosses a row): no sync for the longest
-    out, _ = flash_attn_varlen_func(*(t.reshape(B * T, *t.shape[2:]) for t in (q, k, v)), cu_seqlens_q=offsets,
-                                    cu_seqlens_k=offsets, max_seqlen_q=T, max_seqlen_k=T, causal=True,
-                                    window_size=window_size, deterministic=deterministic)
+    # (B·T, H, D): views of the model's q, k, v
+    out, _ = flash_attn_varlen_func(*(t.reshape(B * T, *t.shape[2:]) for t in (q, k, v)), deterministic=deterministic,
+                                    **args)
     return out.view(B, T, H, D).transpose(1, 2)
 
 

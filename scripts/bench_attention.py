@@ -38,7 +38,8 @@ from triton.testing import do_bench  # noqa: E402
 
 from kernels import LAUNCHERS, attention_flops, flash_attention  # noqa: E402
 from configs.runtime import SDPA_BACKENDS  # noqa: E402
-from model.attention import ATTENTIONS, hidden_keys  # noqa: E402
+from kernels.masking import Mask  # noqa: E402
+from model.attention import ATTENTIONS  # noqa: E402
 from scripts.args import (ArgumentParser, directory, names, non_negative_int, positive_int, positive_ints,  # noqa: E402
                           require_cuda, require_divisors)
 from data.files import save_figure  # noqa: E402
@@ -375,7 +376,7 @@ def run_documents(args, env):
             useful = 3.5 * sum(attention_flops(1, H, n, n, D) for n in lengths)
             leaves, get_qkv, dout = make_inputs(1, H, T, D, "btHd")
             peers = _peers(D, doc_ids)
-            dense = ~hidden_keys(doc_ids, T, doc_ids.device)
+            dense = Mask(T, T, True, doc_ids).dense()
             impls = {"ours_docs": lambda q, k, v: flash_attention(q, k, v, doc_ids=doc_ids),
                      "fa4_docs": peers["fa4"], "flex_docs": peers["flex"],
                      "sdpa_dense": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=dense),
@@ -417,7 +418,7 @@ def run_windows(args, env):
                     "causal": 3.5 * attention_flops(1, H, T, T, D)}
             leaves, get_qkv, dout = make_inputs(1, H, T, D, "btHd")
             alone, within = _peers(D, None, W), _peers(D, doc_ids, W)
-            dense = ~hidden_keys(None, T, doc_ids.device, W)
+            dense = Mask(T, T, window=W).dense(doc_ids.device)
             impls = {"ours": (lambda q, k, v: flash_attention(q, k, v, window=W), "window"),
                      "fa4": (alone["fa4"], "window"), "flex": (alone["flex"], "window"),
                      "sdpa_dense": (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=dense), "window"),

@@ -174,6 +174,31 @@ def setting(request) -> Setting:
     return Setting(T, S, block_m, block_n, causal, bnd is not None, key_lo, row_hi, probs[0, 0] > 0)
 
 
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"T{c[0]}-S{c[1]}-{c[2]}")
+def test_every_reader_of_a_mask_sees_the_same_keys(case):
+    # the dense mask, FlexAttention's mask_mod, the kernels' Bounds and FlashAttention-4's
+    # arguments, each from one Mask, against a walk over the keys written from the rule's words
+    T, S, kind, extra = case
+    lengths = extra if kind == "documents" else extra[0] if kind == "documents+window" else None
+    window = extra if kind == "window" else extra[1] if kind == "documents+window" else 0
+    doc_ids = None if lengths is None else torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[None]
+    mask = masking.Mask(T, S, kind != "full", doc_ids, window)
+    want = torch.tensor([[j < S and (kind == "full" or j <= i + S - T) and (not window or i + S - T - j < window)
+                          and (doc_ids is None or doc_ids[0, i] == doc_ids[0, j]) for j in range(S)] for i in range(T)])
+    assert torch.equal(mask.dense()[0, 0], want)
+    rows, cols = torch.arange(T)[:, None], torch.arange(S)[None, :]
+    assert torch.equal(mask.mask_mod(torch.device("cpu"))(torch.zeros((), dtype=torch.long), None, rows, cols), want)
+    bnd = mask.bounds(1, torch.device("cpu"))
+    if bnd is not None:  # the band the kernels read, with the causal mask, is the same set of keys
+        band = (cols >= bnd.key_lo[0][:, None]) & (cols <= rows + S - T)
+        assert torch.equal(band, want)
+        assert torch.equal((rows < bnd.row_hi[0][None, :]) & (cols <= rows + S - T), want)
+    fa4 = mask.fa4()
+    assert fa4["window_size"] == ((window - 1, 0) if window else (None, None))
+    if doc_ids is not None:
+        assert fa4["cu_seqlens_q"].tolist() == torch.tensor([0, *lengths]).cumsum(0).tolist()
+
+
 def test_document_bounds_are_made_once_per_batch():
     # every layer of a step passes the batch's doc_ids: its Bounds are made once, through the
     # kernels' input check too, and again for another window, another batch or an in-place change
@@ -291,8 +316,8 @@ def test_backward_query_blocks_agree(setting):
 def test_dq_turns_order_the_programs_of_each_q_block(setting, longest_first):
     # the key blocks whose programs visit a Q block take the turns 0, 1, ... once each, in launch
     # order: no writer waits for a share that never comes (a hang), none shares a turn (an order
-    # that changes run to run). Launch order within a (batch, kv head), kernels/hopper/bwd.py's
-    # _tile_of: key block 0 first (longest first), or the last first (shortest first)
+    # that changes run to run). Launch order within a (batch, kv head), kernels/hopper/schedule.py's
+    # bwd_tile: key block 0 first (longest first), or the last first (shortest first)
     T, S, block_m, block_n, causal, bounded, key_lo, row_hi, _ = setting
     key_blocks, m_blocks = triton.cdiv(S, block_n), triton.cdiv(T, block_m)
     ranges = torch.zeros(key_blocks, 6, dtype=torch.int32)

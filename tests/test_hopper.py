@@ -58,7 +58,7 @@ def test_compiles_for_sm90_without_a_gpu(tmp_path):
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     if not GLUON:
         env["PYTHONPATH"] = os.pathsep.join([str(GLUON_TRITON_DIR), str(REPO)])
-    out = subprocess.run([sys.executable, "-m", "kernels.runtime.sm90", "--sass", "--out", str(tmp_path)], cwd=REPO,
+    out = subprocess.run([sys.executable, "-m", "kernels.hopper.sm90", "--sass", "--out", str(tmp_path)], cwd=REPO,
                          env=env, capture_output=True, text=True, timeout=1800)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
@@ -89,7 +89,7 @@ def test_compiles_for_sm90_without_a_gpu(tmp_path):
 
 
 def test_compiling_refuses_a_head_dim_without_kernels_in_one_line(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "kernels.runtime.sm90", "--head-dims", "64,96", "--out",
+    out = subprocess.run([sys.executable, "-m", "kernels.hopper.sm90", "--head-dims", "64,96", "--out",
                           str(tmp_path / "sass")], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 2
     assert out.stderr.splitlines()[-1].endswith("--head-dims 64,96: the Hopper kernels have head dims 64, 128")

@@ -42,3 +42,47 @@ def test_the_model_imports_no_config_library():
     run = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.strip() == "[]", f"`import model` pulls in {run.stdout.strip()}"
+
+
+# inside kernels/, top to bottom: what calls the kernels; the Hopper kernels (whose Triton passes
+# share the portable kernels' blocks); the portable kernels; what both accept; the mask, the FLOP
+# count and what launches any kernel. The names are the first part of a module's name under kernels.
+KERNEL_LAYERS = [{"__init__", "api", "backends", "ring_attention", "decode", "cross_entropy", "reference"},
+                 {"hopper"}, {"triton"}, {"inputs"}, {"masking", "flops", "runtime"}]
+
+
+def _kernel_layer(module: str) -> int:
+    part = module.split(".")[1] if "." in module else "__init__"
+    return next(i for i, names in enumerate(KERNEL_LAYERS) if part in names)
+
+
+def _kernel_modules_imported(path) -> set[str]:
+    """The kernels.* modules a file imports (`from kernels.x import y` is kernels.x.y where y is a module)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names if alias.name.split(".")[0] == "kernels"}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and \
+                node.module.split(".")[0] == "kernels":
+            folder = REPO.joinpath(*node.module.split("."))
+            for alias in node.names:
+                is_module = (folder / f"{alias.name}.py").is_file() or (folder / alias.name).is_dir()
+                names.add(f"{node.module}.{alias.name}" if is_module else node.module)
+    return names
+
+
+def test_inside_kernels_imports_point_down():
+    for path in sorted((REPO / "kernels").rglob("*.py")):
+        module = ".".join(path.relative_to(REPO).with_suffix("").parts)
+        layer = _kernel_layer(module)
+        upward = sorted(m for m in _kernel_modules_imported(path) if _kernel_layer(m) < layer)
+        assert not upward, f"{module} imports {upward}, which sit above it in kernels/"
+
+
+def test_the_kernels_limits_and_constants_have_one_home():
+    # a constant defined twice drifts: each is assigned in one module only
+    for name in ("MAX_HEAD_DIM", "LOG2E"):
+        homes = [str(path.relative_to(REPO)) for path in sorted((REPO / "kernels").rglob("*.py"))
+                 if any(isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets)
+                        for node in ast.parse(path.read_text()).body)]
+        assert len(homes) == 1, f"{name} is assigned in {homes}"

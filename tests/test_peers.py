@@ -25,11 +25,11 @@ from omegaconf import OmegaConf
 import train as train_module
 from configs.validate import ConfigError, validate
 from data.tokenizer import EOT, document_ids
-from kernels.masking import once_per_batch
+from kernels.masking import cu_seqlens, once_per_batch
 from model import ATTENTIONS, GPT
 from model.attention import naive_attention
 from model.config import ModelConfig
-from model.peers import cu_seqlens, fa4_unsupported, flex_attention
+from model.peers import fa4_unsupported, flex_attention
 from tests.helpers import CONFIGS, REPO, TINY, assert_within_own_error, compose, metrics
 from trainer import preflight
 
@@ -252,7 +252,7 @@ def test_gpu_fa4_matches_float64(seed, deterministic):
 @pytest.mark.gpu
 @pytest.mark.parametrize("window", [0, 300])
 def test_gpu_fa4_decodes_the_newest_queries_against_a_cache(window):
-    # FA4's causal mask is bottom-right aligned, as hidden_keys: 3 new queries are the cache's last 3 of 900 filled
+    # FA4's causal mask is bottom-right aligned, as kernels/masking.py's Mask: 3 new queries are the cache's last 3 of 900 filled
     fa4_or_skip()
     B, H, H_kv, D, max_len, filled = 2, 4, 2, 64, 1024, 900
     gen = torch.Generator(device="cuda").manual_seed(window)

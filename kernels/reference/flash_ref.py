@@ -21,29 +21,26 @@ float64 by default, that the tests compare both implementations against.
 
 import torch
 
-
-def _causal_mask(rows, cols, T, S):
-    """(len(rows), len(cols)) bool: query i attends key j iff j <= i + S - T."""
-    return cols[None, :] <= rows[:, None] + (S - T)
+from kernels.masking import Mask
 
 
-def _kv_block_range(start_m, block_m, block_n, T, S, causal):
+def kv_block_range(start_m, block_m, block_n, T, S, causal):
     """(full_end, end): query rows [start_m, start_m + block_m) attend keys [0, end); keys below
     full_end, a multiple of block_n, are seen by every one of those rows."""
     if not causal:
         return S // block_n * block_n, S
-    full_end = max(min(start_m + S - T + 1, S), 0) // block_n * block_n
-    end = max(min(start_m + block_m + S - T, S), 0)
+    full_end = max(min(start_m + S - T + 1, S), 0) // block_n * block_n  # keys the first row sees, whole blocks
+    end = max(min(start_m + block_m + S - T, S), 0)  # keys the last row sees
     return full_end, end
 
 
-def _q_block_range(start_n, block_m, block_n, T, S, causal):
+def q_block_range(start_n, block_m, block_n, T, S, causal):
     """(start, full_start): query rows [start, T) attend keys [start_n, start_n + block_n); rows
     from full_start on (a multiple of block_m, or T) see every one of those keys."""
     if not causal:
         return 0, 0
-    start = max(start_n - (S - T), 0) // block_m * block_m
-    first_full_row = max(start_n + block_n - 1 - (S - T), 0)
+    start = max(start_n - (S - T), 0) // block_m * block_m  # the first row that sees the first key, its block
+    first_full_row = max(start_n + block_n - 1 - (S - T), 0)  # the first row that sees the last key
     return start, min(-(-first_full_row // block_m) * block_m, T)
 
 
@@ -71,12 +68,12 @@ def flash_attention_reference_forward(q, k, v, causal=True, scale=None, block_m=
         m_i = torch.full((B, H, len(rows)), float("-inf"), dtype=acc_dtype, device=q.device)
         l_i = torch.zeros_like(m_i)
         acc = torch.zeros_like(q_blk)
-        full_end, end = _kv_block_range(start_m, block_m, block_n, T, S, causal)
+        full_end, end = kv_block_range(start_m, block_m, block_n, T, S, causal)
         for start_n in range(0, end, block_n):
             cols = torch.arange(start_n, min(start_n + block_n, S), device=q.device)
             s = scale * q_blk @ k[:, :, cols].to(acc_dtype).transpose(-1, -2)  # (B, H, bm, bn)
             if start_n >= full_end and causal:
-                s = s.masked_fill(~_causal_mask(rows, cols, T, S), float("-inf"))
+                s = s.masked_fill(~Mask(T, S).sees(None, rows[:, None], cols[None, :]), float("-inf"))
             m_new = torch.maximum(m_i, s.amax(-1))
             m_sub = m_new.masked_fill(m_new == float("-inf"), 0.0)  # rows with no key yet: no NaN
             p = torch.exp(s - m_sub[..., None])
@@ -106,14 +103,14 @@ def flash_attention_reference_backward(q, k, v, o, lse, do, causal=True, scale=N
         s = scale * up(q[:, :, rows]) @ up(k_h[:, :, cols]).transpose(-1, -2)
         p = torch.exp(s - lse[:, :, rows, None])
         if masked and causal:  # selected after exp: rows with LSE = -inf give inf here and are dropped
-            p = torch.where(_causal_mask(rows, cols, T, S), p, 0.0)
+            p = torch.where(Mask(T, S).sees(None, rows[:, None], cols[None, :]), p, 0.0)
         return p  # (B, H, bm, bn)
 
     dk_h = torch.zeros((B, H, S, D), dtype=acc_dtype, device=q.device)  # per query head
     dv_h = torch.zeros_like(dk_h)
     for start_n in range(0, S, block_n):
         cols = torch.arange(start_n, min(start_n + block_n, S), device=q.device)
-        start, full_start = _q_block_range(start_n, block_m, block_n, T, S, causal)
+        start, full_start = q_block_range(start_n, block_m, block_n, T, S, causal)
         for start_m in range(start, T, block_m):
             rows = torch.arange(start_m, min(start_m + block_m, T), device=q.device)
             p = probs(rows, cols, masked=start_m < full_start)
@@ -128,7 +125,7 @@ def flash_attention_reference_backward(q, k, v, o, lse, do, causal=True, scale=N
     dq = torch.zeros((B, H, T, D), dtype=acc_dtype, device=q.device)
     for start_m in range(0, T, block_m):
         rows = torch.arange(start_m, min(start_m + block_m, T), device=q.device)
-        full_end, end = _kv_block_range(start_m, block_m, block_n, T, S, causal)
+        full_end, end = kv_block_range(start_m, block_m, block_n, T, S, causal)
         for start_n in range(0, end, block_n):
             cols = torch.arange(start_n, min(start_n + block_n, S), device=q.device)
             p = probs(rows, cols, masked=start_n >= full_end)
@@ -147,14 +144,7 @@ def attention_probs(q, k, causal=True, scale=None, dtype=torch.float64, doc_ids=
     S = k.shape[2]
     scale = D**-0.5 if scale is None else scale
     s = scale * q.to(dtype) @ _expand_kv(k, H).to(dtype).transpose(-1, -2)  # (B, H, T, S)
-    if causal:
-        rows, cols = torch.arange(T, device=q.device), torch.arange(S, device=q.device)
-        s = s.masked_fill(~_causal_mask(rows, cols, T, S), float("-inf"))
-    if doc_ids is not None:
-        s = s.masked_fill((doc_ids[:, None, :, None] != doc_ids[:, None, None, :]), float("-inf"))
-    if window:
-        rows, cols = torch.arange(T, device=q.device), torch.arange(S, device=q.device)
-        s = s.masked_fill(cols[None, :] <= rows[:, None] + (S - T - window), float("-inf"))
+    s = s.masked_fill(~Mask(T, S, causal, doc_ids, window).dense(q.device), float("-inf"))
     lse = torch.logsumexp(s.detach(), dim=-1)
     empty = torch.isinf(lse)[..., None]  # softmax of an all -inf row is NaN: give it zeros instead
     return torch.softmax(s.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0), lse

@@ -21,7 +21,9 @@ from typing import NamedTuple
 import torch
 
 from kernels import flash_attention, flash_attn_forward
-from kernels.reference.flash_ref import flash_attention_reference_backward, flash_attention_reference_forward
+from kernels.masking import Mask
+from kernels.reference.flash_ref import (flash_attention_reference_backward, flash_attention_reference_forward,
+                                         kv_block_range, q_block_range)
 
 F64 = torch.float64
 NEG_INF = float("-inf")
@@ -30,11 +32,6 @@ T, S, D, BM, BN = 40, 56, 16, 16, 8  # the steps' sizes: T != S, blocks that div
 
 # --------------------------------------------------------------------------------------------
 # the textbook formula, and how a step's error is measured
-
-
-def causal_mask(T, S):
-    """(T, S) bool, bottom-right aligned: query i sees key j iff j <= i + S - T."""
-    return torch.arange(S)[None, :] <= torch.arange(T)[:, None] + (S - T)
 
 
 def dense_attention(q, k, v, mask=None):
@@ -74,26 +71,6 @@ def randn(gen, *shape, dtype=F64):
 # the blocked algorithm: one head, q (T, D), k and v (S, D); every row sees at least one key
 
 
-def kv_block_range(start_m, bm, bn, T, S, causal):
-    """(full_end, end) for query rows [start_m, start_m + bm): some row sees keys below end, every
-    row sees the whole key blocks below full_end (those need no mask)."""
-    if not causal:
-        return S, S
-    full_end = max(min(start_m + S - T + 1, S), 0) // bn * bn  # keys the first row sees, whole blocks
-    end = max(min(start_m + bm + S - T, S), 0)  # keys the last row sees
-    return full_end, end
-
-
-def q_block_range(start_n, bm, bn, T, S, causal):
-    """(start, full_start) for keys [start_n, start_n + bn): rows from start on see some of them,
-    rows from full_start on (a whole block, or T) see all of them."""
-    if not causal:
-        return 0, 0
-    start = max(start_n - (S - T), 0) // bm * bm  # the first row that sees the first key, its block
-    first_full_row = max(start_n + bn - 1 - (S - T), 0)  # the first row that sees the last key
-    return start, min(-(-first_full_row // bm) * bm, T)
-
-
 def fa2_forward(q, k, v, bm, bn, causal=False, tiles=None):
     """(O, LSE): query blocks outside (one program each in the kernel), key blocks inside, an online
     softmax, one division per row at the end. tiles counts the (query, key) tiles visited."""
@@ -109,8 +86,8 @@ def fa2_forward(q, k, v, bm, bn, causal=False, tiles=None):
         for start_n in range(0, end, bn):
             cols = slice(start_n, min(start_n + bn, S))
             s = scale * q[rows] @ k[cols].T  # (bm, bn)
-            if start_n >= full_end:  # only tiles that straddle the diagonal are masked
-                s = s.masked_fill(~causal_mask(T, S)[rows, cols], NEG_INF)
+            if causal and start_n >= full_end:  # only tiles that straddle the diagonal are masked
+                s = s.masked_fill(~Mask(T, S).dense()[0, 0, rows, cols], NEG_INF)
             m_new = torch.maximum(m_i, s.amax(-1))
             m_sub = m_new.masked_fill(m_new == NEG_INF, 0.0)  # rows with no key yet: exp(-inf - 0) = 0, not NaN
             p = torch.exp(s - m_sub[:, None])
@@ -134,7 +111,7 @@ def fa2_backward(q, k, v, o, lse, do, bm, bn, causal=False, tiles=None):
 
     def probs(rows, cols, masked):
         p = torch.exp(scale * q[rows] @ k[cols].T - lse[rows, None])  # (bm, bn)
-        return p.masked_fill(~causal_mask(T, S)[rows, cols], 0.0) if masked else p
+        return p.masked_fill(~Mask(T, S).dense()[0, 0, rows, cols], 0.0) if masked and causal else p
 
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
     for start_n in range(0, S, bn):
@@ -251,7 +228,7 @@ def step_causal(gen):
     tiles = Counter()
     o, lse = fa2_forward(q, k, v, b, b, causal=True, tiles=tiles)
     grads = fa2_backward(q, k, v, o, lse, do, b, b, causal=True, tiles=tiles)
-    ref = dense_with_grads(q, k, v, do, causal_mask(T_c, S_c))
+    ref = dense_with_grads(q, k, v, do, Mask(T_c, S_c).dense()[0, 0])
     note = (f"forward visits {tiles['full'] + tiles['masked']} of {(T_c // b) * (S_c // b)} tiles, "
             f"{tiles['masked']} masked; dK/dV pass {tiles['dkdv']}, dQ pass {tiles['dq']}")
     return max_error(*zip((o, lse, *grads), ref)), note
@@ -272,7 +249,7 @@ def step_gqa(gen):
             dq[h], dk_h, dv_h = fa2_backward(q[h], k[h_kv], v[h_kv], o[h], lse[h], do[h], BM, BN, causal=True)
             dk[h_kv] += dk_h
             dv[h_kv] += dv_h
-    ref = dense_with_grads(q, k, v, do, causal_mask(T, S))
+    ref = dense_with_grads(q, k, v, do, Mask(T, S).dense()[0, 0])
     return max_error(*zip((o, lse, dq, dk, dv), ref)), f"{H} query heads on {H_kv} kv heads"
 
 
@@ -286,7 +263,7 @@ def step_flash_ref(gen):
     q, k, v, do = _heads(gen, 2, 4, 2, F64)
     o, lse = flash_attention_reference_forward(q, k, v, causal=True, block_m=BM, block_n=BN)
     grads = flash_attention_reference_backward(q, k, v, o, lse, do, causal=True, block_m=BM, block_n=BN)
-    ref = dense_with_grads(q, k, v, do, causal_mask(T, S))
+    ref = dense_with_grads(q, k, v, do, Mask(T, S).dense()[0, 0])
     return max_error(*zip((o, lse, *grads), ref)), f"B 2, H 4, H_kv 2, T {T}, S {S}, causal"
 
 
@@ -310,7 +287,7 @@ def _triton_error(q, k, v, do, mask, doc_ids=None):
 
 def step_triton(gen):
     q, k, v, do = _heads(gen, 1, 4, 2, torch.float32)
-    return _triton_error(q, k, v, do, causal_mask(T, S)), "float32 in Triton's interpreter; relative error"
+    return _triton_error(q, k, v, do, Mask(T, S).dense()[0, 0]), "float32 in Triton's interpreter; relative error"
 
 
 def step_triton_documents(gen):
@@ -318,7 +295,7 @@ def step_triton_documents(gen):
     T_d = sum(lengths)
     q, k, v, do = (randn(gen, 1, 2, T_d, D, dtype=torch.float32) for _ in range(4))
     doc_ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[None]  # (1, T_d)
-    mask = causal_mask(T_d, T_d) & (doc_ids[:, None, :, None] == doc_ids[:, None, None, :])  # (1, 1, T_d, T_d)
+    mask = Mask(T_d, T_d, True, doc_ids).dense()  # (1, 1, T_d, T_d)
     return _triton_error(q, k, v, do, mask, doc_ids), f"documents of {', '.join(map(str, lengths))} tokens"
 
 

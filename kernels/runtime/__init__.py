@@ -1,3 +1,2 @@
 """What launches the kernels: launch.py (one launch layer for both dialects), interpreter.py (CPU
-tensors through Triton's interpreter), chips.py (what a GPU reports), sm90.py (compiling for an
-H100 without one)."""
+tensors through Triton's interpreter), chips.py (what a GPU reports)."""

@@ -14,9 +14,6 @@ import triton
 from kernels.runtime import chips
 from kernels.runtime.chips import Chip, NoConfigFits
 
-MAX_HEAD_DIM = 256  # tiles pad D to a power of two >= 16 and mask the rest
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # fp32 as true IEEE matmuls
-
 # Registers: every NVIDIA GPU from Volta on gives a thread at most 255 32-bit registers, and on
 # Triton 3.6's sm_90 compiles every config above 192 live fp32 values per thread spilled.
 FP32_PER_THREAD = 192

@@ -6,9 +6,9 @@ returns the cubin, its register and shared-memory counts, and SASS through the w
 CI compiles the Hopper kernels this way (tests/test_hopper.py), and it is how to read a kernel's
 SASS without spending GPU time:
 
-    python -m kernels.runtime.sm90            # registers, spills, shared memory of each Hopper kernel
-    python -m kernels.runtime.sm90 --sass     # and their SASS, beside the cubins under bench/sass/
-    python -m kernels.runtime.sm90 --head-dims 64  # one head dim's kernels
+    python -m kernels.hopper.sm90            # registers, spills, shared memory of each Hopper kernel
+    python -m kernels.hopper.sm90 --sass     # and their SASS, beside the cubins under bench/sass/
+    python -m kernels.hopper.sm90 --head-dims 64  # one head dim's kernels
 """
 
 import argparse
@@ -41,7 +41,7 @@ class StandIn(DriverBase):
         return torch.device("cpu")
 
     def get_benchmarker(self):
-        raise RuntimeError("kernels.runtime.sm90 compiles only: there is no GPU to time")
+        raise RuntimeError("kernels.hopper.sm90 compiles only: there is no GPU to time")
 
     def get_current_device(self) -> int:
         return 0
