@@ -28,82 +28,17 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from kernels.hopper import bwd_passes as passes
 from kernels.hopper import config
-from kernels.hopper.blocks import descriptor, dq_layout, dq_turn, q_blocks, tile_masked, visible_t
-from kernels.hopper.pipeline import (BwdBuffers, BwdIO, BwdProgram, BwdWork, bulk_done, hand_out_tile, load_acquire,
-                                     take_tile, tma_add)
+from kernels.hopper.blocks import descriptor, dq_layout, dq_turn, tile_masked, visible_t
+from kernels.hopper.pipeline import BwdBuffers, BwdIO, bulk_done, load_acquire, tma_add
+from kernels.hopper.schedule import BwdWork, bwd_program, bwd_step_rows, bwd_tiles, hand_out_tile, take_tile
+from kernels.hopper.softmax import column_halves, probs_t
 from kernels.masking import Bounds
 from kernels.runtime import chips
 from kernels.runtime.launch import Address, Bound, launch_and_bind, on_device
 from kernels.triton.blocks import LOG2E
-# --------------------------------------------------------------------------------------------
-# the order of work
-
-
-@gluon.jit
-def _tile_of(tile, n_blocks, H_kv, B, LONGEST_FIRST: gl.constexpr):
-    """(off_b, off_hkv, n) of tile number `tile` of n_blocks * H_kv * B in launch order: shortest
-    first, each (batch, kv head) pair's key blocks last first, pair after pair; longest first, key
-    block 0 (causal: the longest) of every pair, then block 1, and so on."""
-    if LONGEST_FIRST:
-        pairs = H_kv * B
-        n = tile // pairs
-        pair = tile - n * pairs
-        return pair // H_kv, pair % H_kv, n
-    pair = tile // n_blocks
-    return pair // H_kv, pair % H_kv, n_blocks - 1 - (tile - pair * n_blocks)
-
-
-@gluon.jit
-def _tiles(work, BLOCK_N: gl.constexpr):
-    """(n_blocks key blocks a kv head, the launch's n_tiles)."""
-    n_blocks = gl.cdiv(work.S, BLOCK_N)
-    return n_blocks, n_blocks * (work.H // work.GROUP) * work.B
-
-
-@gluon.jit
-def _program(tile, n_blocks, work, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr, BLOCK_M: gl.constexpr,
-             BLOCK_N: gl.constexpr):
-    """(BwdProgram, row_hi, full_hi, key_lo) of one tile: its key block, the Q blocks that see it
-    (q_blocks), the batch row's bounds."""
-    off_b, off_hkv, n = _tile_of(tile, n_blocks, work.H // work.GROUP, work.B, work.LONGEST_FIRST)
-    m_lo, m_hi, row_hi, full_hi = q_blocks(work.ROW_HI, off_b, n, work.T, work.S, CAUSAL, BOUNDED, BLOCK_M, BLOCK_N)
-    program = BwdProgram(off_b, off_hkv, n, n_blocks, m_lo, m_hi - m_lo, work.H, work.GROUP, work.T, work.S,
-                         work.LONGEST_FIRST)
-    return program, row_hi, full_hi, work.KEY_LO + off_b.to(gl.int64) * work.T
-
-
-@gluon.jit
-def _bwd_step_rows(j, program, BLOCK_M: gl.constexpr):
-    """Step j's query head and first row: the group's heads in turn, each over Q blocks m_lo.. up;
-    longest first, Q blocks from the last down to m_lo, the group's heads in turn on each (under a
-    plain causal mask every program of a kv head then meets a Q block at the same step, in launch
-    order: dQ's)."""
-    GROUP = program.GROUP
-    if program.LONGEST_FIRST:
-        i = j // GROUP
-        g = j - i * GROUP
-        start_m = (program.m_lo + program.steps - 1 - i) * BLOCK_M
-    else:
-        g = j // program.steps
-        start_m = (program.m_lo + j - g * program.steps) * BLOCK_M
-    return program.off_hkv * GROUP + g, start_m
-
 
 # --------------------------------------------------------------------------------------------
 # the partitions
-
-
-@gluon.jit
-def _hand_out(t, work, buffers):
-    """The producer's t-th tile, taken from the counter and handed to the other partitions
-    (pipeline.hand_out_tile)."""
-    return hand_out_tile(t, 0, work, buffers.tile_smem, buffers.tile_ready, buffers.tile_empty)
-
-
-@gluon.jit
-def _take(t, buffers, NUM_WARPS: gl.constexpr):
-    """The matmul warps' or the dQ writer's t-th tile, as the producer handed it out (_hand_out)."""
-    return take_tile(t, buffers.tile_smem, buffers.tile_ready, buffers.tile_empty, NUM_WARPS)
 
 
 @gluon.jit
@@ -122,21 +57,21 @@ def _issue_tile(q_desc, do_desc, aux_desc, bar, q_buf, do_buf, lse_buf, delta_bu
 @gluon.jit
 def _bwd_produce(io, buffers, work, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr):
     """The producer warp: each tile's K and V and its steps' Q, dO, LSE and delta, tile after tile,
-    every one taken from the counter and handed to the other partitions (pipeline.hand_out_tile),
+    every one taken from the counter and handed to the other partitions (schedule.hand_out_tile),
     the first too: a tile then goes only to a program that is running, and a share of dQ's order
     never waits on a program that has no SM yet (another kernel may hold some)."""
     BLOCK_M: gl.constexpr = buffers.q_smem.type.shape[1]
     BLOCK_N: gl.constexpr = buffers.k_smem.type.shape[0]
-    n_blocks, n_tiles = _tiles(work, BLOCK_N)
+    n_blocks, n_tiles = bwd_tiles(work, BLOCK_N)
     t = gl.program_id(0) * 0  # the tiles done
     base = t  # the steps through the ring so far: its slots and phases run on across tiles
-    tile = _hand_out(t, work, buffers)
+    tile = hand_out_tile(t, 0, work, buffers)
     while tile < n_tiles:
-        program, _, _, _ = _program(tile, n_blocks, work, CAUSAL, BOUNDED, BLOCK_M, BLOCK_N)
+        program, _, _, _ = bwd_program(tile, n_blocks, work, CAUSAL, BOUNDED, BLOCK_M, BLOCK_N)
         _bwd_load_tile(io, buffers, program, base, t)
         base += program.steps * program.GROUP
         t += 1
-        tile = _hand_out(t, work, buffers)
+        tile = hand_out_tile(t, 0, work, buffers)
 
 
 @gluon.jit
@@ -169,7 +104,7 @@ def _load_step(j, r, io, buffers, program):
     BLOCK_M: gl.constexpr = buffers.q_smem.type.shape[1]
     stage = r % STAGES
     mbarrier.wait(buffers.empty.index(stage), ((r // STAGES) & 1) ^ 1)  # a fresh barrier passes phase 1
-    off_h, start_m = _bwd_step_rows(j, program, BLOCK_M)
+    off_h, start_m = bwd_step_rows(j, program, BLOCK_M)
     _issue_tile(io.q_desc, io.do_desc, io.aux_desc, buffers.ready.index(stage), buffers.q_smem.index(stage),
                 buffers.do_smem.index(stage), buffers.lse_smem.index(stage), buffers.delta_smem.index(stage),
                 program.off_b, off_h, start_m)
@@ -189,16 +124,16 @@ def _bwd_write_dq(io, buffers, work, SEM, CAUSAL: gl.constexpr, BOUNDED: gl.cons
     """The dQ writer warp: the dQ shares of each tile it is handed (_bwd_write_tile)."""
     BLOCK_M: gl.constexpr = buffers.q_smem.type.shape[1]
     BLOCK_N: gl.constexpr = buffers.k_smem.type.shape[0]
-    n_blocks, n_tiles = _tiles(work, BLOCK_N)
+    n_blocks, n_tiles = bwd_tiles(work, BLOCK_N)
     t = gl.program_id(0) * 0
     base = t  # as the producer counts it
-    tile = _take(t, buffers, 1)
+    tile = take_tile(t, buffers, 1)
     while tile < n_tiles:
-        program, _, _, key_lo = _program(tile, n_blocks, work, CAUSAL, BOUNDED, BLOCK_M, BLOCK_N)
+        program, _, _, key_lo = bwd_program(tile, n_blocks, work, CAUSAL, BOUNDED, BLOCK_M, BLOCK_N)
         _bwd_write_tile(io, buffers, program, SEM, key_lo, base, CAUSAL, BOUNDED)
         base += program.steps * program.GROUP
         t += 1
-        tile = _take(t, buffers, 1)
+        tile = take_tile(t, buffers, 1)
 
 
 @gluon.jit
@@ -215,7 +150,7 @@ def _bwd_write_tile(io, buffers, program, SEM, KEY_LO, base, CAUSAL: gl.constexp
     lane_zero = gl.zeros([32], gl.int32, gl.BlockedLayout([1], [32], [1], [0]))
     m_blocks = gl.cdiv(T, BLOCK_M)
     for j in range(steps * GROUP):
-        off_h, start_m = _bwd_step_rows(j, program, BLOCK_M)
+        off_h, start_m = bwd_step_rows(j, program, BLOCK_M)
         counter = SEM + (off_b * H + off_h) * m_blocks + start_m // BLOCK_M + lane_zero
         landed = load_acquire(counter)  # read now, its latency hidden behind the wait below
         # every lane of every program whose turn comes first has released its share
@@ -238,16 +173,16 @@ def _bwd_consume(buffers, work, outs, CAUSAL: gl.constexpr, BOUNDED: gl.constexp
     """The matmul warps: the steps of each tile they are handed (_bwd_tile)."""
     BLOCK_M: gl.constexpr = buffers.q_smem.type.shape[1]
     BLOCK_N: gl.constexpr = buffers.k_smem.type.shape[0]
-    n_blocks, n_tiles = _tiles(work, BLOCK_N)
+    n_blocks, n_tiles = bwd_tiles(work, BLOCK_N)
     t = gl.program_id(0) * 0
     base = t  # as the producer counts it
-    tile = _take(t, buffers, NUM_WARPS)
+    tile = take_tile(t, buffers, NUM_WARPS)
     while tile < n_tiles:
-        program, row_hi, full_hi, key_lo = _program(tile, n_blocks, work, CAUSAL, BOUNDED, BLOCK_M, BLOCK_N)
+        program, row_hi, full_hi, key_lo = bwd_program(tile, n_blocks, work, CAUSAL, BOUNDED, BLOCK_M, BLOCK_N)
         _bwd_tile(buffers, program, outs, (row_hi, full_hi, key_lo), base, t, CAUSAL, BOUNDED, NUM_WARPS)
         base += program.steps * program.GROUP
         t += 1
-        tile = _take(t, buffers, NUM_WARPS)
+        tile = take_tile(t, buffers, NUM_WARPS)
 
 
 @gluon.jit
@@ -303,7 +238,7 @@ def _bwd_tile(buffers, program, outs, row_bounds, base, t, CAUSAL: gl.constexpr,
         row_hi = gl.load(ROW_HI + cols_t, mask=cols_t < S, other=0)
     mbarrier.wait(buffers.kv_bar, t & 1)
     for j in range(steps * GROUP):
-        off_h, start_m = _bwd_step_rows(j, program, BLOCK_M)
+        off_h, start_m = bwd_step_rows(j, program, BLOCK_M)
         r = base + j
         stage = r % STAGES
         # -- S^T = K Q^T and dP^T = V dO^T, both in flight --
@@ -329,32 +264,10 @@ def _bwd_tile(buffers, program, outs, row_bounds, base, t, CAUSAL: gl.constexpr,
             ds_buf = ds_smem.index(r % 2)  # two buffers: the barrier below also ends step j - 1's reads
             ds_buf.store(ds_lo)
         else:
-            # 128 queries (FlashAttention-3's D = 64 step): S^T and dP^T whole, one
-            # m64n128 product each; P^T, dS^T, dV and dK one 64-query column half at a time, so a
-            # thread holds 16 LSE and 16 delta values at once, not 32 each (which spill)
-            gl.static_assert(BLOCK_M == 128)
-            HALF: gl.constexpr = BLOCK_M // 2
-            lse_row = lse_smem.index(stage).reshape([BLOCK_M])
-            delta_row = delta_smem.index(stage).reshape([BLOCK_M])
-            ds_buf = ds_smem.index(r % 2)
             masked = tile_masked(start_m, start_n, past_s, full_hi, T, S, CAUSAL, BOUNDED, BLOCK_M, BLOCK_N)
-            st = warpgroup_mma_wait(1, deps=[st])
-            st0, st1 = _column_halves(st)
-            query_layout: gl.constexpr = gl.SliceLayout(0, st0.type.layout)  # a vector over a half's queries
-            pt0 = _probs_t(st0, lse_row.slice(0, HALF).load(query_layout), start_m, 0, cols_t, row_hi, masked,
-                           qk_scale, T, S, CAUSAL, BOUNDED)
-            dv = warpgroup_mma(gl.convert_layout(pt0.to(dtype), a_layout), do_t.slice(0, HALF), dv, is_async=True)
-            dpt = warpgroup_mma_wait(1, deps=[dpt])
-            dpt0, dpt1 = _column_halves(dpt)
-            ds0 = (pt0 * (dpt0 - delta_row.slice(0, HALF).load(query_layout)[None, :])).to(dtype)
-            dk = warpgroup_mma(gl.convert_layout(ds0, a_layout), q_t.slice(0, HALF), dk, is_async=True)
-            ds_buf.slice(0, HALF, dim=1).store(ds0)
-            pt1 = _probs_t(st1, lse_row.slice(HALF, HALF).load(query_layout), start_m, HALF, cols_t, row_hi, masked,
-                           qk_scale, T, S, CAUSAL, BOUNDED)
-            dv = warpgroup_mma(gl.convert_layout(pt1.to(dtype), a_layout), do_t.slice(HALF, HALF), dv, is_async=True)
-            ds1 = (pt1 * (dpt1 - delta_row.slice(HALF, HALF).load(query_layout)[None, :])).to(dtype)
-            dk = warpgroup_mma(gl.convert_layout(ds1, a_layout), q_t.slice(HALF, HALF), dk, is_async=True)
-            ds_buf.slice(HALF, HALF, dim=1).store(ds1)
+            dk, dv = _step_by_halves(st, dpt, q_t, do_t, dk, dv, buffers, r, start_m, masked, cols_t, row_hi, outs,
+                                     program, CAUSAL, BOUNDED)
+            ds_buf = ds_smem.index(r % 2)
         fence_async_shared()
         gl.thread_barrier()
         dq = warpgroup_mma(ds_buf.permute((1, 0)), k_smem, zero_q, use_acc=False, is_async=True)
@@ -366,29 +279,39 @@ def _bwd_tile(buffers, program, outs, row_bounds, base, t, CAUSAL: gl.constexpr,
 
 
 @gluon.jit
-def _column_halves(x):
-    """x (R, 2 H) as its columns [0, H) and [H, 2 H), no data moved: a wgmma accumulator thread
-    holds columns of both halves."""
-    R: gl.constexpr = x.shape[0]
-    H: gl.constexpr = x.shape[1] // 2
-    return gl.split(gl.permute(gl.reshape(x, [R, 2, H]), [0, 2, 1]))
-
-
-@gluon.jit
-def _probs_t(st, lse, start_m, FIRST: gl.constexpr, cols_t, row_hi, masked, qk_scale, T, S, CAUSAL: gl.constexpr,
-             BOUNDED: gl.constexpr):
-    """P^T = exp2(S^T * softmax_scale * log2(e) - LSE * log2(e)) for one column half of a 128-query
-    step: S^T (keys cols_t, queries start_m + FIRST..), lse its queries' LSE * log2(e). Where the
-    tile is masked, keys a query does not see get 0; the queries' offsets are made only there (held
-    across the loop, they spill). Queries past T arrive as zero Q and dO with LSE = delta = 0:
-    P = 1 there, but dP = dS = 0 and dO = 0."""
-    pt = gl.exp2(st * qk_scale - lse[None, :])
-    if masked:  # selected after exp2: a query with LSE = -inf (it sees no key) is dropped, never NaN
-        key_layout: gl.constexpr = gl.SliceLayout(1, st.type.layout)
-        offs_m = FIRST + gl.arange(0, st.shape[1], layout=gl.SliceLayout(0, st.type.layout))
-        pt = gl.where(visible_t(gl.convert_layout(cols_t, key_layout), start_m, offs_m, T, S,
-                                gl.convert_layout(row_hi, key_layout), CAUSAL, BOUNDED), pt, 0.0)
-    return pt
+def _step_by_halves(st, dpt, q_t, do_t, dk, dv, buffers, r, start_m, masked, cols_t, row_hi, outs, program,
+                    CAUSAL: gl.constexpr, BOUNDED: gl.constexpr):
+    """A step of 128 queries (FlashAttention-3's D = 64 step), ring slot r, S^T and dP^T in flight
+    whole, one m64n128 product each: P^T, dS^T, dV and dK one 64-query column half at a time, so a
+    thread holds 16 LSE and 16 delta values at once, not 32 each (which spill). Returns dK, dV."""
+    STAGES: gl.constexpr = buffers.q_smem.type.shape[0]
+    BLOCK_M: gl.constexpr = buffers.q_smem.type.shape[1]
+    gl.static_assert(BLOCK_M == 128)
+    HALF: gl.constexpr = BLOCK_M // 2
+    dtype: gl.constexpr = q_t.dtype
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk.type.layout, k_width=2)
+    T, S, qk_scale = program.T, program.S, outs[5]
+    lse_row = buffers.lse_smem.index(r % STAGES).reshape([BLOCK_M])
+    delta_row = buffers.delta_smem.index(r % STAGES).reshape([BLOCK_M])
+    ds_buf = buffers.ds_smem.index(r % 2)
+    st = warpgroup_mma_wait(1, deps=[st])
+    st0, st1 = column_halves(st)
+    query_layout: gl.constexpr = gl.SliceLayout(0, st0.type.layout)  # a vector over a half's queries
+    pt0 = probs_t(st0, lse_row.slice(0, HALF).load(query_layout), start_m, 0, cols_t, row_hi, masked, qk_scale, T, S,
+                  CAUSAL, BOUNDED)
+    dv = warpgroup_mma(gl.convert_layout(pt0.to(dtype), a_layout), do_t.slice(0, HALF), dv, is_async=True)
+    dpt = warpgroup_mma_wait(1, deps=[dpt])
+    dpt0, dpt1 = column_halves(dpt)
+    ds0 = (pt0 * (dpt0 - delta_row.slice(0, HALF).load(query_layout)[None, :])).to(dtype)
+    dk = warpgroup_mma(gl.convert_layout(ds0, a_layout), q_t.slice(0, HALF), dk, is_async=True)
+    ds_buf.slice(0, HALF, dim=1).store(ds0)
+    pt1 = probs_t(st1, lse_row.slice(HALF, HALF).load(query_layout), start_m, HALF, cols_t, row_hi, masked, qk_scale,
+                  T, S, CAUSAL, BOUNDED)
+    dv = warpgroup_mma(gl.convert_layout(pt1.to(dtype), a_layout), do_t.slice(HALF, HALF), dv, is_async=True)
+    ds1 = (pt1 * (dpt1 - delta_row.slice(HALF, HALF).load(query_layout)[None, :])).to(dtype)
+    dk = warpgroup_mma(gl.convert_layout(ds1, a_layout), q_t.slice(HALF, HALF), dk, is_async=True)
+    ds_buf.slice(HALF, HALF, dim=1).store(ds1)
+    return dk, dv
 
 
 @gluon.jit
@@ -573,7 +496,7 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, bounds
 
 
 def compile_only(do, q, k, v, causal: bool, bounded: bool = False):
-    """The compiled kernel for these inputs' layout, without launching it (kernels/runtime/sm90.py)."""
+    """The compiled kernel for these inputs' layout, without launching it (kernels/hopper/sm90.py)."""
     (B, H, T, _), S = q.shape, k.shape[2]
     lse = torch.empty((B, H, T), dtype=torch.float32)
     bounds = Bounds(torch.empty((B, T), dtype=torch.int32), torch.empty((B, S), dtype=torch.int32)) if bounded else None

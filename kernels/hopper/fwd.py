@@ -24,8 +24,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from kernels.hopper import config
-from kernels.hopper.blocks import descriptor, kv_blocks, kv_runs, visible
-from kernels.hopper.pipeline import FwdBuffers, FwdIO, FwdProgram, FwdWork, hand_out_tile, skip_slot, take_tile
+from kernels.hopper.blocks import descriptor, kv_runs
+from kernels.hopper.pipeline import FwdBuffers, FwdIO, skip_slot
+from kernels.hopper.schedule import FwdWork, fwd_first_tile, fwd_program, hand_out_tile, take_tile
+from kernels.hopper.softmax import online_softmax, p_operand, rescale
 from kernels.runtime import chips
 from kernels.runtime.launch import Bound, launch_and_bind, on_device
 from kernels.triton.blocks import LOG2E
@@ -33,46 +35,13 @@ from kernels.triton.blocks import LOG2E
 PRODUCER_REGS = gl.constexpr(config.FWD_PRODUCER_REGS)  # the producer issues TMA copies, waits and hands out tiles
 
 # --------------------------------------------------------------------------------------------
-# the order of work
-
-
-@gluon.jit
-def _tile_of(tile, n_m, H, B, SECTION: gl.constexpr, BLOCK_M: gl.constexpr):
-    """(start_m, off_h, off_b) of tile number `tile` of n_m * H * B in launch order: in sections of
-    SECTION (batch, head) pairs, each section's query blocks longest first, its heads in turn within
-    a block row: tiles running together share K and V that fit L2."""
-    section = tile // (SECTION * n_m)
-    first = section * SECTION
-    heads = gl.minimum(H * B - first, SECTION)  # the last section may have fewer
-    rank = tile - section * (SECTION * n_m)
-    head = first + rank % heads
-    return (n_m - 1 - rank // heads) * BLOCK_M, head % H, head // H
-
-
-@gluon.jit
-def _first_tile(work, BLOCK_M: gl.constexpr):
-    """(the program's first tile, n_m query blocks a head, the launch's n_tiles): the first tiles go
-    out at launch, a program each, the rest from COUNTER."""
-    n_m = gl.cdiv(work.T, BLOCK_M)
-    return gl.program_id(0), n_m, n_m * work.H * work.B
-
-
-@gluon.jit
-def _program(tile, n_m, work, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr, BLOCK_M: gl.constexpr,
-             BLOCK_N: gl.constexpr):
-    """The FwdProgram of one tile: its rows, head, batch row and key blocks."""
-    start_m, off_h, off_b = _tile_of(tile, n_m, work.H, work.B, work.SECTION, BLOCK_M)
-    lo, n_blocks, key_lo = kv_blocks(work.KEY_LO, off_b, start_m, work.T, work.S, CAUSAL, BOUNDED, BLOCK_M, BLOCK_N)
-    return FwdProgram(off_b, off_h, off_h // work.GROUP, start_m, lo, n_blocks, key_lo, work.H, work.T, work.S,
-                      work.qk_scale)
-
-
-# --------------------------------------------------------------------------------------------
 # the partitions
 
+
 @gluon.jit
-def _scores(i, q_t, k_smem, k_ready, ASYNC: gl.constexpr):
+def _scores(i, q_t, buffers, ASYNC: gl.constexpr):
     """S = Q K^T (ROWS, BLOCK_N) of ring slot i once its K has landed: its result, or (ASYNC) in flight."""
+    k_smem, k_ready = buffers.k_smem, buffers.k_ready
     ROWS: gl.constexpr = q_t.type.shape[0]
     BLOCK_N: gl.constexpr = k_smem.type.shape[1]
     STAGES: gl.constexpr = k_smem.type.shape[0]
@@ -85,108 +54,78 @@ def _scores(i, q_t, k_smem, k_ready, ASYNC: gl.constexpr):
 
 
 @gluon.jit
-def _softmax(qk, j, m_i, l_i, rows, cols, key_lo, T, S, qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
-             BOUNDED: gl.constexpr):
-    """Key block j's scores qk (ROWS, BLOCK_N) through the online softmax: (P, alpha, l_i, m_new)."""
-    BLOCK_N: gl.constexpr = qk.type.shape[1]
-    if MASKED:
-        qk = gl.where(visible(rows, j * BLOCK_N + cols, T, S, key_lo, CAUSAL, BOUNDED), qk, float("-inf"))
-    # -- new row max, rescale --
-    m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
-    m_sub = m_new
-    if MASKED:  # a row that has seen no key yet keeps m = -inf: subtract 0 so exp2 gives 0, not NaN
-        m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
-    p = gl.exp2(qk * qk_scale - m_sub[:, None])
-    alpha = gl.exp2(m_i - m_sub)
-    l_i = l_i * alpha + gl.sum(p, 1)
-    return p, alpha, l_i, m_new
-
-
-@gluon.jit
-def _operand(p, acc, dtype: gl.constexpr):
-    """P (ROWS, BLOCK_N) fp32 as the register A operand of P V into acc."""
-    return gl.convert_layout(p.to(dtype), gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2))
-
-
-@gluon.jit
-def _rescale(acc, alpha):
-    return acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
-
-
-@gluon.jit
-def _fwd_step(i, j, acc, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready, kv_empty, rows, cols, key_lo, T, S,
-              qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr):
+def _fwd_step(i, j, acc, l_i, m_i, q_t, buffers, program, rows, cols, key_lo, MASKED: gl.constexpr,
+              CAUSAL: gl.constexpr, BOUNDED: gl.constexpr):
     """Key block j (ring slot i) of the online softmax; frees the slot when its matmuls are done."""
-    STAGES: gl.constexpr = k_smem.type.shape[0]
+    STAGES: gl.constexpr = buffers.k_smem.type.shape[0]
     stage = i % STAGES
     phase = (i // STAGES) & 1
-    qk = _scores(i, q_t, k_smem, k_ready, True)
+    qk = _scores(i, q_t, buffers, True)
     qk = warpgroup_mma_wait(0, deps=[qk])
-    p, alpha, l_i, m_new = _softmax(qk, j, m_i, l_i, rows, cols, key_lo, T, S, qk_scale, MASKED, CAUSAL, BOUNDED)
-    acc = _rescale(acc, alpha)
+    p, alpha, l_i, m_new = online_softmax(qk, j, m_i, l_i, rows, cols, key_lo, program, MASKED, CAUSAL, BOUNDED)
+    acc = rescale(acc, alpha)
     # -- O += P V, then the slot is free --
-    mbarrier.wait(v_ready.index(stage), phase)
-    acc = warpgroup_mma(_operand(p, acc, q_t.dtype), v_smem.index(stage), acc)
-    mbarrier.arrive(kv_empty.index(stage), count=1)
+    mbarrier.wait(buffers.v_ready.index(stage), phase)
+    acc = warpgroup_mma(p_operand(p, acc, q_t.dtype), buffers.v_smem.index(stage), acc)
+    mbarrier.arrive(buffers.kv_empty.index(stage), count=1)
     return acc, l_i, m_new
 
 
 @gluon.jit
-def _fwd_step_overlap(i, j, acc, p_prev, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready, kv_empty, rows, cols,
-                      key_lo, T, S, qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr):
+def _fwd_step_overlap(i, j, acc, p_prev, l_i, m_i, q_t, buffers, program, rows, cols, key_lo, MASKED: gl.constexpr,
+                      CAUSAL: gl.constexpr, BOUNDED: gl.constexpr):
     """Key block j (ring slot i) while block j - 1's P V (p_prev, slot i - 1, its V landed) runs
     on the tensor cores: S of block j and that P V are issued one after the other, the softmax
     waits for S alone, and slot i - 1 is freed once its P V is done. Returns block j's P for the
     next step."""
-    STAGES: gl.constexpr = k_smem.type.shape[0]
+    STAGES: gl.constexpr = buffers.k_smem.type.shape[0]
     prev = (i - 1) % STAGES
-    qk = _scores(i, q_t, k_smem, k_ready, True)
-    acc = warpgroup_mma(p_prev, v_smem.index(prev), acc, is_async=True)
+    qk = _scores(i, q_t, buffers, True)
+    acc = warpgroup_mma(p_prev, buffers.v_smem.index(prev), acc, is_async=True)
     qk = warpgroup_mma_wait(1, deps=[qk])  # wgmma groups complete in order: S, then P V
-    p, alpha, l_i, m_new = _softmax(qk, j, m_i, l_i, rows, cols, key_lo, T, S, qk_scale, MASKED, CAUSAL, BOUNDED)
+    p, alpha, l_i, m_new = online_softmax(qk, j, m_i, l_i, rows, cols, key_lo, program, MASKED, CAUSAL, BOUNDED)
     # block j's V, for the next step's P V; its wait loop also ends ptxas's scheduling region
     # here, which would otherwise hoist the wait below above the softmax and run both in turn
-    mbarrier.wait(v_ready.index(i % STAGES), (i // STAGES) & 1)
+    mbarrier.wait(buffers.v_ready.index(i % STAGES), (i // STAGES) & 1)
     acc, _ = warpgroup_mma_wait(0, deps=[acc, p_prev])  # p_prev: read by that P V until here
-    mbarrier.arrive(kv_empty.index(prev), count=1)
-    return _rescale(acc, alpha), _operand(p, acc, q_t.dtype), l_i, m_new
+    mbarrier.arrive(buffers.kv_empty.index(prev), count=1)
+    return rescale(acc, alpha), p_operand(p, acc, q_t.dtype), l_i, m_new
 
 
 @gluon.jit
-def _fwd_blocks_overlap(acc, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready, kv_empty, rows, cols, key_lo, origin,
-                        own_lo, full_lo, n_full, n_blocks, T, S, qk_scale, CAUSAL: gl.constexpr,
-                        BOUNDED: gl.constexpr):
+def _fwd_blocks_overlap(acc, l_i, m_i, q_t, buffers, program, rows, cols, key_lo, origin, own_lo, full_lo, n_full,
+                        CAUSAL: gl.constexpr, BOUNDED: gl.constexpr):
     """The consumer's key blocks own_lo .. n_blocks - 1 with each P V one block late
     (config.Row.fwd_overlap): the first block's S and softmax alone, then the steps, then the last
     block's P V; key block j is ring slot j - origin. Every wait drains the wgmma queue before a
     loop's back edge."""
-    STAGES: gl.constexpr = k_smem.type.shape[0]
-    BLOCK_N: gl.constexpr = k_smem.type.shape[1]
+    STAGES: gl.constexpr = buffers.k_smem.type.shape[0]
+    BLOCK_N: gl.constexpr = buffers.k_smem.type.shape[1]
     ROWS: gl.constexpr = q_t.type.shape[0]
+    n_blocks = program.n_blocks
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2)
     p = gl.zeros([ROWS, BLOCK_N], q_t.dtype, p_layout)
     if own_lo < n_blocks:  # masked: the first block may need it (visible is exact on a mask-free one)
         i = own_lo - origin
-        qk = _scores(i, q_t, k_smem, k_ready, True)
+        qk = _scores(i, q_t, buffers, True)
         qk = warpgroup_mma_wait(0, deps=[qk])
-        p_first, _, l_i, m_i = _softmax(qk, own_lo, m_i, l_i, rows, cols, key_lo, T, S, qk_scale, True, CAUSAL,
-                                        BOUNDED)
-        p = _operand(p_first, acc, q_t.dtype)
-        mbarrier.wait(v_ready.index(i % STAGES), (i // STAGES) & 1)
+        p_first, _, l_i, m_i = online_softmax(qk, own_lo, m_i, l_i, rows, cols, key_lo, program, True, CAUSAL, BOUNDED)
+        p = p_operand(p_first, acc, q_t.dtype)
+        mbarrier.wait(buffers.v_ready.index(i % STAGES), (i // STAGES) & 1)
     start = own_lo + 1
     for j in range(start, gl.minimum(full_lo, n_full)):
-        acc, p, l_i, m_i = _fwd_step_overlap(j - origin, j, acc, p, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready,
-                                             kv_empty, rows, cols, key_lo, T, S, qk_scale, True, CAUSAL, BOUNDED)
+        acc, p, l_i, m_i = _fwd_step_overlap(j - origin, j, acc, p, l_i, m_i, q_t, buffers, program, rows, cols,
+                                             key_lo, True, CAUSAL, BOUNDED)
     for j in range(gl.maximum(full_lo, start), n_full):
-        acc, p, l_i, m_i = _fwd_step_overlap(j - origin, j, acc, p, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready,
-                                             kv_empty, rows, cols, key_lo, T, S, qk_scale, False, CAUSAL, BOUNDED)
+        acc, p, l_i, m_i = _fwd_step_overlap(j - origin, j, acc, p, l_i, m_i, q_t, buffers, program, rows, cols,
+                                             key_lo, False, CAUSAL, BOUNDED)
     for j in range(gl.maximum(start, n_full), n_blocks):
-        acc, p, l_i, m_i = _fwd_step_overlap(j - origin, j, acc, p, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready,
-                                             kv_empty, rows, cols, key_lo, T, S, qk_scale, True, CAUSAL, BOUNDED)
+        acc, p, l_i, m_i = _fwd_step_overlap(j - origin, j, acc, p, l_i, m_i, q_t, buffers, program, rows, cols,
+                                             key_lo, True, CAUSAL, BOUNDED)
     if own_lo < n_blocks:  # the last block's P V (its V landed), and its slot
         stage = (n_blocks - 1 - origin) % STAGES
-        acc = warpgroup_mma(p, v_smem.index(stage), acc)
-        mbarrier.arrive(kv_empty.index(stage), count=1)
+        acc = warpgroup_mma(p, buffers.v_smem.index(stage), acc)
+        mbarrier.arrive(buffers.kv_empty.index(stage), count=1)
     return acc, l_i, m_i
 
 
@@ -197,15 +136,15 @@ def _fwd_consume(io, buffers, work, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr,
     CONSUMERS: gl.constexpr = buffers.q_smem.type.shape[0]
     ROWS: gl.constexpr = buffers.q_smem.type.shape[1]
     BLOCK_N: gl.constexpr = buffers.k_smem.type.shape[1]
-    tile, n_m, n_tiles = _first_tile(work, CONSUMERS * ROWS)
+    tile, n_m, n_tiles = fwd_first_tile(work, CONSUMERS * ROWS)
     t = tile * 0  # the tiles done
     base = tile * 0  # the key blocks through the ring so far: its slots and phases run on across tiles
     while tile < n_tiles:
-        program = _program(tile, n_m, work, CAUSAL, BOUNDED, CONSUMERS * ROWS, BLOCK_N)
+        program = fwd_program(tile, n_m, work, CAUSAL, BOUNDED, CONSUMERS * ROWS, BLOCK_N)
         _fwd_tile(io, buffers, program, program.lo - base, t, CAUSAL, BOUNDED, OVERLAP, C)
         base += gl.maximum(program.n_blocks - program.lo, 0)
         t += 1
-        tile = take_tile(t - 1, buffers.tile_smem, buffers.tile_ready, buffers.tile_empty, 4)
+        tile = take_tile(t - 1, buffers, 4)
 
 
 @gluon.jit
@@ -213,13 +152,11 @@ def _fwd_tile(io, buffers, program, origin, t, CAUSAL: gl.constexpr, BOUNDED: gl
               C: gl.constexpr):
     """Consumer warpgroup C's rows start_m + 64 C .. + 63 of the program's t-th tile against its key
     blocks; key block j is ring slot j - origin."""
-    q_smem, k_smem, v_smem = buffers.q_smem, buffers.k_smem, buffers.v_smem
-    k_ready, v_ready, kv_empty = buffers.k_ready, buffers.v_ready, buffers.kv_empty
-    lo, n_blocks, T, S, qk_scale = program.lo, program.n_blocks, program.T, program.S, program.qk_scale
+    q_smem = buffers.q_smem
+    lo, n_blocks, T, S = program.lo, program.n_blocks, program.T, program.S
     ROWS: gl.constexpr = q_smem.type.shape[1]
     HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
-    STAGES: gl.constexpr = k_smem.type.shape[0]
-    BLOCK_N: gl.constexpr = k_smem.type.shape[1]
+    BLOCK_N: gl.constexpr = buffers.k_smem.type.shape[1]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -238,21 +175,20 @@ def _fwd_tile(io, buffers, program, origin, t, CAUSAL: gl.constexpr, BOUNDED: gl
     mbarrier.wait(buffers.q_bar.index(C), t & 1)
     # -- the key blocks: other consumers' (passed unread), masked, mask-free, masked --
     for j in range(lo, own_lo):
-        skip_slot(j - origin, k_ready, v_ready, kv_empty, STAGES)
+        skip_slot(j - origin, buffers)
     if OVERLAP:
-        acc, l_i, m_i = _fwd_blocks_overlap(acc, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready, kv_empty, rows, cols,
-                                            key_lo, origin, own_lo, full_lo, n_full, n_blocks, T, S, qk_scale, CAUSAL,
-                                            BOUNDED)
+        acc, l_i, m_i = _fwd_blocks_overlap(acc, l_i, m_i, q_t, buffers, program, rows, cols, key_lo, origin, own_lo,
+                                            full_lo, n_full, CAUSAL, BOUNDED)
     else:
         for j in range(own_lo, gl.minimum(full_lo, n_full)):
-            acc, l_i, m_i = _fwd_step(j - origin, j, acc, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready, kv_empty,
-                                      rows, cols, key_lo, T, S, qk_scale, True, CAUSAL, BOUNDED)
+            acc, l_i, m_i = _fwd_step(j - origin, j, acc, l_i, m_i, q_t, buffers, program, rows, cols, key_lo,
+                                      True, CAUSAL, BOUNDED)
         for j in range(full_lo, n_full):
-            acc, l_i, m_i = _fwd_step(j - origin, j, acc, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready, kv_empty,
-                                      rows, cols, key_lo, T, S, qk_scale, False, CAUSAL, BOUNDED)
+            acc, l_i, m_i = _fwd_step(j - origin, j, acc, l_i, m_i, q_t, buffers, program, rows, cols, key_lo,
+                                      False, CAUSAL, BOUNDED)
         for j in range(gl.maximum(own_lo, n_full), n_blocks):
-            acc, l_i, m_i = _fwd_step(j - origin, j, acc, l_i, m_i, q_t, k_smem, v_smem, k_ready, v_ready, kv_empty,
-                                      rows, cols, key_lo, T, S, qk_scale, True, CAUSAL, BOUNDED)
+            acc, l_i, m_i = _fwd_step(j - origin, j, acc, l_i, m_i, q_t, buffers, program, rows, cols, key_lo,
+                                      True, CAUSAL, BOUNDED)
 
     # -- epilogue: LSE, and O through Q's buffer --
     l_safe = gl.where(l_i == 0.0, 1.0, l_i)  # rows that attend no key: O = 0, LSE = -inf
@@ -282,26 +218,28 @@ def _fwd_consume_2(io, buffers, work, CAUSAL: gl.constexpr, BOUNDED: gl.constexp
 @gluon.jit
 def _fwd_produce(io, buffers, work, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr):
     """The producer warp: each tile's Q tiles and K/V blocks, tile after tile; it hands out the tiles
-    (pipeline.hand_out_tile)."""
+    (schedule.hand_out_tile)."""
     CONSUMERS: gl.constexpr = buffers.q_smem.type.shape[0]
     ROWS: gl.constexpr = buffers.q_smem.type.shape[1]
     BLOCK_N: gl.constexpr = buffers.k_smem.type.shape[1]
-    tile, n_m, n_tiles = _first_tile(work, CONSUMERS * ROWS)
+    tile, n_m, n_tiles = fwd_first_tile(work, CONSUMERS * ROWS)
     t = tile * 0
     base = tile * 0  # as the consumers count it
     while tile < n_tiles:
-        program = _program(tile, n_m, work, CAUSAL, BOUNDED, CONSUMERS * ROWS, BLOCK_N)
+        program = fwd_program(tile, n_m, work, CAUSAL, BOUNDED, CONSUMERS * ROWS, BLOCK_N)
         _fwd_load_tile(io, buffers, program, program.lo - base, t)
         base += gl.maximum(program.n_blocks - program.lo, 0)
         t += 1
         # the first num_programs tiles went out at launch: a forward tile waits on no other
-        tile = hand_out_tile(t - 1, gl.num_programs(0), work, buffers.tile_smem, buffers.tile_ready,
-                             buffers.tile_empty)
+        tile = hand_out_tile(t - 1, gl.num_programs(0), work, buffers)
 
 
 @gluon.jit
-def _load_kv(i, j, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, off_b, off_hkv):
-    """Key block j into ring slot i once the consumers have freed it."""
+def _load_kv(i, j, io, buffers, program):
+    """The program's key block j into ring slot i once the consumers have freed it."""
+    k_desc, v_desc, k_smem, v_smem = io.k_desc, io.v_desc, buffers.k_smem, buffers.v_smem
+    k_ready, v_ready, kv_empty = buffers.k_ready, buffers.v_ready, buffers.kv_empty
+    off_b, off_hkv = program.off_b, program.off_hkv
     STAGES: gl.constexpr = k_smem.type.shape[0]
     BLOCK_N: gl.constexpr = k_smem.type.shape[1]
     HEAD_DIM: gl.constexpr = k_smem.type.shape[2]
@@ -321,21 +259,20 @@ def _fwd_load_tile(io, buffers, program, origin, t):
     on the last tile), each consumer's Q once that consumer's last O has left its buffer, then the
     other key blocks; key block j goes to ring slot j - origin."""
     q_desc, q_smem, q_bar, q_empty = io.q_desc, buffers.q_smem, buffers.q_bar, buffers.q_empty
-    off_b, off_hkv, lo, n_blocks = program.off_b, program.off_hkv, program.lo, program.n_blocks
+    off_b, lo, n_blocks = program.off_b, program.lo, program.n_blocks
     CONSUMERS: gl.constexpr = q_smem.type.shape[0]
     ROWS: gl.constexpr = q_smem.type.shape[1]
     HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
-    ring = (io.k_desc, io.v_desc, buffers.k_smem, buffers.v_smem, buffers.k_ready, buffers.v_ready, buffers.kv_empty)
     n_first = gl.minimum(n_blocks, lo + 1)
     for j in range(lo, n_first):
-        _load_kv(j - origin, j, *ring, off_b, off_hkv)
+        _load_kv(j - origin, j, io, buffers, program)
     for c in gl.static_range(CONSUMERS):
         mbarrier.wait(q_empty.index(c), (t & 1) ^ 1)
         mbarrier.expect(q_bar.index(c), q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [off_b, program.off_h, program.start_m + c * ROWS, 0], q_bar.index(c),
                                         q_smem.index(c).reshape([1, 1, ROWS, HEAD_DIM]))
     for j in range(n_first, n_blocks):
-        _load_kv(j - origin, j, *ring, off_b, off_hkv)
+        _load_kv(j - origin, j, io, buffers, program)
 
 
 @gluon.jit
@@ -458,7 +395,7 @@ def forward(q, k, v, o, lse, causal: bool, scale: float, key_lo: torch.Tensor | 
 
 
 def compile_only(q, k, v, causal: bool, bounded: bool = False):
-    """The compiled forward kernel for these inputs' layout, without launching it (kernels/runtime/sm90.py)."""
+    """The compiled forward kernel for these inputs' layout, without launching it (kernels/hopper/sm90.py)."""
     (B, H, T, D) = q.shape
     tiles = config.fwd_tiles(D, T)
     args = _args(q, k, v, torch.empty_like(q), torch.empty((B, H, T), dtype=torch.float32),

@@ -1,6 +1,7 @@
-"""The Hopper kernels' pipeline: how the warp-specialized partitions share their state (small
-named aggregates, as Triton's Gluon examples keep them), and the handshakes between the producer
-warp, the matmul warpgroups and the backward's dQ writer that the Gluon language does not name."""
+"""The Hopper kernels' pipeline: the memory and barriers the warp-specialized partitions share
+(small named aggregates, as Triton's Gluon examples keep them: the rings and what they hold), and
+the handshakes between the producer warp, the matmul warpgroups and the backward's dQ writer that
+the Gluon language does not name. Which tile each program works on: schedule.py."""
 
 from triton._C.libtriton import ir
 from triton.experimental import gluon
@@ -63,50 +64,6 @@ class FwdBuffers:
         self.tile_smem, self.tile_ready, self.tile_empty = tile_smem, tile_ready, tile_empty
 
 
-@aggregate
-class FwdWork:
-    """The launch's work: tiles of a query block (CONSUMERS * FWD_ROWS rows) of one head and batch
-    row, numbered in launch order (fwd._tile_of: SECTION); COUNTER (int32, zeroed for the launch):
-    the tiles handed out past the first num_programs; the sizes and the scale."""
-    COUNTER: gl.tensor
-    KEY_LO: gl.tensor
-    H: Scalar
-    B: Scalar
-    GROUP: Scalar
-    T: Scalar
-    S: Scalar
-    qk_scale: gl.tensor
-    SECTION: gl.constexpr
-
-    @gluon.constexpr_function
-    def __init__(self, COUNTER, KEY_LO, H, B, GROUP, T, S, qk_scale, SECTION):
-        self.COUNTER, self.KEY_LO, self.H, self.B, self.GROUP = COUNTER, KEY_LO, scalar(H), scalar(B), scalar(GROUP)
-        self.T, self.S, self.qk_scale, self.SECTION = scalar(T), scalar(S), qk_scale, gl.constexpr(SECTION)
-
-
-@aggregate
-class FwdProgram:
-    """The work of one tile: batch, head, kv head, first query row, key blocks lo .. n_blocks - 1;
-    the batch row's key_lo; the sizes and the scale."""
-    off_b: Scalar
-    off_h: Scalar
-    off_hkv: Scalar
-    start_m: Scalar
-    lo: Scalar
-    n_blocks: Scalar
-    KEY_LO: gl.tensor
-    H: Scalar
-    T: Scalar
-    S: Scalar
-    qk_scale: gl.tensor
-
-    @gluon.constexpr_function
-    def __init__(self, off_b, off_h, off_hkv, start_m, lo, n_blocks, KEY_LO, H, T, S, qk_scale):
-        self.off_b, self.off_h, self.off_hkv, self.start_m = map(scalar, (off_b, off_h, off_hkv, start_m))
-        self.lo, self.n_blocks, self.KEY_LO = scalar(lo), scalar(n_blocks), KEY_LO
-        self.H, self.T, self.S, self.qk_scale = scalar(H), scalar(T), scalar(S), qk_scale
-
-
 # --------------------------------------------------------------------------------------------
 # what the backward's partitions share
 
@@ -163,92 +120,21 @@ class BwdBuffers:
         self.tile_smem, self.tile_ready, self.tile_empty = tile_smem, tile_ready, tile_empty
 
 
-@aggregate
-class BwdWork:
-    """The launch's work: tiles of one key block (BLOCK_N keys) of one kv head and batch row,
-    numbered in launch order (bwd._tile_of: LONGEST_FIRST); COUNTER (int32, zeroed for the
-    launch): the tiles handed out, every one of them; the batch rows' ROW_HI and KEY_LO (bounded),
-    the sizes."""
-    COUNTER: gl.tensor
-    ROW_HI: gl.tensor
-    KEY_LO: gl.tensor
-    H: Scalar
-    B: Scalar
-    GROUP: Scalar
-    T: Scalar
-    S: Scalar
-    LONGEST_FIRST: gl.constexpr
-
-    @gluon.constexpr_function
-    def __init__(self, COUNTER, ROW_HI, KEY_LO, H, B, GROUP, T, S, LONGEST_FIRST):
-        self.COUNTER, self.ROW_HI, self.KEY_LO = COUNTER, ROW_HI, KEY_LO
-        self.H, self.B, self.GROUP, self.T, self.S = scalar(H), scalar(B), scalar(GROUP), scalar(T), scalar(S)
-        self.LONGEST_FIRST = gl.constexpr(LONGEST_FIRST)
-
-
-@aggregate
-class BwdProgram:
-    """Which work the program owns: batch, kv head, key block n of n_blocks, and `steps` Q blocks
-    from m_lo for each of the GROUP query heads of the kv head, walked up from m_lo or (LONGEST_FIRST)
-    down to it; the sizes."""
-    off_b: Scalar
-    off_hkv: Scalar
-    n: Scalar
-    n_blocks: Scalar
-    m_lo: Scalar
-    steps: Scalar
-    H: Scalar
-    GROUP: Scalar
-    T: Scalar
-    S: Scalar
-    LONGEST_FIRST: gl.constexpr
-
-    @gluon.constexpr_function
-    def __init__(self, off_b, off_hkv, n, n_blocks, m_lo, steps, H, GROUP, T, S, LONGEST_FIRST):
-        self.off_b, self.off_hkv, self.n, self.n_blocks = scalar(off_b), scalar(off_hkv), scalar(n), scalar(n_blocks)
-        self.m_lo, self.steps, self.H, self.GROUP = scalar(m_lo), scalar(steps), scalar(H), scalar(GROUP)
-        self.T, self.S, self.LONGEST_FIRST = scalar(T), scalar(S), gl.constexpr(LONGEST_FIRST)
-
-
 # --------------------------------------------------------------------------------------------
 # handshakes
 
 
 @gluon.jit
-def skip_slot(i, k_ready, v_ready, kv_empty, STAGES: gl.constexpr):
-    """Ring slot i holds a key block this warpgroup's rows do not see (below their first keys, where
-    another warpgroup's rows see it): free it once loaded, unread. Waiting for the load keeps this
-    warpgroup from freeing a slot twice before the other has freed it once."""
+def skip_slot(i, buffers):
+    """Ring slot i of the forward's buffers holds a key block this warpgroup's rows do not see (below
+    their first keys, where another warpgroup's rows see it): free it once loaded, unread. Waiting
+    for the load keeps this warpgroup from freeing a slot twice before the other has freed it once."""
+    STAGES: gl.constexpr = buffers.k_smem.type.shape[0]
     stage = i % STAGES
     phase = (i // STAGES) & 1
-    mbarrier.wait(k_ready.index(stage), phase)
-    mbarrier.wait(v_ready.index(stage), phase)
-    mbarrier.arrive(kv_empty.index(stage), count=1)
-
-
-@gluon.jit
-def hand_out_tile(i, first, work, tile_smem, tile_ready, tile_empty):
-    """The i-th tile the producer takes from the counter: the next of the launch order not yet
-    taken (tile `first` is the counter's 0), for the program's other partitions too through slot
-    i % 2 of the tile ring; past the last tile when none is left."""
-    lane = gl.arange(0, 32, layout=gl.BlockedLayout([1], [32], [1], [0]))
-    taken = gl.atomic_add(work.COUNTER + lane * 0, lane * 0 + 1, mask=lane == 0)
-    tile = first + gl.max(gl.where(lane == 0, taken, 0), 0)
-    mbarrier.wait(tile_empty.index(i % 2), ((i // 2) & 1) ^ 1)  # a fresh barrier passes phase 1
-    tile_smem.index(i % 2).store(gl.full([32], tile, gl.int32, lane.type.layout))
-    gl.thread_barrier()  # every lane's store before the arrive
-    mbarrier.arrive(tile_ready.index(i % 2), count=1)
-    return tile
-
-
-@gluon.jit
-def take_tile(i, tile_smem, tile_ready, tile_empty, NUM_WARPS: gl.constexpr):
-    """The i-th tile the producer handed out (hand_out_tile), read by a consumer."""
-    mbarrier.wait(tile_ready.index(i % 2), (i // 2) & 1)
-    tile = gl.max(tile_smem.index(i % 2).load(gl.BlockedLayout([1], [32], [NUM_WARPS], [0])), 0)
-    gl.thread_barrier()  # every thread has read the slot before it is freed
-    mbarrier.arrive(tile_empty.index(i % 2), count=1)
-    return tile
+    mbarrier.wait(buffers.k_ready.index(stage), phase)
+    mbarrier.wait(buffers.v_ready.index(stage), phase)
+    mbarrier.arrive(buffers.kv_empty.index(stage), count=1)
 
 
 @gluon.jit
