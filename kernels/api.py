@@ -22,8 +22,8 @@ from kernels.triton import bwd, fwd
 
 @functools.cache
 def _hopper(direction: str):
-    """kernels/hopper/fwd.py or bwd.py, imported on first use: Gluon's API is triton 3.6's, which
-    other triton versions need not have."""
+    """kernels/hopper/fwd.py or bwd.py, imported on first use: they are written in the Gluon of the
+    Triton release kernels/hopper/config.py's TRITON names, which other releases need not have."""
     if direction == "forward":
         from kernels.hopper import fwd as hopper_fwd
         return hopper_fwd

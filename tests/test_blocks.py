@@ -181,7 +181,8 @@ def test_every_reader_of_a_mask_sees_the_same_keys(case):
     T, S, kind, extra = case
     lengths = extra if kind == "documents" else extra[0] if kind == "documents+window" else None
     window = extra if kind == "window" else extra[1] if kind == "documents+window" else 0
-    doc_ids = None if lengths is None else torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[None]
+    doc_ids = None if lengths is None else \
+        torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[None]
     mask = masking.Mask(T, S, kind != "full", doc_ids, window)
     want = torch.tensor([[j < S and (kind == "full" or j <= i + S - T) and (not window or i + S - T - j < window)
                           and (doc_ids is None or doc_ids[0, i] == doc_ids[0, j]) for j in range(S)] for i in range(T)])

@@ -110,3 +110,26 @@ def test_a_direct_launch_calls_the_c_function_and_encodes_each_address_once(monk
     for tensors in (third, later, first):
         bound(*tensors)
     assert expanded == [t.data_ptr() for t in (*third[:2], *first[:2])]
+
+
+def test_prepared_launches_are_one_bounded_cache_for_both_dialects(monkeypatch):
+    # a Triton launcher's bound launch and a Hopper kernel's live in the one cache, keyed by owner
+    # and signature; past LIMIT the least recently used goes, a launch used since stays
+    monkeypatch.setattr(launch, "PREPARED", launch.PreparedLaunches())
+    monkeypatch.setattr(launch.PreparedLaunches, "LIMIT", 3)
+    launcher = launch.Launcher(_kernel, [triton.Config({})], triton.Config({}))
+    monkeypatch.setattr(launch.Launcher, "__call__", lambda self, grid, args, key, **constexprs: None)
+    monkeypatch.setattr(launch, "interprets", lambda device: False)
+    monkeypatch.setattr(launch, "bind", lambda kernel, compiled, grid, args, named, tma=False: ("bound", compiled))
+    launcher.chosen["key"] = config = launch.triton.Config({})
+    tensors = (torch.zeros(2),)
+    launcher.compiled[launcher._compiled_key(config, tensors, {})] = "compiled"
+    launcher.bind("signature", lambda kwargs: (1,), tensors, "key")
+    assert launcher.bound_for("signature") == ("bound", "compiled") == launch.PREPARED[(launcher, "signature")]
+    for name in ("forward", "backward"):  # as kernels/hopper/fwd.py and bwd.py keep theirs
+        launch.PREPARED[(name, "signature")] = name
+    assert launch.PREPARED.get((launcher, "signature")) is not None  # used: now the most recent
+    launch.PREPARED[("forward", "another")] = "forward again"
+    assert list(launch.PREPARED) == [("backward", "signature"), (launcher, "signature"), ("forward", "another")]
+    with launcher.pinned(config):  # a pinned config decides: no bound launch
+        assert launcher.bound_for("signature") is None

@@ -14,7 +14,7 @@ tile's end. The tiles go out shortest or (long causal sequences at D = 128) long
 only on tiles already taken by programs that run.
 Two Triton passes (bwd_passes.py) run around it: LSE * log2(e) and delta = rowsum(dO * O) laid
 out for TMA before, dQ scaled out of the accumulator after. docs/flash-attention.md derives the
-products and the order; tiles: kernels/hopper/config.py.
+products and the order; tiles: kernels/hopper/config.py; the dQ writer: bwd_dq.py.
 """
 
 from typing import NamedTuple
@@ -28,13 +28,14 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from kernels.hopper import bwd_passes as passes
 from kernels.hopper import config
-from kernels.hopper.blocks import descriptor, dq_layout, dq_turn, tile_masked, visible_t
-from kernels.hopper.pipeline import BwdBuffers, BwdIO, bulk_done, load_acquire, tma_add
+from kernels.hopper.blocks import descriptor, dq_layout, tile_masked, visible_t
+from kernels.hopper.bwd_dq import hand_dq, write_dq
+from kernels.hopper.pipeline import BwdBuffers, BwdIO
 from kernels.hopper.schedule import BwdWork, bwd_program, bwd_step_rows, bwd_tiles, hand_out_tile, take_tile
 from kernels.hopper.softmax import column_halves, probs_t
 from kernels.masking import Bounds
 from kernels.runtime import chips
-from kernels.runtime.launch import Address, Bound, launch_and_bind, on_device
+from kernels.runtime.launch import PREPARED, Address, Bound, launch_and_bind, on_device
 from kernels.triton.blocks import LOG2E
 
 # --------------------------------------------------------------------------------------------
@@ -120,55 +121,6 @@ def _landed(j, q_smem, do_smem, ready):
 
 
 @gluon.jit
-def _bwd_write_dq(io, buffers, work, SEM, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr):
-    """The dQ writer warp: the dQ shares of each tile it is handed (_bwd_write_tile)."""
-    BLOCK_M: gl.constexpr = buffers.q_smem.type.shape[1]
-    BLOCK_N: gl.constexpr = buffers.k_smem.type.shape[0]
-    n_blocks, n_tiles = bwd_tiles(work, BLOCK_N)
-    t = gl.program_id(0) * 0
-    base = t  # as the producer counts it
-    tile = take_tile(t, buffers, 1)
-    while tile < n_tiles:
-        program, _, _, key_lo = bwd_program(tile, n_blocks, work, CAUSAL, BOUNDED, BLOCK_M, BLOCK_N)
-        _bwd_write_tile(io, buffers, program, SEM, key_lo, base, CAUSAL, BOUNDED)
-        base += program.steps * program.GROUP
-        t += 1
-        tile = take_tile(t, buffers, 1)
-
-
-@gluon.jit
-def _bwd_write_tile(io, buffers, program, SEM, KEY_LO, base, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr):
-    """Adds each step's dQ share into the fp32 accumulator by one TMA reduce-add, in key-block
-    order (blocks.dq_turn), the same every run; step j's share is in buffer (base + j) % 2."""
-    dq_smem, dq_full, dq_empty = buffers.dq_smem, buffers.dq_full, buffers.dq_empty
-    off_b, n, steps = program.off_b, program.n, program.steps
-    H, GROUP, T, S = program.H, program.GROUP, program.T, program.S
-    BLOCK_M: gl.constexpr = buffers.q_smem.type.shape[1]
-    BLOCK_N: gl.constexpr = buffers.k_smem.type.shape[0]
-    LINES: gl.constexpr = dq_smem.type.shape[1]
-    # one lane per thread of the warp: each polls the counter and releases the share it added
-    lane_zero = gl.zeros([32], gl.int32, gl.BlockedLayout([1], [32], [1], [0]))
-    m_blocks = gl.cdiv(T, BLOCK_M)
-    for j in range(steps * GROUP):
-        off_h, start_m = bwd_step_rows(j, program, BLOCK_M)
-        counter = SEM + (off_b * H + off_h) * m_blocks + start_m // BLOCK_M + lane_zero
-        landed = load_acquire(counter)  # read now, its latency hidden behind the wait below
-        # every lane of every program whose turn comes first has released its share
-        turn = dq_turn(KEY_LO, start_m, n, program.n_blocks, T, S, CAUSAL, BOUNDED, program.LONGEST_FIRST, BLOCK_M,
-                       BLOCK_N) * 32
-        r = base + j
-        buf = r % 2
-        mbarrier.wait(dq_full.index(buf), (r // 2) & 1)
-        while gl.min(landed, 0) < turn:
-            landed = load_acquire(counter)
-        # the Q block's BLOCK_M x D floats are LINES lines of the accumulator, as in shared memory
-        tma_add(io.dqacc_desc, [((off_b * H + off_h) * m_blocks + start_m // BLOCK_M) * LINES, 0], dq_smem.index(buf))
-        bulk_done(lane_zero)  # the add has landed in global memory, and its shared reads are done
-        mbarrier.arrive(dq_empty.index(buf), count=1)
-        gl.atomic_add(counter, lane_zero + 1, sem="release")
-
-
-@gluon.jit
 def _bwd_consume(buffers, work, outs, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr, NUM_WARPS: gl.constexpr):
     """The matmul warps: the steps of each tile they are handed (_bwd_tile)."""
     BLOCK_M: gl.constexpr = buffers.q_smem.type.shape[1]
@@ -201,12 +153,8 @@ def _bwd_tile(buffers, program, outs, row_bounds, base, t, CAUSAL: gl.constexpr,
     dV's and dK's A operands, dK and dV in registers to the end, each dQ share handed to the
     writer; step j is ring slot base + j."""
     k_smem, v_smem, q_smem, do_smem = buffers.k_smem, buffers.v_smem, buffers.q_smem, buffers.do_smem
-    lse_smem, delta_smem, ds_smem = buffers.lse_smem, buffers.delta_smem, buffers.ds_smem
-    n, steps = program.n, program.steps
-    GROUP, T, S = program.GROUP, program.T, program.S
-    qk_scale = outs[5]  # outs: dK, dV, their (batch, head, key) strides, softmax_scale, its * log2(e)
+    n, steps, GROUP, T, S = program.n, program.steps, program.GROUP, program.T, program.S
     ROW_HI, full_hi, _ = row_bounds  # the batch row's row_hi; the first key's, from which rows need the mask
-    dtype: gl.constexpr = q_smem.dtype
     STAGES: gl.constexpr = q_smem.type.shape[0]
     BLOCK_M: gl.constexpr = q_smem.type.shape[1]
     BLOCK_N: gl.constexpr = k_smem.type.shape[0]
@@ -214,13 +162,12 @@ def _bwd_tile(buffers, program, outs, row_bounds, base, t, CAUSAL: gl.constexpr,
     start_n = n * BLOCK_N
 
     # wgmma accumulators: (BLOCK_N, BLOCK_M) for S^T and dP^T, (BLOCK_N, D) for dK and dV,
-    # (BLOCK_M, D) for a dQ share; P^T and dS^T feed dV and dK as register A operands
+    # (BLOCK_M, D) for a dQ share; P^T and dS^T feed dV and dK as register A operands (the steps')
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
                                                         instr_shape=[16, BLOCK_M, 16])
     kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
                                                         instr_shape=[16, HEAD_DIM, 16])
     acc_layout: gl.constexpr = dq_layout(BLOCK_M, HEAD_DIM, NUM_WARPS)
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(0, st_layout)  # a vector over S^T's columns: queries
 
     offs_m_t = gl.arange(0, BLOCK_M, layout=row_layout)
@@ -236,6 +183,7 @@ def _bwd_tile(buffers, program, outs, row_bounds, base, t, CAUSAL: gl.constexpr,
     row_hi = cols_t
     if BOUNDED:
         row_hi = gl.load(ROW_HI + cols_t, mask=cols_t < S, other=0)
+    tile_t = (cols_t, offs_m_t, row_hi)
     mbarrier.wait(buffers.kv_bar, t & 1)
     for j in range(steps * GROUP):
         off_h, start_m = bwd_step_rows(j, program, BLOCK_M)
@@ -245,45 +193,61 @@ def _bwd_tile(buffers, program, outs, row_bounds, base, t, CAUSAL: gl.constexpr,
         q_t, do_t = _landed(r, q_smem, do_smem, buffers.ready)
         st = warpgroup_mma(k_smem, q_t.permute((1, 0)), zero_t, use_acc=False, is_async=True)
         dpt = warpgroup_mma(v_smem, do_t.permute((1, 0)), zero_t, use_acc=False, is_async=True)
+        masked = tile_masked(start_m, start_n, past_s, full_hi, T, S, CAUSAL, BOUNDED, BLOCK_M, BLOCK_N)
         if BLOCK_M == 64:
-            # -- P^T from LSE --
-            # rows past T arrive as zero Q and dO with LSE = delta = 0: P = 1 there but dP = dS = 0, dO = 0
-            lse = lse_smem.index(stage).reshape([BLOCK_M]).load(row_layout)
-            st = warpgroup_mma_wait(1, deps=[st])
-            pt = gl.exp2(st * qk_scale - lse[None, :])
-            # selected after exp2: a row with LSE = -inf (it sees no key) is dropped, never NaN
-            if tile_masked(start_m, start_n, past_s, full_hi, T, S, CAUSAL, BOUNDED, BLOCK_M, BLOCK_N):
-                pt = gl.where(visible_t(cols_t, start_m, offs_m_t, T, S, row_hi, CAUSAL, BOUNDED), pt, 0.0)
-            # -- dV += P^T dO; dS^T = P^T (dP^T - delta); dK += dS^T Q --
-            dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do_t, dv, is_async=True)
-            delta = delta_smem.index(stage).reshape([BLOCK_M]).load(row_layout)
-            dpt = warpgroup_mma_wait(1, deps=[dpt])
-            ds_lo = (pt * (dpt - delta[None, :])).to(dtype)
-            dk = warpgroup_mma(gl.convert_layout(ds_lo, a_layout), q_t, dk, is_async=True)
-            # -- dQ's share dS K, handed to the writer --
-            ds_buf = ds_smem.index(r % 2)  # two buffers: the barrier below also ends step j - 1's reads
-            ds_buf.store(ds_lo)
+            dk, dv = _step_by_rows(st, dpt, q_t, do_t, dk, dv, buffers, r, start_m, masked, tile_t, outs, program,
+                                   CAUSAL, BOUNDED)
         else:
-            masked = tile_masked(start_m, start_n, past_s, full_hi, T, S, CAUSAL, BOUNDED, BLOCK_M, BLOCK_N)
-            dk, dv = _step_by_halves(st, dpt, q_t, do_t, dk, dv, buffers, r, start_m, masked, cols_t, row_hi, outs,
-                                     program, CAUSAL, BOUNDED)
-            ds_buf = ds_smem.index(r % 2)
+            dk, dv = _step_by_halves(st, dpt, q_t, do_t, dk, dv, buffers, r, start_m, masked, tile_t, outs, program,
+                                     CAUSAL, BOUNDED)
+        ds_buf = buffers.ds_smem.index(r % 2)
         fence_async_shared()
         gl.thread_barrier()
         dq = warpgroup_mma(ds_buf.permute((1, 0)), k_smem, zero_q, use_acc=False, is_async=True)
         dv, dk, dq = warpgroup_mma_wait(0, deps=[dv, dk, dq])
         mbarrier.arrive(buffers.empty.index(stage), count=1)  # Q and dO are read: the producer may refill
-        _hand_dq(r, dq, buffers.dq_smem, buffers.dq_full, buffers.dq_empty)
+        hand_dq(r, dq, buffers.dq_smem, buffers.dq_full, buffers.dq_empty)
     _kv_read(buffers.kv_empty)
     _store_dkv(dk, dv, outs, program.off_b, program.off_hkv, start_n, S)
 
 
 @gluon.jit
-def _step_by_halves(st, dpt, q_t, do_t, dk, dv, buffers, r, start_m, masked, cols_t, row_hi, outs, program,
+def _step_by_rows(st, dpt, q_t, do_t, dk, dv, buffers, r, start_m, masked, tile_t, outs, program,
+                  CAUSAL: gl.constexpr, BOUNDED: gl.constexpr):
+    """A step of 64 queries (the D = 128 step), ring slot r, S^T and dP^T in flight: P^T from the
+    LSE, dV += P^T dO, dS^T = P^T (dP^T - delta), dK += dS^T Q, and dS^T into the writer's buffer
+    r % 2 for dQ's share (two buffers: the barrier after also ends step r - 1's reads). Returns
+    dK, dV."""
+    STAGES: gl.constexpr = buffers.q_smem.type.shape[0]
+    BLOCK_M: gl.constexpr = buffers.q_smem.type.shape[1]
+    dtype: gl.constexpr = q_t.dtype
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk.type.layout, k_width=2)
+    cols_t, offs_m_t, row_hi = tile_t  # S^T's rows (keys), its columns (query offsets), the keys' row_hi
+    row_layout: gl.constexpr = offs_m_t.type.layout
+    T, S, qk_scale = program.T, program.S, outs[5]
+    # rows past T arrive as zero Q and dO with LSE = delta = 0: P = 1 there but dP = dS = 0, dO = 0
+    lse = buffers.lse_smem.index(r % STAGES).reshape([BLOCK_M]).load(row_layout)
+    st = warpgroup_mma_wait(1, deps=[st])
+    pt = gl.exp2(st * qk_scale - lse[None, :])
+    # selected after exp2: a row with LSE = -inf (it sees no key) is dropped, never NaN
+    if masked:
+        pt = gl.where(visible_t(cols_t, start_m, offs_m_t, T, S, row_hi, CAUSAL, BOUNDED), pt, 0.0)
+    dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do_t, dv, is_async=True)
+    delta = buffers.delta_smem.index(r % STAGES).reshape([BLOCK_M]).load(row_layout)
+    dpt = warpgroup_mma_wait(1, deps=[dpt])
+    ds_lo = (pt * (dpt - delta[None, :])).to(dtype)
+    dk = warpgroup_mma(gl.convert_layout(ds_lo, a_layout), q_t, dk, is_async=True)
+    buffers.ds_smem.index(r % 2).store(ds_lo)
+    return dk, dv
+
+
+@gluon.jit
+def _step_by_halves(st, dpt, q_t, do_t, dk, dv, buffers, r, start_m, masked, tile_t, outs, program,
                     CAUSAL: gl.constexpr, BOUNDED: gl.constexpr):
     """A step of 128 queries (FlashAttention-3's D = 64 step), ring slot r, S^T and dP^T in flight
     whole, one m64n128 product each: P^T, dS^T, dV and dK one 64-query column half at a time, so a
     thread holds 16 LSE and 16 delta values at once, not 32 each (which spill). Returns dK, dV."""
+    cols_t, _, row_hi = tile_t  # S^T's rows (keys) and their row_hi (the query offsets: made per half)
     STAGES: gl.constexpr = buffers.q_smem.type.shape[0]
     BLOCK_M: gl.constexpr = buffers.q_smem.type.shape[1]
     gl.static_assert(BLOCK_M == 128)
@@ -312,27 +276,6 @@ def _step_by_halves(st, dpt, q_t, do_t, dk, dv, buffers, r, start_m, masked, col
     dk = warpgroup_mma(gl.convert_layout(ds1, a_layout), q_t.slice(HALF, HALF), dk, is_async=True)
     ds_buf.slice(HALF, HALF, dim=1).store(ds1)
     return dk, dv
-
-
-@gluon.jit
-def _hand_dq(j, dq, dq_smem, dq_full, dq_empty):
-    """Step j's dQ share (BLOCK_M, D) into the writer's buffer j % 2, once the writer has added
-    what that buffer last held."""
-    BLOCK_M: gl.constexpr = dq.type.shape[0]
-    HEAD_DIM: gl.constexpr = dq.type.shape[1]
-    buf = j % 2
-    mbarrier.wait(dq_empty.index(buf), ((j // 2) & 1) ^ 1)
-    # in 8-column slabs (D / 8, BLOCK_M, 8), unswizzled: a wgmma accumulator's thread holds two
-    # adjacent floats of a row and its quad the row's 8, so a half-warp's 64-bit stores fill 4 rows
-    # of a slab, 128 contiguous bytes, one wavefront (row by row under the 128-byte swizzle they
-    # took two); the reshape and permute move no data. (_reinterpret: triton 3.6's
-    # name for viewing a buffer under another shape and layout; later releases call it reinterpret)
-    slabs = dq_smem.index(buf)._reinterpret(gl.float32, [HEAD_DIM // 8, BLOCK_M, 8],
-                                            gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
-    slabs.store(gl.permute(gl.reshape(dq, [BLOCK_M, HEAD_DIM // 8, 8]), [1, 0, 2]))
-    fence_async_shared()  # the writer's TMA reads what these threads wrote
-    gl.thread_barrier()  # every warp's part is written
-    mbarrier.arrive(dq_full.index(buf), count=1)
 
 
 @gluon.jit
@@ -415,7 +358,7 @@ def _bwd_kernel(
     # -- the partitions: the matmul warpgroups in the kernel's own warps, the producer and the dQ writer beside --
     gl.warp_specialize([(_bwd_consume, (buffers, work, outs, CAUSAL, BOUNDED, num_warps)),
                         (_bwd_produce, (io, buffers, work, CAUSAL, BOUNDED)),
-                        (_bwd_write_dq, (io, buffers, work, SEM, CAUSAL, BOUNDED))],
+                        (write_dq, (io, buffers, work, SEM, CAUSAL, BOUNDED))],
                        [1, 1], [WORKER_REGS, WORKER_REGS])
 
 
@@ -470,10 +413,6 @@ def _launch(do, q, k, v, o, lse, dq, dk, dv, bounds: Bounds | None, causal: bool
                      tuple(view.data_ptr() - scratch.data_ptr() for view in views))
 
 
-# the compiled LSE-delta, backward and dQ kernels per input layout, bound as the forward's are
-_BOUND: dict[tuple, _Launches] = {}
-
-
 def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, bounds: Bounds | None,
              signature: tuple) -> None:
     """Writes dq, dk, dv (shaped like q, k, v; head dim contiguous) from the forward's o and lse
@@ -481,7 +420,7 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, bounds
     kernels/masking.py's Bounds, to attend within documents or a window. signature: kernels/api.py's,
     which fixes all the launches depend on but the addresses. Rows that see no key (causal, T > S)
     get no share: their dq is zero."""
-    if launches := _BOUND.get(signature):
+    if launches := PREPARED.get((backward, signature)):  # bound as the forward's are
         # the buffers by address alone: the launches read nothing else of them
         scratch = torch.empty(launches.floats, dtype=torch.float32, device=q.device)
         base = scratch.data_ptr()
@@ -492,7 +431,8 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, bounds
         return
     longest_first = config.bwd_longest_first(q.shape[3], causal, bounds is not None, k.shape[2])
     with on_device(q):
-        _BOUND[signature] = _launch(do, q, k, v, o, lse, dq, dk, dv, bounds, causal, scale, longest_first)
+        PREPARED[(backward, signature)] = _launch(do, q, k, v, o, lse, dq, dk, dv, bounds, causal, scale,
+                                                  longest_first)
 
 
 def compile_only(do, q, k, v, causal: bool, bounded: bool = False):

@@ -41,9 +41,9 @@ class Row(NamedTuple):
 
 
 # D = 64: a third consumer from FWD_LONG queries on, where its 64 extra masked rows per program no
-# longer cost more than it gains; no overlap (0.95-1.04x); the backward's step of 128 rows in two
-# column halves (FlashAttention-3's), shortest first. D = 128: the overlap with a 3-slot ring
-# (1.06-1.09x the forward from T = 4096), longest first from 8,192 keys.
+# longer cost more than it gains; no overlap (it does not pay there); the backward's step of 128
+# rows in two column halves (FlashAttention-3's), shortest first. D = 128: the overlap with a
+# 3-slot ring, longest first from 8,192 keys. docs/perf-notes.md gives each choice its number.
 TABLE = {64: Row(FwdTiles(2, 128, 3), FwdTiles(3, 128, 3), False, BwdTiles(128, 128, 2), None),
          128: Row(FwdTiles(2, 128, 3), FwdTiles(2, 128, 3), True, BwdTiles(64, 128, 2), 8192)}
 HEAD_DIMS = tuple(TABLE)
@@ -96,7 +96,7 @@ def bwd_maxnreg() -> int:
 def fwd_section(heads: int, group: int, seq_k: int, head_dim: int, itemsize: int) -> int:
     """The forward's launch order: the (batch, head) pairs of all `heads` in sections of this many,
     whose K and V fit L2_BYTES together (the query heads of one kv head share theirs), each
-    section's query blocks longest first across its heads: the forward 1.03-1.12x faster from
-    T = 4096 on the H100 than head by head."""
+    section's query blocks longest first across its heads: tiles running together share K and V
+    that L2 holds (docs/perf-notes.md measures it against head by head)."""
     kv_heads = max(1, L2_BYTES // (2 * seq_k * head_dim * itemsize))
     return min(kv_heads * group, heads)

@@ -29,7 +29,7 @@ from kernels.hopper.pipeline import FwdBuffers, FwdIO, skip_slot
 from kernels.hopper.schedule import FwdWork, fwd_first_tile, fwd_program, hand_out_tile, take_tile
 from kernels.hopper.softmax import online_softmax, p_operand, rescale
 from kernels.runtime import chips
-from kernels.runtime.launch import Bound, launch_and_bind, on_device
+from kernels.runtime.launch import PREPARED, launch_and_bind, on_device
 from kernels.triton.blocks import LOG2E
 
 PRODUCER_REGS = gl.constexpr(config.FWD_PRODUCER_REGS)  # the producer issues TMA copies, waits and hands out tiles
@@ -368,12 +368,6 @@ def _args(q, k, v, o, lse, key_lo, counter, scale: float, tiles: config.FwdTiles
             H // H_kv, T, S, scale * LOG2E.value)
 
 
-# the compiled forward per call signature: later calls launch it directly with descriptors over the
-# new addresses, where Triton's front door would bind every argument again and TensorDescriptor
-# would re-check what the signature fixes
-_BOUND: dict[tuple, Bound] = {}
-
-
 def forward(q, k, v, o, lse, causal: bool, scale: float, key_lo: torch.Tensor | None, signature: tuple) -> None:
     """Writes o (shaped like q, head dim contiguous) and lse ((B, H, T) fp32, contiguous, natural
     log). key_lo ((B, T) int32, contiguous; causal only): each query's first key, to attend within
@@ -384,14 +378,18 @@ def forward(q, k, v, o, lse, causal: bool, scale: float, key_lo: torch.Tensor | 
     # zeroed for each launch: a counter kept from call to call and left zero by every launch would
     # break under CUDA graphs (a capture records its launches, and a graph's pool may reuse memory)
     counter = torch.zeros(1, dtype=torch.int32, device=q.device)
-    if bound := _BOUND.get(signature):
+    # the compiled forward per call signature: later calls launch it directly with descriptors over
+    # the new addresses, where Triton's front door would bind every argument again and
+    # TensorDescriptor would re-check what the signature fixes
+    if bound := PREPARED.get((forward, signature)):
         bound(q, k, v, o, lse, key_lo, counter)
         return
     tiles = config.fwd_tiles(q.shape[3], q.shape[2])
     args = _args(q, k, v, o, lse, key_lo, counter, scale, tiles)
     options = _options(causal, bounded, tiles, _section(q, k), q.shape[3])
+    grid = _grid(q, tiles, chips.chip(q.device.index))
     with on_device(q):
-        _BOUND[signature] = launch_and_bind(_fwd_kernel, _grid(q, tiles, chips.chip(q.device.index)), args, options)
+        PREPARED[(forward, signature)] = launch_and_bind(_fwd_kernel, grid, args, options)
 
 
 def compile_only(q, k, v, causal: bool, bounded: bool = False):

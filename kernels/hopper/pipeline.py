@@ -9,7 +9,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from triton.experimental.gluon.language.nvidia.hopper.tma import tensor_descriptor
-from triton.language.core import _aggregate as aggregate  # Gluon's own (triton 3.6 exports no public name)
+from triton.language.core import _aggregate as aggregate  # Gluon's own (it has no public name)
 
 Scalar = gl.tensor | gl.constexpr  # an integer argument is a constexpr where it is 1 (Triton specializes it)
 
@@ -154,7 +154,7 @@ def bulk_done(like):
 
 @builtin
 def tma_add(tensor_desc, coord, src, _semantic=None):
-    """TMA reduce-add of shared memory `src` into the descriptor's box at `coord` (triton 3.6's
-    Gluon builds the op but exposes no wrapper)."""
+    """TMA reduce-add of shared memory `src` into the descriptor's box at `coord` (Gluon builds the
+    op but exposes no wrapper)."""
     coord = _semantic._convert_to_ir_values(coord, require_i64=False)
     _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)

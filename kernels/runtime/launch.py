@@ -7,8 +7,8 @@ FLASH_ATTENTION_AUTOTUNE=0 the first of them that compiles and launches). CPU te
 tensors when TRITON_INTERPRET=1 was set before import, run the kernel's interpreted twin
 (kernels/runtime/interpreter.py) under one small fixed config, so that nothing is benchmarked there.
 
-A launch through Triton's front door binds and specializes every argument again (~100 us of
-Python per launch on the H100 machine's host, more than a short sequence's kernel takes). A
+A launch through Triton's front door binds and specializes every argument again (more Python per
+launch than a short sequence's kernel takes: docs/perf-notes.md). A
 `Bound` is a compiled kernel with its grid and every argument that is not a tensor fixed for one
 input signature; calling it passes the tensors' addresses straight to Triton's C launcher, and
 the host TMA descriptors that Gluon kernels take, encoded once per address from the shapes and
@@ -19,6 +19,7 @@ kernel's.
 import contextlib
 import functools
 import os
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -49,6 +50,30 @@ def autotuning() -> bool:
     return os.environ.get("FLASH_ATTENTION_AUTOTUNE", "1") != "0"
 
 
+class PreparedLaunches(OrderedDict):
+    """The launches prepared so far, for both dialects, by (owner, input signature): a Bound, or an
+    owner's group of them (the Hopper backward's three). The least recently used goes past LIMIT:
+    a process that meets ever new shapes (decoding at every length, say) keeps only the recent."""
+
+    LIMIT = 256
+
+    def get(self, key, default=None):
+        try:
+            self.move_to_end(key)  # used now: the last to go
+        except KeyError:
+            return default
+        return super().get(key, default)
+
+    def __setitem__(self, key, value) -> None:
+        super().__setitem__(key, value)
+        self.move_to_end(key)
+        while len(self) > self.LIMIT:
+            self.popitem(last=False)
+
+
+PREPARED = PreparedLaunches()  # every prepared launch of the process
+
+
 class Launcher:
     """One kernel, its candidate configs in order of preference, and the choices made so far.
 
@@ -61,7 +86,6 @@ class Launcher:
         self.kernel, self.configs, self.cpu_config, self.prune = kernel, configs, cpu_config, prune
         self.chosen: dict[tuple, triton.Config] = {}  # tuning key -> config
         self.compiled: dict[tuple, object] = {}  # (config, constexprs, device, specialization) -> CompiledKernel
-        self.bound: dict[tuple, Bound] = {}  # the caller's input signature -> its launch
         self._pinned: triton.Config | None = None
 
     @property
@@ -100,7 +124,7 @@ class Launcher:
     def bound_for(self, signature: tuple) -> "Bound | None":
         """The launch bound for this input signature by an earlier call of `bind` (None while a
         config is pinned: the pin decides)."""
-        return None if self._pinned else self.bound.get(signature)
+        return None if self._pinned else PREPARED.get((self, signature))
 
     def bind(self, signature: tuple, grid: Grid, args: tuple, key: tuple, **constexprs) -> None:
         """Launches like __call__, then binds the compiled kernel, its grid and args' non-tensor
@@ -111,8 +135,8 @@ class Launcher:
             return
         config = self.chosen[key]
         compiled = self.compiled[self._compiled_key(config, args, constexprs)]
-        self.bound[signature] = bind(self.kernel, compiled, grid(config.kwargs), args, {**constexprs, **config.kwargs},
-                                     tma=bool(constexprs.get("TMA")))
+        PREPARED[(self, signature)] = bind(self.kernel, compiled, grid(config.kwargs), args,
+                                           {**constexprs, **config.kwargs}, tma=bool(constexprs.get("TMA")))
 
     def _launch(self, config: triton.Config, grid: Grid, args: tuple, constexprs: dict) -> None:
         # Triton's own launch path binds and specializes every argument on every call (tens of
@@ -164,7 +188,7 @@ class Launcher:
 
 
 class HostDescriptor(NamedTuple):
-    """What triton 3.6's C launcher reads of a host TensorDescriptor (base address, shape, strides,
+    """What Triton's C launcher reads of a host TensorDescriptor (base address, shape, strides,
     padding) and nothing more: the tensor itself is not kept, and none of TensorDescriptor's checks
     run again (the first launch of the signature ran them)."""
     base: "Address"
@@ -219,11 +243,11 @@ class Bound:
 
 
 class _Direct:
-    """Triton 3.6's C launch function of one compiled kernel, called as Triton's launcher object
-    calls it, less that object's per-call Python: the scratch it asks for (none here), and the
-    expansion of each host TMA descriptor into an encoded tensor map, its shape and strides, which
-    is made once per address here and kept (a training step's tensors come back at the same
-    addresses from torch's caching allocator, step after step)."""
+    """The C launch function of one compiled kernel (of the Triton release `of` checks for), called
+    as Triton's launcher object calls it, less that object's per-call Python: the scratch it asks
+    for (none here), and the expansion of each host TMA descriptor into an encoded tensor map, its
+    shape and strides, which is made once per address here and kept (a training step's tensors
+    come back at the same addresses from torch's caching allocator, step after step)."""
 
     KEPT = 1024  # encoded descriptors kept per descriptor argument, the oldest dropped first past that
 
@@ -269,7 +293,7 @@ class _Direct:
 
 
 def _expand(descriptor: HostDescriptor, meta: dict | None) -> list:
-    """What Triton 3.6's launcher passes for a host TMA descriptor: the encoded tensor map (where
+    """What Triton's launcher passes for a host TMA descriptor: the encoded tensor map (where
     the kernel was compiled to take one), its shape and strides."""
     from triton.backends.nvidia.driver import make_tensordesc_arg
     return make_tensordesc_arg(descriptor, meta)
@@ -306,7 +330,7 @@ def launch_compiled(compiled, grid: tuple[int, int, int], device: int, args: tup
 
 
 def _hooked() -> bool:
-    """Whether Triton's launch hooks are set (a HookChain in triton 3.6, a callable or None before)."""
+    """Whether Triton's launch hooks are set (a HookChain, or in older releases a callable or None)."""
     return any(getattr(hook, "calls", hook) for hook in (knobs.runtime.launch_enter_hook,
                                                          knobs.runtime.launch_exit_hook))
 

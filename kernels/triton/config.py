@@ -15,7 +15,7 @@ from kernels.runtime import chips
 from kernels.runtime.chips import Chip, NoConfigFits
 
 # Registers: every NVIDIA GPU from Volta on gives a thread at most 255 32-bit registers, and on
-# Triton 3.6's sm_90 compiles every config above 192 live fp32 values per thread spilled.
+# On sm_90 Triton's compiles of every config above 192 live fp32 values per thread spilled.
 FP32_PER_THREAD = 192
 # Shared memory: the estimate below counts the tiles; Triton's barriers and layout conversions
 # take up to ~1 KB more (calibrated on sm_90 compiles for D in {64, 80, 128, 256})
