@@ -41,13 +41,15 @@ def _bwd_preprocess_kernel(
 @triton.jit
 def _bwd_dkdv_inner(
     dk, dv, k, v,  # (BLOCK_N, BLOCK_D) fp32 accumulators; resident K and V tiles
-    q_tiles, do_tiles,  # one query head's Q and dO tiles, as blocks.stream gives them
-    lse_ptr, delta_ptr,  # LSE and delta of that head's row 0
-    cols, row_hi, offs_m, d_mask,  # the block's keys and their row_hi; query offsets; real head dims
-    m_start, m_end, T, S, qk_scale,
+    head,  # one query head's Q and dO tiles (as blocks.stream gives them), its LSE and delta at row 0
+    block,  # the block's keys and their row_hi; query offsets; real head dims
+    m_start, m_end, sizes,  # the query blocks [m_start, m_end); (T, S, qk_scale)
     MASKED: tl.constexpr, BOUNDED: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
     TMA: tl.constexpr,
 ):
+    q_tiles, do_tiles, lse_ptr, delta_ptr = head
+    cols, row_hi, offs_m, d_mask = block
+    T, S, qk_scale = sizes
     # masked runs exist only under a causal mask (bounds need one too), so MASKED applies it
     for start_m in range(m_start, m_end, BLOCK_M):
         # -- load Q, dO, LSE, delta --
@@ -98,21 +100,20 @@ def _bwd_dkdv_kernel(
 
     row_hi, m_start, full_start, full_hi, q_hi = q_ranges(ROW_HI + off_b.to(tl.int64) * S, cols, start_n, T, S,
                                                           CAUSAL, BOUNDED, BLOCK_M, BLOCK_N)
+    block, sizes = (cols, row_hi, offs_m, d_mask), (T, S, qk_scale)
     for g in range(GROUP):  # GQA: the kv head's query heads, summed in a fixed order
         off_h = off_hkv * GROUP + g
         q_tiles = stream(Q, q_strides, off_b, off_h, T, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
         do_tiles = stream(DO, do_strides, off_b, off_h, T, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
         row0 = (off_b * H + off_h).to(tl.int64) * T
+        head = (q_tiles, do_tiles, LSE + row0, DELTA + row0)
         # -- the query blocks: masked at the diagonal, mask-free, masked where the keys' last queries lie --
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_tiles, do_tiles, LSE + row0, DELTA + row0, cols, row_hi, offs_m,
-                                 d_mask, m_start, tl.minimum(full_start, q_hi), T, S, qk_scale,
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, head, block, m_start, tl.minimum(full_start, q_hi), sizes,
                                  True, BOUNDED, INPUT_PRECISION, BLOCK_M, TMA)
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_tiles, do_tiles, LSE + row0, DELTA + row0, cols, row_hi, offs_m,
-                                 d_mask, full_start, full_hi, T, S, qk_scale,
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, head, block, full_start, full_hi, sizes,
                                  False, BOUNDED, INPUT_PRECISION, BLOCK_M, TMA)
         if BOUNDED:
-            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_tiles, do_tiles, LSE + row0, DELTA + row0, cols, row_hi,
-                                     offs_m, d_mask, full_hi, q_hi, T, S, qk_scale,
+            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, head, block, full_hi, q_hi, sizes,
                                      True, BOUNDED, INPUT_PRECISION, BLOCK_M, TMA)
 
     # -- epilogue --
@@ -124,12 +125,13 @@ def _bwd_dkdv_kernel(
 @triton.jit
 def _bwd_dq_inner(
     dq, q, do, lse, delta,  # (BLOCK_M, BLOCK_D) fp32 accumulator; resident Q, dO; LSE (log2 units), delta
-    k_tiles, v_tiles,  # as in the forward's inner loop
-    rows, key_lo, offs_n, d_mask,
-    n_start, n_end, T, S, qk_scale,
+    kv_tiles, block, n_start, n_end, sizes,  # as in the forward's inner loop
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, BOUNDED: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr, TMA: tl.constexpr,
 ):
+    k_tiles, v_tiles = kv_tiles
+    rows, key_lo, offs_n, d_mask = block
+    T, S, qk_scale = sizes
     for start_n in range(n_start, n_end, BLOCK_N):
         # -- recompute P --
         cols, kv_mask = key_block(start_n, offs_n, d_mask, S, MASKED)
@@ -169,16 +171,14 @@ def _bwd_dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     key_lo, lo, full_lo, full_end, end = kv_ranges(KEY_LO + off_b.to(tl.int64) * T, rows, start_m, T, S, CAUSAL,
                                                    BOUNDED, BLOCK_M, BLOCK_N)
+    kv_tiles, block, sizes = (k_tiles, v_tiles), (rows, key_lo, offs_n, d_mask), (T, S, qk_scale)
     # -- the forward's three runs of key blocks --
     if BOUNDED:
-        dq = _bwd_dq_inner(dq, q, do, lse, delta, k_tiles, v_tiles, rows, key_lo, offs_n, d_mask,
-                           lo, tl.minimum(full_lo, full_end), T, S, qk_scale,
+        dq = _bwd_dq_inner(dq, q, do, lse, delta, kv_tiles, block, lo, tl.minimum(full_lo, full_end), sizes,
                            True, CAUSAL, BOUNDED, INPUT_PRECISION, BLOCK_N, TMA)
-    dq = _bwd_dq_inner(dq, q, do, lse, delta, k_tiles, v_tiles, rows, key_lo, offs_n, d_mask,
-                       full_lo, full_end, T, S, qk_scale,
+    dq = _bwd_dq_inner(dq, q, do, lse, delta, kv_tiles, block, full_lo, full_end, sizes,
                        False, CAUSAL, BOUNDED, INPUT_PRECISION, BLOCK_N, TMA)
-    dq = _bwd_dq_inner(dq, q, do, lse, delta, k_tiles, v_tiles, rows, key_lo, offs_n, d_mask,
-                       tl.maximum(lo, full_end), end, T, S, qk_scale,
+    dq = _bwd_dq_inner(dq, q, do, lse, delta, kv_tiles, block, tl.maximum(lo, full_end), end, sizes,
                        True, CAUSAL, BOUNDED, INPUT_PRECISION, BLOCK_N, TMA)
 
     # -- epilogue --

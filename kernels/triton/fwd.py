@@ -19,12 +19,15 @@ from kernels.triton.blocks import LOG2E, key_block, kv_ranges, load_tile, query_
 @triton.jit
 def _fwd_inner(
     acc, l_i, m_i, q,  # running (BLOCK_M, BLOCK_D) output, row sum, row max (log2 units); Q tile
-    k_tiles, v_tiles,  # this kv head's K and V tiles, as blocks.stream gives them
-    rows, key_lo, offs_n, d_mask,  # the block's query rows and their first keys; key offsets; real head dims
-    n_start, n_end, T, S, qk_scale,
+    kv_tiles,  # this kv head's K and V tiles, as blocks.stream gives them
+    block,  # the block's query rows and their first keys; key offsets; real head dims
+    n_start, n_end, sizes,  # the key blocks [n_start, n_end); (T, S, qk_scale)
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, BOUNDED: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr, TMA: tl.constexpr,
 ):
+    k_tiles, v_tiles = kv_tiles
+    rows, key_lo, offs_n, d_mask = block
+    T, S, qk_scale = sizes
     for start_n in range(n_start, n_end, BLOCK_N):
         # -- compute qk --
         cols, kv_mask = key_block(start_n, offs_n, d_mask, S, MASKED)
@@ -68,16 +71,14 @@ def _fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     key_lo, lo, full_lo, full_end, end = kv_ranges(KEY_LO + off_b.to(tl.int64) * T, rows, start_m, T, S, CAUSAL,
                                                    BOUNDED, BLOCK_M, BLOCK_N)
+    kv_tiles, block, sizes = (k_tiles, v_tiles), (rows, key_lo, offs_n, d_mask), (T, S, qk_scale)
     # -- the key blocks: masked where the rows' first keys lie, mask-free, masked at the diagonal --
     if BOUNDED:
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_tiles, v_tiles, rows, key_lo, offs_n, d_mask,
-                                   lo, tl.minimum(full_lo, full_end), T, S, qk_scale,
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, kv_tiles, block, lo, tl.minimum(full_lo, full_end), sizes,
                                    True, CAUSAL, BOUNDED, INPUT_PRECISION, BLOCK_N, TMA)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_tiles, v_tiles, rows, key_lo, offs_n, d_mask,
-                               full_lo, full_end, T, S, qk_scale,
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, kv_tiles, block, full_lo, full_end, sizes,
                                False, CAUSAL, BOUNDED, INPUT_PRECISION, BLOCK_N, TMA)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_tiles, v_tiles, rows, key_lo, offs_n, d_mask,
-                               tl.maximum(lo, full_end), end, T, S, qk_scale,
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, kv_tiles, block, tl.maximum(lo, full_end), end, sizes,
                                True, CAUSAL, BOUNDED, INPUT_PRECISION, BLOCK_N, TMA)
 
     # -- epilogue --
