@@ -481,14 +481,16 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
                 profiler.close()
         stop.settle()
         summary = finish(run, status, message, stop.check)
-        if stop.received and summary["status"] == "ok":  # a stop as the run closed: it is whole, the process ends
-            summary["signal"] = signal.Signals(stop.received).name
-            given_up = cfg.sample_tokens > 0 and "sample" not in summary
-            summary["message"] = (f"stopped by {summary['signal']} as the run closed: "
-                                  + "the end-of-run sample was given up; " * given_up
-                                  + f"it finished at step {run.step} and its files are written"
-                                  + (f": {resume_hint(run)}" if sweeping() else ""))
-        return summary
+    # read once the block has handed the signals back (to a script's handlers, say): one that came
+    # in between is recorded here, not lost
+    if stop.received and summary["status"] == "ok":  # a stop as the run closed: it is whole, the process ends
+        summary["signal"] = signal.Signals(stop.received).name
+        given_up = cfg.sample_tokens > 0 and "sample" not in summary
+        summary["message"] = (f"stopped by {summary['signal']} as the run closed: "
+                              + "the end-of-run sample was given up; " * given_up
+                              + f"it finished at step {run.step} and its files are written"
+                              + (f": {resume_hint(run)}" if sweeping() else ""))
+    return summary
 
 
 def ended_early(run: Run, e: BaseException) -> tuple[str, str] | None:

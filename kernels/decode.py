@@ -33,6 +33,7 @@ import triton.language as tl
 from kernels.runtime.launch import Launcher, on_device
 from kernels.triton.blocks import LOG2E, visible
 
+
 @triton.jit
 def _split_kernel(
     Q, K, V, LENGTH, O_PART, LSE_PART,  # O_PART (B, H, T, SPLITS, D) fp32; LSE_PART (B, H, T, SPLITS) fp32, log2 units

@@ -41,9 +41,16 @@ class Mask:
     doc_ids: torch.Tensor | None = None
     window: int = 0
 
+    def __post_init__(self):
+        if self.window and not self.causal:
+            raise ValueError(f"Mask: window={self.window} needs causal=True (each query keeps the `window` keys up to "
+                             "its own)")
+
     def sees(self, b, rows, cols) -> torch.Tensor:
         """Whether query `rows` of batch row b (read only with documents) sees key `cols`, for
         broadcasting index tensors."""
+        if self.doc_ids is not None and b is None:
+            raise ValueError("Mask.sees: with documents, say which batch rows (b)")
         return sees(b, rows, cols, self.T, self.S, self.causal, self.window or None, self.doc_ids)
 
     def dense(self, device: torch.device | None = None) -> torch.Tensor:

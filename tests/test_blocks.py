@@ -194,10 +194,17 @@ def test_every_reader_of_a_mask_sees_the_same_keys(case):
         band = (cols >= bnd.key_lo[0][:, None]) & (cols <= rows + S - T)
         assert torch.equal(band, want)
         assert torch.equal((rows < bnd.row_hi[0][None, :]) & (cols <= rows + S - T), want)
-    fa4 = mask.fa4()
-    assert fa4["window_size"] == ((window - 1, 0) if window else (None, None))
-    if doc_ids is not None:
-        assert fa4["cu_seqlens_q"].tolist() == torch.tensor([0, *lengths]).cumsum(0).tolist()
+
+
+def test_flash_attention_4_gets_the_masks_window_and_document_offsets():
+    # its window_size counts the keys before the query's own; its varlen entry takes the B rows
+    # flattened, cut at every document and every row
+    doc_ids = torch.tensor([[0, 0, 1, 1, 1, 2], [0, 1, 1, 1, 1, 1]])
+    args = masking.Mask(6, 6, True, doc_ids, 3).fa4()
+    assert args["causal"] is True and args["window_size"] == (2, 0)
+    assert args["cu_seqlens_q"].tolist() == args["cu_seqlens_k"].tolist() == [0, 2, 5, 6, 7, 12]
+    assert args["cu_seqlens_q"].dtype == torch.int32 and args["max_seqlen_q"] == args["max_seqlen_k"] == 6
+    assert masking.Mask(5, 9).fa4() == {"causal": True, "window_size": (None, None)}
 
 
 def test_document_bounds_are_made_once_per_batch():

@@ -39,6 +39,7 @@ import kernels
 from kernels import LAUNCHERS, backends, inputs
 from kernels.reference.flash_ref import attention_probs, attention_reference
 from kernels.runtime import chips
+from kernels.runtime.launch import PREPARED
 from tests.helpers import REPO
 
 
@@ -54,8 +55,7 @@ def pointer_loads(monkeypatch):
     """The pointer loads where TMA could read the inputs (what a GPU before sm_90 runs): the launches
     made meanwhile, kept per input signature, are dropped after, and those made before too."""
     def drop_launches():
-        for launcher in LAUNCHERS.values():
-            launcher.bound.clear()
+        PREPARED.clear()
         backends._CHOSEN.clear()
 
     monkeypatch.setattr(inputs, "uses_tma", lambda *tensors: False)

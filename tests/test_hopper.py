@@ -17,6 +17,7 @@ from kernels import backends, flash_attention, flash_attn_backward, flash_attn_f
 from kernels.hopper import bwd_passes
 from kernels.hopper import config as hopper
 from kernels.runtime.interpreter import interpreted, interpreting
+from kernels.runtime.launch import PREPARED
 from tests.helpers import REPO
 from tests.test_flash_attn import BF16, F16, _case_id, _check_against_float64, _doc_ids, _make_inputs
 
@@ -385,7 +386,6 @@ def test_gluon_under_inductor_fullgraph(backend):
 def test_gluon_later_launches_use_the_new_tensors(D, documents):
     # the first call per layout goes through Triton's front door; later calls launch the compiled
     # kernels with descriptors rebuilt from the new tensors' addresses (and the new documents')
-    from kernels.hopper import bwd, fwd
     a, b = (_make_inputs(f"gluon-rebind-{name}-{D}", 1, 4, 2, 1000, 1000, D, BF16, "bthd", "cuda") for name in "ab")
     doc_ids = _doc_ids([[300, 1, 699]], "cuda") if documents else None
 
@@ -393,12 +393,10 @@ def test_gluon_later_launches_use_the_new_tensors(D, documents):
         o = flash_attention(q, k, v, doc_ids=doc_ids, backend="gluon")
         return (o, *torch.autograd.grad(o, (q, k, v), do))
 
-    fwd._BOUND.clear()
-    bwd._BOUND.clear()
+    PREPARED.clear()
     first_b = run(*b)
     later_a, later_b = run(*a), run(*b)
-    fwd._BOUND.clear()
-    bwd._BOUND.clear()
+    PREPARED.clear()
     first_a = run(*a)
     for first, later in ((first_a, later_a), (first_b, later_b)):
         for x, y in zip(first, later, strict=True):

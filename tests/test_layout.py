@@ -53,7 +53,9 @@ KERNEL_LAYERS = [{"__init__", "api", "backends", "ring_attention", "decode", "cr
 
 def _kernel_layer(module: str) -> int:
     part = module.split(".")[1] if "." in module else "__init__"
-    return next(i for i, names in enumerate(KERNEL_LAYERS) if part in names)
+    layers = [i for i, names in enumerate(KERNEL_LAYERS) if part in names]
+    assert layers, f"{module}: kernels/{part} has no layer in KERNEL_LAYERS: add it where it belongs"
+    return layers[0]
 
 
 def _kernel_modules_imported(path) -> set[str]:

@@ -12,6 +12,7 @@ The CPU tests start four processes (a few minutes on 2 busy cores):
     .venv/bin/python -m pytest tests/test_script_stops.py -q
 """
 
+import json
 import signal
 import subprocess
 import sys
@@ -67,6 +68,7 @@ def test_a_stop_as_a_run_of_loss_equivalence_closes_stops_the_script_there(data_
                   "attns=[sdpa,naive]", "wandb.mode=offline", f"hydra.run.dir={out}"], tmp_path)
     wait_for(proc, tmp_path, lambda: (out / "sdpa" / "summary.json").exists(), "sdpa's summary.json")
     stopped(proc, tmp_path, signal.SIGTERM, "loss_equivalence.py")
+    assert json.loads((out / "sdpa" / "summary.json").read_text())["status"] == "ok"
     assert not (out / "naive").exists() and not list(out.glob("equivalence.*"))
 
 

@@ -1,4 +1,4 @@
-"""The portable kernels' table: head dims, dtypes and tile candidates, pruned to what a GPU fits.
+"""The portable kernels' table: tile candidates, pruned to what a GPU fits.
 
 Each list is in order of preference, from scripts/tune_attention.py on an H100 (causal bf16, D 64
 and 128; docs/perf-notes.md has the tables): autotuning benchmarks the candidates that fit the
@@ -15,7 +15,7 @@ from kernels.runtime import chips
 from kernels.runtime.chips import Chip, NoConfigFits
 
 # Registers: every NVIDIA GPU from Volta on gives a thread at most 255 32-bit registers, and on
-# On sm_90 Triton's compiles of every config above 192 live fp32 values per thread spilled.
+# sm_90 Triton's compiles of every config above 192 live fp32 values per thread spilled.
 FP32_PER_THREAD = 192
 # Shared memory: the estimate below counts the tiles; Triton's barriers and layout conversions
 # take up to ~1 KB more (calibrated on sm_90 compiles for D in {64, 80, 128, 256})
