@@ -180,13 +180,12 @@ def window_bounds(window: int, B: int, T: int, S: int, device: torch.device) -> 
 
 
 def sees(b, rows, cols, T: int, S: int, causal: bool, reach, doc_ids: torch.Tensor | None) -> torch.Tensor:
-    """The rule, for broadcasting index tensors: query i (rows) of batch row b sees key j (cols) iff
-    both are real, j is no later than i's own position i + S - T (causal), fewer than reach keys
-    behind it (an int or a tensor; None: any) and in i's document."""
+    """The rule, for broadcasting index tensors of queries (rows, below T) and keys (cols, below S):
+    query i of batch row b sees key j iff j is no later than i's own position i + S - T (causal),
+    fewer than reach keys behind it (an int or a tensor; None: any) and in i's document. The ops
+    are FlexAttention's per score, as few as the rule needs."""
     behind = rows + (S - T) - cols  # how far key j lies behind query i's own position
-    seen = (rows < T) & (cols < S)
-    if causal:
-        seen = seen & (behind >= 0)
+    seen = behind >= 0 if causal else torch.ones_like(behind, dtype=torch.bool)
     if reach is not None:
         seen = seen & (behind < reach)
     if doc_ids is not None:
