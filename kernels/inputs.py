@@ -4,7 +4,7 @@ and window (causal). The outputs' layout, the softmax scale, autocast, and wheth
 
 import torch
 
-from kernels.masking import Bounds, Mask
+from kernels.masking import Bounds, kernel_bounds
 from kernels.runtime import chips
 from kernels.runtime.launch import interprets
 
@@ -86,7 +86,7 @@ def checked_bounds(q, k, v, causal, doc_ids, window) -> Bounds | None:
         if key is not None:
             _CHECKED.add(key)
     (B, _, T, _), S = q.shape, k.shape[2]
-    return Mask(T, S, causal, doc_ids, window).bounds(B, q.device)
+    return kernel_bounds(doc_ids, window, B, T, S, q.device)  # Mask.bounds, without making a Mask per call
 
 
 def softmax_scale_of(q, softmax_scale=None) -> float:

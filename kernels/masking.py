@@ -76,9 +76,7 @@ class Mask:
 
     def bounds(self, B: int, device: torch.device) -> Bounds | None:
         """The Bounds our kernels read (None: the causal mask alone), made once per batch or shape."""
-        if self.doc_ids is None:
-            return window_bounds(self.window, B, self.T, self.S, device)
-        return document_bounds(self.doc_ids, self.window, B, self.T, self.S, device)
+        return kernel_bounds(self.doc_ids, self.window, B, self.T, self.S, device)
 
     def fa4(self) -> dict:
         """FlashAttention-4's arguments: its window_size (W - 1 keys before, none after); with
@@ -177,6 +175,15 @@ def window_bounds(window: int, B: int, T: int, S: int, device: torch.device) -> 
             _WINDOWS.clear()
         _WINDOWS[key] = bounds(None, window, B, T, S, device)
     return _WINDOWS[key]
+
+
+def kernel_bounds(doc_ids: torch.Tensor | None, window: int, B: int, T: int, S: int,
+                  device: torch.device) -> Bounds | None:
+    """Mask.bounds without a Mask: what kernels/inputs.py calls on every flash_attention call, where
+    making the object would be host time spent for nothing."""
+    if doc_ids is None:
+        return window_bounds(window, B, T, S, device)
+    return document_bounds(doc_ids, window, B, T, S, device)
 
 
 def sees(b, rows, cols, T: int, S: int, causal: bool, reach, doc_ids: torch.Tensor | None) -> torch.Tensor:

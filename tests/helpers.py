@@ -43,12 +43,12 @@ def start(args: list[str], cwd: Path, env: dict | None = None) -> subprocess.Pop
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
-def wait_for(proc: subprocess.Popen, cwd: Path, event, what: str) -> None:
-    """Until event() holds, the process still running (10 minutes at most)."""
+def wait_for(proc: subprocess.Popen, cwd: Path, event, what: str, log: str = "err.log") -> None:
+    """Until event() holds, the process still running (10 minutes at most); cwd / log says why not."""
     deadline = time.monotonic() + 600
     while not event():
-        assert proc.poll() is None, f"{what}: the process ended first: {(cwd / 'err.log').read_text()[-2000:]}"
-        assert time.monotonic() < deadline, f"{what}: not within 10 minutes"
+        assert proc.poll() is None, f"{what}: the process ended first: {(cwd / log).read_text()[-2000:]}"
+        assert time.monotonic() < deadline, f"{what}: not within 10 minutes: {(cwd / log).read_text()[-2000:]}"
         time.sleep(0.002)
 
 

@@ -17,14 +17,23 @@ from tests.helpers import REPO
 LAYERS = ["trainer", "configs", "data", "model", "kernels"]  # top to bottom; train.py and scripts/ above all
 
 
-def imported_packages(path) -> set[str]:
+def imported_modules(path) -> set[str]:
+    """The modules a file imports, by their full names (`from a.b import c` is a.b.c where this
+    repository has c as a module)."""
     names = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            names |= {alias.name.split(".")[0] for alias in node.names}
+            names |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module.split(".")[0])
+            folder = REPO.joinpath(*node.module.split("."))
+            for alias in node.names:
+                is_module = (folder / f"{alias.name}.py").is_file() or (folder / alias.name).is_dir()
+                names.add(f"{node.module}.{alias.name}" if is_module else node.module)
     return names
+
+
+def imported_packages(path) -> set[str]:
+    return {name.split(".")[0] for name in imported_modules(path)}
 
 
 @pytest.mark.parametrize("package", LAYERS)
@@ -58,26 +67,12 @@ def _kernel_layer(module: str) -> int:
     return layers[0]
 
 
-def _kernel_modules_imported(path) -> set[str]:
-    """The kernels.* modules a file imports (`from kernels.x import y` is kernels.x.y where y is a module)."""
-    names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            names |= {alias.name for alias in node.names if alias.name.split(".")[0] == "kernels"}
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and \
-                node.module.split(".")[0] == "kernels":
-            folder = REPO.joinpath(*node.module.split("."))
-            for alias in node.names:
-                is_module = (folder / f"{alias.name}.py").is_file() or (folder / alias.name).is_dir()
-                names.add(f"{node.module}.{alias.name}" if is_module else node.module)
-    return names
-
-
 def test_inside_kernels_imports_point_down():
     for path in sorted((REPO / "kernels").rglob("*.py")):
         module = ".".join(path.relative_to(REPO).with_suffix("").parts)
         layer = _kernel_layer(module)
-        upward = sorted(m for m in _kernel_modules_imported(path) if _kernel_layer(m) < layer)
+        kernel_modules = (m for m in imported_modules(path) if m.split(".")[0] == "kernels")
+        upward = sorted(m for m in kernel_modules if _kernel_layer(m) < layer)
         assert not upward, f"{module} imports {upward}, which sit above it in kernels/"
 
 

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, TINY
+from tests.helpers import REPO, TINY, wait_for
 from trainer.checkpoint import load_checkpoint
 from trainer.metrics import read_metrics
 from trainer.signals import StopSignals
@@ -74,18 +74,35 @@ def start(corpus: Path, tmp_path: Path, program: str = "train.py") -> tuple[subp
     return proc, log
 
 
-def wait_for(proc: subprocess.Popen, log: Path, event, what: str) -> None:
-    deadline = time.monotonic() + 600
-    while not event():
-        assert proc.poll() is None, f"train.py ended before {what}: {log.read_text()[-2000:]}"
-        assert time.monotonic() < deadline, f"no {what} in 600 s: {log.read_text()[-2000:]}"
-        time.sleep(0.01)
-
-
 def workers_tokenize(proc: subprocess.Popen, log: Path) -> bool:
     """Tokenizing has begun and the worker processes are up (children of train.py)."""
     children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
     return "tokenizing" in log.read_text() and len(children) >= 2
+
+
+def eventually(done, seconds: float, failure) -> None:
+    """Until done() holds, for `seconds` at most; failure() is the assertion's message past that."""
+    deadline = time.monotonic() + seconds
+    while not done():
+        assert time.monotonic() < deadline, failure()
+        time.sleep(0.05)
+
+
+def group_gone(pgid: int) -> bool:
+    """Whether no process is left in process group pgid."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def gone(pid: int) -> bool:
+    """Whether process pid has ended (a zombie that no one reaped has ended too)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
 
 
 def assert_stopped_cleanly(proc: subprocess.Popen, log: Path, tmp_path: Path, sig: signal.Signals) -> None:
@@ -101,14 +118,7 @@ def assert_stopped_cleanly(proc: subprocess.Popen, log: Path, tmp_path: Path, si
                     "run again"], text[-2000:]
     assert "Traceback" not in text and "Exception ignored" not in text, text[-3000:]
     assert not (tmp_path / "data" / "big").exists() and not (tmp_path / "run").exists()
-    deadline = time.monotonic() + 60  # its workers went with it
-    while True:
-        try:
-            os.killpg(proc.pid, 0)
-        except ProcessLookupError:
-            break
-        assert time.monotonic() < deadline, "a worker process outlived train.py"
-        time.sleep(0.05)
+    eventually(lambda: group_gone(proc.pid), 60, lambda: "a worker process outlived train.py")  # its workers too
 
 
 CASES = {  # when, what is signalled, which signal
@@ -127,7 +137,8 @@ def test_a_stop_while_a_dataset_is_prepared_ends_setup_and_leaves_nothing(case, 
     if callable(when) and (os.cpu_count() or 1) < 2:
         pytest.skip("one core: the dataset is tokenized in the process itself, without workers")
     proc, log = start(corpus, tmp_path)
-    wait_for(proc, log, (lambda: when(proc, log)) if callable(when) else (lambda: when in log.read_text()), case)
+    reached = (lambda: when(proc, log)) if callable(when) else (lambda: when in log.read_text())
+    wait_for(proc, tmp_path, reached, case, log=log.name)
     (os.killpg if target == "group" else os.kill)(proc.pid, sig)
     assert_stopped_cleanly(proc, log, tmp_path, sig)
 
@@ -138,7 +149,7 @@ def test_sigterm_to_prepare_datas_group_while_workers_tokenize_is_its_one_line(c
     if (os.cpu_count() or 1) < 2:
         pytest.skip("one core: the dataset is tokenized in the process itself, without workers")
     proc, log = start(corpus, tmp_path, "scripts/prepare_data.py")
-    wait_for(proc, log, lambda: workers_tokenize(proc, log), "workers tokenize")
+    wait_for(proc, tmp_path, lambda: workers_tokenize(proc, log), "workers tokenize", log=log.name)
     os.killpg(proc.pid, signal.SIGTERM)
     proc.wait(timeout=60)
     text = log.read_text()
@@ -148,28 +159,19 @@ def test_sigterm_to_prepare_datas_group_while_workers_tokenize_is_its_one_line(c
     assert not (tmp_path / "data" / "big").exists()
 
 
-def gone(pid: int) -> bool:
-    """Whether process pid has ended (a zombie that no one reaped has ended too)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("program", ["train.py", "scripts/prepare_data.py"])
 def test_kill_9_while_workers_tokenize_leaves_no_worker_and_the_same_command_takes_over(program, corpus, tmp_path):
     if (os.cpu_count() or 1) < 2:
         pytest.skip("one core: the dataset is tokenized in the process itself, without workers")
     proc, log = start(corpus, tmp_path, program)
-    wait_for(proc, log, lambda: workers_tokenize(proc, log), "workers tokenize")
+    wait_for(proc, tmp_path, lambda: workers_tokenize(proc, log), "workers tokenize", log=log.name)
     workers = [int(pid) for pid in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
     proc.kill()
     proc.wait(timeout=60)
-    deadline = time.monotonic() + 60  # the workers die with it: none is left holding its locks
-    while not all(gone(pid) for pid in workers):
-        assert time.monotonic() < deadline, f"workers outlived their parent: {[p for p in workers if not gone(p)]}"
-        time.sleep(0.05)
+    # the workers die with it: none is left holding its locks
+    eventually(lambda: all(gone(pid) for pid in workers), 60,
+               lambda: f"workers outlived their parent: {[p for p in workers if not gone(p)]}")
     again = subprocess.run(preparing(corpus, tmp_path, program), cwd=tmp_path, capture_output=True, text=True,
                            timeout=600)
     assert again.returncode == 0, again.stderr[-2000:]
@@ -188,7 +190,8 @@ def test_a_stop_while_waiting_for_another_preparer_ends_setup(corpus, tmp_path):
     fcntl.flock(fd, fcntl.LOCK_EX)  # as another process preparing the same dataset holds it
     try:
         proc, log = start(corpus, tmp_path)
-        wait_for(proc, log, lambda: "data: waiting for" in log.read_text(), "wait for the dataset's lock")
+        wait_for(proc, tmp_path, lambda: "data: waiting for" in log.read_text(), "wait for the dataset's lock",
+                 log=log.name)
         os.kill(proc.pid, signal.SIGTERM)
         assert_stopped_cleanly(proc, log, tmp_path, signal.SIGTERM)
     finally:
@@ -232,14 +235,8 @@ def test_a_stop_signal_to_a_script_goes_on_to_the_train_py_it_runs(sig, data_roo
     out, err = script.communicate(timeout=120)
     if sig == signal.SIGTERM:
         assert json.loads(out.strip().splitlines()[-1]) == [143, signal.SIGTERM], err[-2000:]
-    deadline = time.monotonic() + 120
-    while True:  # the child checkpoints the step in flight, and is gone
-        try:
-            os.killpg(script.pid, 0)
-        except ProcessLookupError:
-            break
-        assert time.monotonic() < deadline, "the child outlived the script"
-        time.sleep(0.05)
+    # the child checkpoints the step in flight, and is gone
+    eventually(lambda: group_gone(script.pid), 120, lambda: "the child outlived the script")
     step = load_checkpoint(run_dir / "ckpt.pt")["step"]
     assert step == max(r["step"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r) >= 2
 
