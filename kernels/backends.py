@@ -57,7 +57,7 @@ def unsupported(head_dim: int, dtype: torch.dtype, device: torch.device, kernels
         return f"bfloat16 needs compute capability 8.0 or newer; {chip.name} is {major}.{minor}: use torch.float16"
     try:
         for launcher in LAUNCHERS.values():
-            launcher.candidates({"BLOCK_D": config.block_d(head_dim)}, dtype.itemsize, chip)
+            launcher.candidates({"HEAD_DIM": head_dim}, dtype.itemsize, chip)
     except NoConfigFits as e:
         return str(e).removeprefix("flash_attention: ")
     return None

@@ -32,18 +32,22 @@ import triton.language as tl
 
 from kernels.runtime.launch import Launcher, on_device
 from kernels.triton.blocks import LOG2E, visible
+from kernels.triton.config import block_d
 
 
 @triton.jit
 def _split_kernel(
     Q, K, V, LENGTH, O_PART, LSE_PART,  # O_PART (B, H, T, SPLITS, D) fp32; LSE_PART (B, H, T, SPLITS) fp32, log2 units
-    stride_qb, stride_qh, stride_qt, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    H, T, window, qk_scale,  # qk_scale = softmax_scale * log2(e)
-    GROUP: tl.constexpr, SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    strides,  # (q, k, v) strides, each (batch, head, position, head dim)
+    sizes,  # (H, T, window)
+    qk_scale,  # softmax_scale * log2(e)
+    GROUP: tl.constexpr, SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    BLOCK_D: tl.constexpr = block_d(HEAD_DIM)
+    (stride_qb, stride_qh, stride_qt, stride_qd), (stride_kb, stride_kh, stride_kn, stride_kd), \
+        (stride_vb, stride_vh, stride_vn, stride_vd) = strides
+    H, T, window = sizes
     split = tl.program_id(0)
     off_hkv = tl.program_id(1)
     off_b = tl.program_id(2)
@@ -108,8 +112,9 @@ def _merge_kernel(
     O_PART, LSE_PART, O,  # O (B, H, T, D) with these strides
     stride_ob, stride_oh, stride_ot, stride_od,
     H, T,
-    SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
+    BLOCK_D: tl.constexpr = block_d(HEAD_DIM)
     row = tl.program_id(0)  # (b * H + h) * T + t
     splits = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
@@ -172,15 +177,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     o_part = torch.empty((B, H, T, splits, D), dtype=torch.float32, device=q.device)
     lse_part = torch.empty((B, H, T, splits), dtype=torch.float32, device=q.device)
     o = torch.empty_like(q)
-    block_d = max(16, triton.next_power_of_2(D))
-    key = (q.device.index, q.dtype, block_d, group * T)
+    key = (q.device.index, q.dtype, block_d(D), group * T)
     with on_device(q):
         _SPLIT(lambda c: (splits, H_kv, B),
-               (q, k_cache, v_cache, length, o_part, lse_part, *q.stride(), *k_cache.stride(), *v_cache.stride(),
-                H, T, window, scale), key,
-               GROUP=group, SPLITS=splits, HEAD_DIM=D, BLOCK_D=block_d,
+               (q, k_cache, v_cache, length, o_part, lse_part, (q.stride(), k_cache.stride(), v_cache.stride()),
+                (H, T, window), scale), key,
+               GROUP=group, SPLITS=splits, HEAD_DIM=D,
                INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32: true fp32, as in training
                BLOCK_M=max(16, triton.next_power_of_2(group * T)))
         _MERGE(lambda c: (B * H * T,), (o_part, lse_part, o, *o.stride(), H, T), key,
-               SPLITS=splits, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_S=max(2, triton.next_power_of_2(splits)))
+               SPLITS=splits, HEAD_DIM=D, BLOCK_S=max(2, triton.next_power_of_2(splits)))
     return o

@@ -493,7 +493,7 @@ def main():
     tables = markdown_tables(rows, args.impls)
     write_text(stem.with_suffix(".md"), f"{env}\n\n{tables}\n")
     print(f"wrote {stem}.csv, .png, .md\n")
-    print("configs our kernels ran with, per (dtype, BLOCK_D, causal, documents, T bucket, S bucket):")
+    print("configs our kernels ran with, per (dtype, head-dim tile, causal, documents, T bucket, S bucket):")
     for name, launcher in LAUNCHERS.items():
         for key, config in launcher.chosen.items():
             print(f"  {name} {key[1:]}: {config}")

@@ -68,7 +68,8 @@ def _kv_side(KEY_LO, OUT, T, S, CAUSAL: tl.constexpr, BOUNDED: tl.constexpr, CON
     rows = first + tl.arange(0, ROWS)
     _, own_lo, full_lo, n_full = gluon_kv_runs(key_lo_row, rows, first, lo, n_blocks, T, S, CAUSAL, BOUNDED, ROWS,
                                                BLOCK_N)
-    _, lo_t, full_lo_t, full_end_t, end_t = kv_ranges(KEY_LO, rows, first, T, S, CAUSAL, BOUNDED, ROWS, BLOCK_N)
+    _, lo_t, full_lo_t, full_end_t, end_t = kv_ranges(KEY_LO, tl.program_id(2), rows, first, T, S, CAUSAL, BOUNDED, ROWS,
+                                                      BLOCK_N)
     _store(OUT + (tl.program_id(0) * CONSUMERS + tl.program_id(1)) * 9,
            (lo, n_blocks, own_lo, full_lo, n_full, lo_t, full_lo_t, full_end_t, end_t))
 
@@ -81,7 +82,8 @@ def _q_side(ROW_HI, OUT, MASKED, T, S, CAUSAL: tl.constexpr, BOUNDED: tl.constex
     n = tl.program_id(0)
     start_n = n * BLOCK_N
     cols = start_n + tl.arange(0, BLOCK_N)
-    _, start, full_start, full_hi_t, q_hi = q_ranges(ROW_HI, cols, start_n, T, S, CAUSAL, BOUNDED, BLOCK_M, BLOCK_N)
+    _, start, full_start, full_hi_t, q_hi = q_ranges(ROW_HI, tl.program_id(1), cols, start_n, T, S, CAUSAL, BOUNDED,
+                                                     BLOCK_M, BLOCK_N)
     m_lo, m_hi, _, full_hi = gluon_q_blocks(ROW_HI, tl.program_id(1), n, T, S, CAUSAL, BOUNDED, BLOCK_M, BLOCK_N)
     _store(OUT + n * 6, (m_lo, m_hi, start, full_start, full_hi_t, q_hi))
     for m in range(M_BLOCKS):

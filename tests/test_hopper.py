@@ -143,11 +143,11 @@ def test_lse_delta_pass_lays_out_both_rows_for_tma_and_zeroes_the_rest(T, D, blo
     """The backward's first pass (Triton's interpreter): per (batch, head), LSE * log2(e) and
     rowsum(dO * O) over rows padded to a multiple of 4, zero past T, from o and dO in the (B, T, H, D)
     memory the model makes; and every float of the buffers after aux (the dQ accumulator, the order
-    counters, the tile counter) zeroed, whatever the allocation held before."""
+    counts: the tile counter, then the order counters) zeroed, whatever the allocation held before."""
     B, H = 2, 3
     o, do = (torch.randn(B, T, H, D).transpose(1, 2) for _ in range(2))
     lse = torch.randn(B, H, T)
-    scratch, (aux, dq_acc, sem, counter, zeroed) = bwd_passes.buffers(o, block_m, "cpu")
+    scratch, (aux, dq_acc, counts, zeroed) = bwd_passes.buffers(o, block_m, "cpu")
     scratch.fill_(float("nan"))
     grid, args = bwd_passes.lse_delta_launch(o, do, lse, aux, zeroed, block_m)
     with interpreting():
@@ -156,7 +156,8 @@ def test_lse_delta_pass_lays_out_both_rows_for_tma_and_zeroes_the_rest(T, D, blo
     torch.testing.assert_close(aux[:, :, 1, :T], (o * do).sum(-1))
     assert (aux[:, :, :, T:] == 0).all()
     assert aux.numel() + zeroed.numel() == scratch.numel() and (zeroed == 0).all()
-    assert (sem == 0).all() and counter.item() == 0 and counter.data_ptr() % 16 == 0
+    assert counts.numel() == 4 + B * H * triton.cdiv(T, block_m) and (counts == 0).all()
+    assert counts.data_ptr() % 16 == 0 and counts[4:].data_ptr() % 16 == 0
     assert dq_acc.numel() == B * H * triton.cdiv(T, block_m) * block_m * D
 
 

@@ -32,7 +32,7 @@ def _tile_bytes(name, config, block_d, itemsize):
 def test_only_configs_that_fit_the_card_are_candidates(chip, block_d, itemsize):
     for name, launcher in LAUNCHERS.items():
         try:
-            kept = launcher.candidates({"BLOCK_D": block_d}, itemsize, chip)
+            kept = launcher.candidates({"HEAD_DIM": block_d}, itemsize, chip)
         except NoConfigFits as e:
             # one line naming the head dim, the card and its shared memory
             assert "\n" not in str(e) and f"head_dim {block_d}" in str(e) and chip.name in str(e), e
@@ -48,21 +48,21 @@ def test_only_configs_that_fit_the_card_are_candidates(chip, block_d, itemsize):
         # registers, the same on every card
         for c in launcher.configs:
             if c not in kept and _tile_bytes(name, c, block_d, itemsize) <= chip.smem_bytes - config.SMEM_RESERVED:
-                assert c not in launcher.candidates({"BLOCK_D": block_d}, itemsize, chips.H100)
+                assert c not in launcher.candidates({"HEAD_DIM": block_d}, itemsize, chips.H100)
 
 
 def test_the_fixed_config_is_chosen_per_card():
     # FLASH_ATTENTION_AUTOTUNE=0 runs the first candidate: the H100's first forward config at D = 128
     # (~128 KB of tiles) is more than an RTX 4090 has, so the 4090 starts further down the list
-    h100 = LAUNCHERS["fwd"].candidates({"BLOCK_D": 128}, 2, chips.H100)[0]
-    rtx = LAUNCHERS["fwd"].candidates({"BLOCK_D": 128}, 2, CHIPS[2])[0]
+    h100 = LAUNCHERS["fwd"].candidates({"HEAD_DIM": 128}, 2, chips.H100)[0]
+    rtx = LAUNCHERS["fwd"].candidates({"HEAD_DIM": 128}, 2, CHIPS[2])[0]
     assert _tile_bytes("fwd", h100, 128, 2) > 99 * 1024 >= _tile_bytes("fwd", rtx, 128, 2)
     assert h100 != rtx
 
 
 def test_a_head_dim_no_config_fits_is_one_clear_error():
     with pytest.raises(NoConfigFits, match=r"head_dim 256 \(32-bit\) in the 64 KB .* Tesla T4: the smallest needs"):
-        LAUNCHERS["fwd"].candidates({"BLOCK_D": 256}, 4, CHIPS[-1])
+        LAUNCHERS["fwd"].candidates({"HEAD_DIM": 256}, 4, CHIPS[-1])
     assert issubclass(NoConfigFits, ValueError)
 
 

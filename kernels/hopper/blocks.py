@@ -54,14 +54,15 @@ def kv_blocks(KEY_LO, off_b, start_m, T, S, CAUSAL: gl.constexpr, BOUNDED: gl.co
               BLOCK_N: gl.constexpr):
     """(lo, n_blocks, key_lo): the key blocks lo .. n_blocks - 1 that query rows [start_m, start_m +
     BLOCK_M) see: up to the block of the last row's last key, from the block of the first row's
-    first key on (bounded); key_lo, the batch row's."""
+    first key on (bounded); key_lo, the batch row's (KEY_LO: Bounds.key_lo, or None)."""
     key_end = S
     if CAUSAL:  # one past the last key the tile's last row sees (<= 0: its rows see none)
         key_end = gl.minimum(S, start_m + BLOCK_M + S - T)
     n_blocks = gl.cdiv(gl.maximum(key_end, 0), BLOCK_N)
-    key_lo = KEY_LO + off_b.to(gl.int64) * T
+    key_lo = 0  # unbounded: unread
     lo = 0  # bounded, keys before the first row's first key are never loaded
     if BOUNDED:
+        key_lo = KEY_LO + off_b.to(gl.int64) * T
         lo = gl.load(key_lo + start_m) // BLOCK_N
     return lo, n_blocks, key_lo
 
@@ -94,15 +95,16 @@ def kv_runs(KEY_LO, rows, first, lo, n_blocks, T, S, CAUSAL: gl.constexpr, BOUND
 def q_blocks(ROW_HI, off_b, n, T, S, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr, BLOCK_M: gl.constexpr,
              BLOCK_N: gl.constexpr):
     """(m_lo, m_hi, row_hi, full_hi): the Q blocks m_lo .. m_hi - 1 that see key block n (per
-    query head); row_hi, the batch row's; full_hi, the first key's row_hi: bounded, rows from
-    there on need the mask."""
+    query head); row_hi, the batch row's (ROW_HI: Bounds.row_hi, or None); full_hi, the first key's
+    row_hi: bounded, rows from there on need the mask."""
     m_lo = 0
     if CAUSAL:  # bottom-right: query i sees key j iff j <= i + S - T
         m_lo = gl.maximum(n * BLOCK_N + T - S, 0) // BLOCK_M
     m_hi = gl.cdiv(T, BLOCK_M)
-    row_hi = ROW_HI + off_b.to(gl.int64) * S
+    row_hi = 0  # unbounded: unread
     full_hi = T  # bounded, rows from here on need the mask
     if BOUNDED:  # rows from the last key's row_hi on see none of the keys; row_hi grows with the key
+        row_hi = ROW_HI + off_b.to(gl.int64) * S
         m_hi = gl.maximum(gl.cdiv(gl.load(row_hi + gl.minimum(n * BLOCK_N + BLOCK_N, S) - 1), BLOCK_M), m_lo)
         full_hi = gl.load(row_hi + n * BLOCK_N)
     return m_lo, m_hi, row_hi, full_hi

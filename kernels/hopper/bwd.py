@@ -38,6 +38,15 @@ from kernels.runtime import chips
 from kernels.runtime.launch import PREPARED, Address, Bound, launch_and_bind, on_device
 from kernels.triton.blocks import LOG2E
 
+BWD_WARPS = gl.constexpr(config.BWD_WARPS)
+WORKER_REGS = gl.constexpr(config.WORKER_REGS)
+
+
+@gluon.constexpr_function
+def _stages(head_dim):
+    """The depth of the Q/dO ring at this head dim (config.TABLE's row)."""
+    return config.TABLE[head_dim].bwd.stages
+
 # --------------------------------------------------------------------------------------------
 # the partitions
 
@@ -302,21 +311,23 @@ def _bwd_kernel(
     q_desc, k_desc, v_desc, do_desc,  # TMA descriptors of (B, H, T, D), (B, H_kv, S, D) x2, (B, H, T, D)
     aux_desc,  # of (B, H, 2, T_pad) fp32: LSE * log2(e) and delta = rowsum(dO * O), zero past T
     dqacc_desc,  # of (lines, 256) fp32, zeroed: the dQ shares added so far, in slabs (bwd_passes.py)
-    SEM,  # (B, H, cdiv(T, BLOCK_M)) int32, zeroed: how many writer lanes have released a share per Q block
-    ROW_HI, KEY_LO,  # (B, S), (B, T) int32 (BOUNDED: documents, a window): one past the last query that
-    # sees each key; each query's first key
-    COUNTER,  # (1,) int32, zero: the tiles handed out, every one, the first too
+    COUNTS,  # (4 + B * H * cdiv(T, BLOCK_M)) int32, zeroed: the tiles handed out (every one, the first
+    # too), and from COUNTS + 4, how many writer lanes have released a share, per Q block
     DK, DV,  # outputs, (B, H_kv, S, D) with these strides (head dim contiguous)
-    dk_strides, dv_strides,  # each (batch, head, key)
-    H, B, GROUP, T, S,
-    sm_scale, qk_scale,  # softmax_scale, and softmax_scale * log2(e)
-    CAUSAL: gl.constexpr, BOUNDED: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-    LONGEST_FIRST: gl.constexpr, WORKER_REGS: gl.constexpr,
-    num_warps: gl.constexpr,
+    KEY_LO, ROW_HI,  # (B, T), (B, S) int32: each query's first key; one past the last query that sees
+    # each key (documents, a window; kernels/masking.py's Bounds), or None, None
+    out_strides,  # (dk, dv) strides, each (batch, head, key)
+    sizes,  # (H, B, GROUP, T, S)
+    scales,  # (softmax_scale, softmax_scale * log2(e))
+    CAUSAL: gl.constexpr, LONGEST_FIRST: gl.constexpr,
 ):
+    BOUNDED: gl.constexpr = KEY_LO is not None
+    H, B, GROUP, T, S = sizes
     dtype: gl.constexpr = q_desc.dtype
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+    STAGES: gl.constexpr = _stages(HEAD_DIM)
 
     m_tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
     n_tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
@@ -353,22 +364,19 @@ def _bwd_kernel(
     io = BwdIO(q_desc, k_desc, v_desc, do_desc, aux_desc, dqacc_desc)
     buffers = BwdBuffers(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_bar, kv_empty,
                          ready, empty, dq_full, dq_empty, tile_smem, tile_ready, tile_empty)
-    work = BwdWork(COUNTER, ROW_HI, KEY_LO, H, B, GROUP, T, S, LONGEST_FIRST)
+    work = BwdWork(COUNTS, ROW_HI, KEY_LO, H, B, GROUP, T, S, LONGEST_FIRST)
+    dk_strides, dv_strides = out_strides
+    sm_scale, qk_scale = scales
     outs = (DK, DV, dk_strides, dv_strides, sm_scale, qk_scale)
     # -- the partitions: the matmul warpgroups in the kernel's own warps, the producer and the dQ writer beside --
-    gl.warp_specialize([(_bwd_consume, (buffers, work, outs, CAUSAL, BOUNDED, num_warps)),
+    gl.warp_specialize([(_bwd_consume, (buffers, work, outs, CAUSAL, BOUNDED, BWD_WARPS)),
                         (_bwd_produce, (io, buffers, work, CAUSAL, BOUNDED)),
-                        (write_dq, (io, buffers, work, SEM, CAUSAL, BOUNDED))],
+                        (write_dq, (io, buffers, work, COUNTS + 4, CAUSAL, BOUNDED))],
                        [1, 1], [WORKER_REGS, WORKER_REGS])
 
 
 # --------------------------------------------------------------------------------------------
 # launching
-
-
-def _bound_tensors(bounds: Bounds | None, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row_hi, key_lo) for the kernel: lse stands in for both where there are no bounds (unread)."""
-    return (lse, lse) if bounds is None else (bounds.row_hi, bounds.key_lo)
 
 
 class _Launches(NamedTuple):
@@ -389,19 +397,18 @@ def _launch(do, q, k, v, o, lse, dq, dk, dv, bounds: Bounds | None, causal: bool
     (B, H, T, D), (H_kv, S) = q.shape, k.shape[1:3]
     tiles = config.TABLE[D].bwd
     scratch, views = passes.buffers(q, tiles.block_m, "cpu" if warmup else q.device)
-    aux, dq_acc, sem, counter, zeroed = views
+    aux, dq_acc, counts, zeroed = views
     if not warmup:
         aux_grid, aux_args = passes.lse_delta_launch(o, do, lse, aux, zeroed, tiles.block_m)
         aux_bound = launch_and_bind(passes.lse_delta_kernel, aux_grid, aux_args)
-    row_hi, key_lo = _bound_tensors(bounds, lse)
+    key_lo, row_hi = bounds or (None, None)
     args = (descriptor(q, [1, 1, tiles.block_m, D]), descriptor(k, [1, 1, tiles.block_n, D]),
             descriptor(v, [1, 1, tiles.block_n, D]), descriptor(do, [1, 1, tiles.block_m, D]),
             descriptor(aux, [1, 1, 1, tiles.block_m]),
-            descriptor(dq_acc, [tiles.block_m * D // passes.LINE, passes.LINE], swizzled=False), sem, row_hi,
-            key_lo, counter, dk, dv, dk.stride()[:3], dv.stride()[:3], H, B, H // H_kv, T, S, scale,
-            scale * LOG2E.value)
-    options = dict(CAUSAL=causal, BOUNDED=bounds is not None, BLOCK_M=tiles.block_m, STAGES=tiles.stages,
-                   LONGEST_FIRST=longest_first, WORKER_REGS=config.WORKER_REGS, num_warps=config.BWD_WARPS,
+            descriptor(dq_acc, [tiles.block_m * D // passes.LINE, passes.LINE], swizzled=False), counts, dk, dv,
+            key_lo, row_hi, (dk.stride()[:3], dv.stride()[:3]), (H, B, H // H_kv, T, S),
+            (scale, scale * LOG2E.value))
+    options = dict(CAUSAL=causal, LONGEST_FIRST=longest_first, num_warps=config.BWD_WARPS,
                    maxnreg=config.bwd_maxnreg())
     n_tiles = triton.cdiv(S, tiles.block_n) * H_kv * B
     grid = (min(n_tiles, (chips.H100 if warmup else chips.chip(q.device.index)).sms),)  # a program per SM, or per tile
@@ -424,9 +431,9 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, bounds
         # the buffers by address alone: the launches read nothing else of them
         scratch = torch.empty(launches.floats, dtype=torch.float32, device=q.device)
         base = scratch.data_ptr()
-        aux, dq_acc, sem, counter, zeroed = (Address(base + offset) for offset in launches.offsets)
+        aux, dq_acc, counts, zeroed = (Address(base + offset) for offset in launches.offsets)
         launches.aux(o, do, lse, aux, zeroed)
-        launches.main(q, k, v, do, aux, dq_acc, sem, *_bound_tensors(bounds, lse), counter, dk, dv)
+        launches.main(q, k, v, do, aux, dq_acc, counts, dk, dv, *(bounds or ()))
         launches.dq(dq_acc, dq)
         return
     longest_first = config.bwd_longest_first(q.shape[3], causal, bounds is not None, k.shape[2])

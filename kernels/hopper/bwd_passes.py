@@ -77,17 +77,16 @@ def dq_kernel(
 def buffers(q: torch.Tensor, block_m: int, device) -> tuple[torch.Tensor, tuple]:
     """(scratch, views): the backward's buffers as views of one fp32 allocation. The views: aux
     (B, H, 2, T_pad); dQ's fp32 accumulator, (lines, 256), in slabs, every Q block whole (the last
-    one's rows past T get zero shares); the order counters (B, H, cdiv(T, BLOCK_M)) int32; the tile
-    counter (1,) int32, 16 bytes aligned, as the first call's was when the launch was bound; and
-    the region lse_delta_kernel zeroes, everything after aux, flat."""
+    one's rows past T get zero shares); the counts, int32, 16 bytes aligned: the tile counter, then
+    from 4 on the order counters (B, H, cdiv(T, BLOCK_M)); and the region lse_delta_kernel zeroes,
+    everything after aux, flat."""
     B, H, T, D = q.shape
     t_pad = triton.cdiv(T, 4) * 4  # 16-byte rows (TMA)
     n_sem = B * H * triton.cdiv(T, block_m)
-    n_aux, n_acc, n_counts = B * H * 2 * t_pad, n_sem * block_m * D, triton.cdiv(n_sem, 4) * 4 + 4
-    scratch = torch.empty(n_aux + n_acc + n_counts, dtype=torch.float32, device=device)
-    counts = scratch[n_aux + n_acc:].view(torch.int32)
+    n_aux, n_acc = B * H * 2 * t_pad, n_sem * block_m * D
+    scratch = torch.empty(n_aux + n_acc + 4 + n_sem, dtype=torch.float32, device=device)
     return scratch, (scratch[:n_aux].view(B, H, 2, t_pad), scratch[n_aux:n_aux + n_acc].view(-1, LINE),
-                     counts[:n_sem].view(B, H, n_sem // (B * H)), counts[-4:-3], scratch[n_aux:])
+                     scratch[n_aux + n_acc:].view(torch.int32), scratch[n_aux:])
 
 
 def lse_delta_launch(o, do, lse, aux, zeroed, block_m: int) -> tuple[tuple, tuple]:

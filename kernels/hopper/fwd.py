@@ -280,15 +280,16 @@ def _fwd_kernel(
     q_desc, k_desc, v_desc,  # TMA descriptors of (B, H, T, D), (B, H_kv, S, D) x2
     o_desc,  # of (B, H, T, D): the output
     LSE,  # (B, H, T) fp32, natural log
-    KEY_LO,  # (B, T) int32: each query's first key (BOUNDED only: documents, a window)
     COUNTER,  # (1,) int32, zero: the tiles handed out
-    H, B, GROUP, T, S,
+    KEY_LO,  # (B, T) int32: each query's first key (documents, a window; kernels/masking.py's Bounds), or None
+    sizes,  # (H, B, GROUP, T, S)
     qk_scale,  # softmax_scale * log2(e)
-    CAUSAL: gl.constexpr, BOUNDED: gl.constexpr, CONSUMERS: gl.constexpr, STAGES: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr,
+    CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
     SECTION: gl.constexpr,  # the (batch, head) pairs per L2 section (config.fwd_section)
     OVERLAP: gl.constexpr,  # config.Row.fwd_overlap
 ):
+    BOUNDED: gl.constexpr = KEY_LO is not None
+    H, B, GROUP, T, S = sizes
     dtype: gl.constexpr = q_desc.dtype
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
@@ -339,11 +340,11 @@ def _fwd_kernel(
 # launching
 
 
-def _options(causal: bool, bounded: bool, tiles: config.FwdTiles, section: int, head_dim: int) -> dict:
+def _options(causal: bool, tiles: config.FwdTiles, section: int, head_dim: int) -> dict:
     """The kernel's constexprs and compile options for these tiles, order (config.fwd_section) and
     head dim (config.Row.fwd_overlap)."""
     maxnreg, consumer_regs = config.fwd_registers(tiles.consumers)
-    return dict(CAUSAL=causal, BOUNDED=bounded, CONSUMERS=tiles.consumers, STAGES=tiles.stages,
+    return dict(CAUSAL=causal, CONSUMERS=tiles.consumers, STAGES=tiles.stages,
                 CONSUMER_REGS=consumer_regs, SECTION=section, OVERLAP=config.TABLE[head_dim].fwd_overlap,
                 num_warps=4, maxnreg=maxnreg)
 
@@ -360,12 +361,12 @@ def _grid(q, tiles: config.FwdTiles, chip: chips.Chip) -> tuple[int]:
     return (min(n_m * H * B, chip.sms),)
 
 
-def _args(q, k, v, o, lse, key_lo, counter, scale: float, tiles: config.FwdTiles) -> tuple:
+def _args(q, k, v, o, lse, counter, key_lo, scale: float, tiles: config.FwdTiles) -> tuple:
     (B, H, T, D), (H_kv, S) = q.shape, k.shape[1:3]
     rows = config.FWD_ROWS
     return (descriptor(q, [1, 1, rows, D]), descriptor(k, [1, 1, tiles.block_n, D]),
-            descriptor(v, [1, 1, tiles.block_n, D]), descriptor(o, [1, 1, rows, D]), lse, key_lo, counter, H, B,
-            H // H_kv, T, S, scale * LOG2E.value)
+            descriptor(v, [1, 1, tiles.block_n, D]), descriptor(o, [1, 1, rows, D]), lse, counter, key_lo,
+            (H, B, H // H_kv, T, S), scale * LOG2E.value)
 
 
 def forward(q, k, v, o, lse, causal: bool, scale: float, key_lo: torch.Tensor | None, signature: tuple) -> None:
@@ -373,8 +374,6 @@ def forward(q, k, v, o, lse, causal: bool, scale: float, key_lo: torch.Tensor | 
     log). key_lo ((B, T) int32, contiguous; causal only): each query's first key, to attend within
     documents or a window (kernels/masking.py's Bounds.key_lo). signature: kernels/api.py's, which
     fixes all the launch depends on but the addresses."""
-    bounded = key_lo is not None
-    key_lo = lse if key_lo is None else key_lo  # lse stands in for absent bounds: unread
     # zeroed for each launch: a counter kept from call to call and left zero by every launch would
     # break under CUDA graphs (a capture records its launches, and a graph's pool may reuse memory)
     counter = torch.zeros(1, dtype=torch.int32, device=q.device)
@@ -382,11 +381,11 @@ def forward(q, k, v, o, lse, causal: bool, scale: float, key_lo: torch.Tensor | 
     # the new addresses, where Triton's front door would bind every argument again and
     # TensorDescriptor would re-check what the signature fixes
     if bound := PREPARED.get((forward, signature)):
-        bound(q, k, v, o, lse, key_lo, counter)
+        bound(q, k, v, o, lse, counter, key_lo)
         return
     tiles = config.fwd_tiles(q.shape[3], q.shape[2])
-    args = _args(q, k, v, o, lse, key_lo, counter, scale, tiles)
-    options = _options(causal, bounded, tiles, _section(q, k), q.shape[3])
+    args = _args(q, k, v, o, lse, counter, key_lo, scale, tiles)
+    options = _options(causal, tiles, _section(q, k), q.shape[3])
     grid = _grid(q, tiles, chips.chip(q.device.index))
     with on_device(q):
         PREPARED[(forward, signature)] = launch_and_bind(_fwd_kernel, grid, args, options)
@@ -396,7 +395,7 @@ def compile_only(q, k, v, causal: bool, bounded: bool = False):
     """The compiled forward kernel for these inputs' layout, without launching it (kernels/hopper/sm90.py)."""
     (B, H, T, D) = q.shape
     tiles = config.fwd_tiles(D, T)
+    key_lo = torch.empty((B, T), dtype=torch.int32) if bounded else None
     args = _args(q, k, v, torch.empty_like(q), torch.empty((B, H, T), dtype=torch.float32),
-                 torch.empty((B, T), dtype=torch.int32), torch.zeros(1, dtype=torch.int32), D ** -0.5, tiles)
-    return _fwd_kernel.warmup(*args, grid=_grid(q, tiles, chips.H100), **_options(causal, bounded, tiles,
-                                                                                  _section(q, k), D))
+                 torch.zeros(1, dtype=torch.int32), key_lo, D ** -0.5, tiles)
+    return _fwd_kernel.warmup(*args, grid=_grid(q, tiles, chips.H100), **_options(causal, tiles, _section(q, k), D))

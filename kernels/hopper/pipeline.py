@@ -12,12 +12,14 @@ from triton.experimental.gluon.language.nvidia.hopper.tma import tensor_descript
 from triton.language.core import _aggregate as aggregate  # Gluon's own (it has no public name)
 
 Scalar = gl.tensor | gl.constexpr  # an integer argument is a constexpr where it is 1 (Triton specializes it)
+Optional = gl.tensor | gl.constexpr  # an optional operand: a pointer, or None (a constexpr) where it is absent
 
 
 @gluon.constexpr_function
 def scalar(value):
-    """A Scalar field's value: a specialized integer reaches an aggregate's constructor as an int."""
-    return gl.constexpr(value) if isinstance(value, int) else value
+    """A Scalar or Optional field's value: a specialized integer, or an absent operand, reaches an
+    aggregate's constructor as a Python value (an int, None)."""
+    return gl.constexpr(value) if value is None or isinstance(value, int) else value
 
 
 # --------------------------------------------------------------------------------------------

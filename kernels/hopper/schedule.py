@@ -12,7 +12,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from kernels.hopper.blocks import kv_blocks, q_blocks
-from kernels.hopper.pipeline import Scalar, aggregate, scalar
+from kernels.hopper.pipeline import Optional, Scalar, aggregate, scalar
 
 # --------------------------------------------------------------------------------------------
 # the forward
@@ -22,9 +22,10 @@ from kernels.hopper.pipeline import Scalar, aggregate, scalar
 class FwdWork:
     """The launch's work: tiles of a query block (CONSUMERS * FWD_ROWS rows) of one head and batch
     row, numbered in launch order (fwd_tile: SECTION); COUNTER (int32, zeroed for the launch):
-    the tiles handed out past the first num_programs; the sizes and the scale."""
+    the tiles handed out past the first num_programs; KEY_LO (Bounds.key_lo, or None); the sizes
+    and the scale."""
     COUNTER: gl.tensor
-    KEY_LO: gl.tensor
+    KEY_LO: Optional
     H: Scalar
     B: Scalar
     GROUP: Scalar
@@ -35,8 +36,8 @@ class FwdWork:
 
     @gluon.constexpr_function
     def __init__(self, COUNTER, KEY_LO, H, B, GROUP, T, S, qk_scale, SECTION):
-        self.COUNTER, self.KEY_LO, self.H, self.B, self.GROUP = COUNTER, KEY_LO, scalar(H), scalar(B), scalar(GROUP)
-        self.T, self.S, self.qk_scale, self.SECTION = scalar(T), scalar(S), qk_scale, gl.constexpr(SECTION)
+        self.COUNTER, self.KEY_LO, self.qk_scale, self.SECTION = COUNTER, scalar(KEY_LO), qk_scale, gl.constexpr(SECTION)
+        self.H, self.B, self.GROUP, self.T, self.S = scalar(H), scalar(B), scalar(GROUP), scalar(T), scalar(S)
 
 
 @aggregate
@@ -101,11 +102,11 @@ def fwd_program(tile, n_m, work, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr, BL
 class BwdWork:
     """The launch's work: tiles of one key block (BLOCK_N keys) of one kv head and batch row,
     numbered in launch order (bwd_tile: LONGEST_FIRST); COUNTER (int32, zeroed for the
-    launch): the tiles handed out, every one of them; the batch rows' ROW_HI and KEY_LO (bounded),
-    the sizes."""
+    launch): the tiles handed out, every one of them; ROW_HI and KEY_LO (Bounds', or None); the
+    sizes."""
     COUNTER: gl.tensor
-    ROW_HI: gl.tensor
-    KEY_LO: gl.tensor
+    ROW_HI: Optional
+    KEY_LO: Optional
     H: Scalar
     B: Scalar
     GROUP: Scalar
@@ -115,7 +116,7 @@ class BwdWork:
 
     @gluon.constexpr_function
     def __init__(self, COUNTER, ROW_HI, KEY_LO, H, B, GROUP, T, S, LONGEST_FIRST):
-        self.COUNTER, self.ROW_HI, self.KEY_LO = COUNTER, ROW_HI, KEY_LO
+        self.COUNTER, self.ROW_HI, self.KEY_LO = COUNTER, scalar(ROW_HI), scalar(KEY_LO)
         self.H, self.B, self.GROUP, self.T, self.S = scalar(H), scalar(B), scalar(GROUP), scalar(T), scalar(S)
         self.LONGEST_FIRST = gl.constexpr(LONGEST_FIRST)
 
@@ -174,7 +175,10 @@ def bwd_program(tile, n_blocks, work, CAUSAL: gl.constexpr, BOUNDED: gl.constexp
     m_lo, m_hi, row_hi, full_hi = q_blocks(work.ROW_HI, off_b, n, work.T, work.S, CAUSAL, BOUNDED, BLOCK_M, BLOCK_N)
     program = BwdProgram(off_b, off_hkv, n, n_blocks, m_lo, m_hi - m_lo, work.H, work.GROUP, work.T, work.S,
                          work.LONGEST_FIRST)
-    return program, row_hi, full_hi, work.KEY_LO + off_b.to(gl.int64) * work.T
+    key_lo = 0  # unbounded: unread
+    if BOUNDED:
+        key_lo = work.KEY_LO + off_b.to(gl.int64) * work.T
+    return program, row_hi, full_hi, key_lo
 
 
 @gluon.jit

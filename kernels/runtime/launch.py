@@ -168,8 +168,8 @@ class Launcher:
             except (OutOfResources, CompilationError):  # raised before the launch: nothing ran
                 continue
         chip = chips.chip(args[0].device.index)
-        raise chips.NoConfigFits(f"{self.name}: none of {len(configs)} tile configs at head dim tile "
-                                  f"{constexprs.get('BLOCK_D')} fits the shared memory of {chip.name}")
+        raise chips.NoConfigFits(f"{self.name}: none of {len(configs)} tile configs at head dim "
+                                  f"{constexprs.get('HEAD_DIM')} fits the shared memory of {chip.name}")
 
     def _tune(self, grid: Grid, args: tuple, constexprs: dict) -> triton.Config:
         configs = self.candidates(constexprs, args[0].element_size(), chips.chip(args[0].device.index))
@@ -208,10 +208,11 @@ class Address(NamedTuple):
 class Bound:
     """One compiled kernel launched with a fixed grid and fixed non-tensor arguments."""
 
-    def __init__(self, compiled, grid: tuple[int, int, int], tail: tuple, device: int, tma: bool,
+    def __init__(self, compiled, grid: tuple[int, int, int], operands: int, tail: tuple, device: int, tma: bool,
                  descriptors: tuple = ()):
         self.compiled = compiled  # triton's CompiledKernel
         self.grid = grid
+        self.operands = operands  # how many leading tensors a call passes (absent ones, None, are in the tail)
         self.tail = tail  # every argument after the leading tensors, constexprs included, in order
         self.device = device
         self.tma = tma  # the kernel makes TMA descriptors itself: it needs a scratch allocator
@@ -221,7 +222,9 @@ class Bound:
     def __call__(self, *tensors: torch.Tensor) -> None:
         """Launches on the current stream of the tensors' device: the first len(descriptors) go in
         as host TMA descriptors over their addresses, the rest as addresses. The caller's
-        signature fixes their 16-byte alignment, and the descriptors' shapes and strides."""
+        signature fixes their 16-byte alignment, the descriptors' shapes and strides, and which
+        optional operands are absent: those (None, last) were bound into the tail."""
+        tensors = tensors[:self.operands]
         if self.tma:
             _ensure_allocator()
         n = len(self.descriptors)
@@ -302,12 +305,13 @@ def _expand(descriptor: HostDescriptor, meta: dict | None) -> list:
 def bind(kernel, compiled, grid: tuple[int, ...], args: tuple, named: dict, tma: bool = False) -> Bound:
     """The Bound of `compiled`, just launched as kernel(*args, **named) on `grid` through Triton's
     front door: args' leading host TMA descriptors and tensors are passed anew on every call, the
-    arguments after them and the named constexprs are fixed."""
+    arguments after them and the named constexprs are fixed. An optional operand comes after the
+    tensors that are always there: absent (None), it is the first argument fixed."""
     n_descs = next(i for i, a in enumerate(args) if not hasattr(a, "block_shape"))
     n = next(i for i, a in enumerate(args) if i >= n_descs and not isinstance(a, torch.Tensor))
     tail = (*args[n:], *(named[name] for name in kernel.arg_names[len(args):]))
     kept = tuple((d.shape, d.strides, d.padding) for d in args[:n_descs])
-    return Bound(compiled, (*grid, 1, 1)[:3], tail, args[n_descs].device.index, tma, kept)
+    return Bound(compiled, (*grid, 1, 1)[:3], n, tail, args[n_descs].device.index, tma, kept)
 
 
 def launch_and_bind(kernel, grid: tuple[int, ...], args: tuple, named: dict | None = None) -> Bound:

@@ -177,19 +177,19 @@ def bounded_q_range(ROW_HI, start_n, S, full_start, BLOCK_M: tl.constexpr, BLOCK
 
 
 @triton.jit
-def kv_ranges(KEY_LO, rows, start_m, T, S, CAUSAL: tl.constexpr, BOUNDED: tl.constexpr, BLOCK_M: tl.constexpr,
-              BLOCK_N: tl.constexpr):
-    """What the forward and dQ kernels need of query rows [start_m, start_m + BLOCK_M) (KEY_LO:
-    their batch row's key_lo): (key_lo, each row's first key, for visible; lo, full_lo, full_end,
+def kv_ranges(KEY_LO, off_b, rows, start_m, T, S, CAUSAL: tl.constexpr, BOUNDED: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """What the forward and dQ kernels need of query rows [start_m, start_m + BLOCK_M) of batch row
+    off_b (KEY_LO: Bounds.key_lo, (B, T); None unbounded): (key_lo, each row's first key, for visible; lo, full_lo, full_end,
     end), the key blocks they visit in three runs: masked [lo, min(full_lo, full_end)) where the
     rows' first keys lie (empty unbounded), mask-free [full_lo, full_end), masked
     [max(lo, full_end), end) on the diagonal and past the keys' end."""
     key_lo = rows
-    if BOUNDED:
-        key_lo = tl.load(KEY_LO + rows, mask=rows < T, other=0)
     full_end, end = kv_block_range(start_m, T, S, CAUSAL, BLOCK_M, BLOCK_N)
     if BOUNDED:
-        lo, full_lo = bounded_kv_range(KEY_LO, start_m, T, BLOCK_M, BLOCK_N)
+        key_lo_row = KEY_LO + off_b.to(tl.int64) * T
+        key_lo = tl.load(key_lo_row + rows, mask=rows < T, other=0)
+        lo, full_lo = bounded_kv_range(key_lo_row, start_m, T, BLOCK_M, BLOCK_N)
     else:
         lo = 0
         full_lo = 0
@@ -197,10 +197,10 @@ def kv_ranges(KEY_LO, rows, start_m, T, S, CAUSAL: tl.constexpr, BOUNDED: tl.con
 
 
 @triton.jit
-def q_ranges(ROW_HI, cols, start_n, T, S, CAUSAL: tl.constexpr, BOUNDED: tl.constexpr, BLOCK_M: tl.constexpr,
-             BLOCK_N: tl.constexpr):
-    """What the dK/dV kernel needs of keys cols = [start_n, start_n + BLOCK_N) (ROW_HI: their batch
-    row's row_hi): (row_hi, each key's, for visible_t; start, full_start, full_hi, q_hi), the
+def q_ranges(ROW_HI, off_b, cols, start_n, T, S, CAUSAL: tl.constexpr, BOUNDED: tl.constexpr,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """What the dK/dV kernel needs of keys cols = [start_n, start_n + BLOCK_N) of batch row off_b
+    (ROW_HI: Bounds.row_hi, (B, S); None unbounded): (row_hi, each key's, for visible_t; start, full_start, full_hi, q_hi), the
     query blocks that see them in three runs: masked [start, min(full_start, q_hi)) on the
     diagonal, mask-free [full_start, full_hi), masked [full_hi, q_hi) where the keys' last
     queries lie (empty unbounded)."""
@@ -209,6 +209,7 @@ def q_ranges(ROW_HI, cols, start_n, T, S, CAUSAL: tl.constexpr, BOUNDED: tl.cons
     full_hi = T
     q_hi = T
     if BOUNDED:  # rows from the last key's row_hi on see none of the keys
-        row_hi = tl.load(ROW_HI + cols, mask=cols < S, other=0)
-        full_hi, q_hi = bounded_q_range(ROW_HI, start_n, S, full_start, BLOCK_M, BLOCK_N)
+        row_hi_row = ROW_HI + off_b.to(tl.int64) * S
+        row_hi = tl.load(row_hi_row + cols, mask=cols < S, other=0)
+        full_hi, q_hi = bounded_q_range(row_hi_row, start_n, S, full_start, BLOCK_M, BLOCK_N)
     return row_hi, start, full_start, full_hi, q_hi

@@ -1,8 +1,8 @@
 """The FlashAttention-2 backward in Triton: dQ, dK, dV from dO and the forward's O and LSE.
 
-delta = rowsum(dO * O) first; then a dK/dV kernel keeps a K/V tile resident and streams the Q/dO
-tiles of every query head of its group, and a dQ kernel keeps a Q/dO tile resident and streams
-K/V tiles. Both recompute P = exp2(S * scale * log2(e) - LSE) from the forward's LSE. Every
+First each row's delta = rowsum(dO * O), laid beside its LSE; then a dK/dV kernel keeps a K/V
+tile resident and streams the Q/dO tiles of every query head of its group, and a dQ kernel keeps
+a Q/dO tile resident and streams K/V tiles. Both recompute P = exp2(S * scale * log2(e) - LSE) from the forward's LSE. Every
 output element is written by one program, without atomics: the backward is bit-identical run to
 run, at the price of computing QK^T and dO V^T in both kernels (7 matmuls per tile pair, not 5).
 dQ, dK, dV are (B, H, T, D) and (B, H_kv, S, D) in the callers' tensors.
@@ -21,12 +21,14 @@ from kernels.triton.blocks import (LOG2E, head_dim_mask, key_block, kv_ranges, l
 
 @triton.jit
 def _bwd_preprocess_kernel(
-    O, DO, DELTA,  # o, do (B, H, T, D); DELTA (B, H, T) fp32
+    O, DO, LSE,  # o, do (B, H, T, D); LSE (B, H, T) fp32, natural log
+    STATS,  # (B, H, 2, T) fp32: what the two kernels read of each row
     o_strides, do_strides,  # each (batch, head, sequence, head dim)
     H, T,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
-    """delta = rowsum(dO * O), (B, H, T) fp32."""
+    """Each row's LSE * log2(e) and delta = rowsum(dO * O), side by side in STATS."""
+    BLOCK_D: tl.constexpr = config.block_d(HEAD_DIM)
     off_h = tl.program_id(1)
     off_b = tl.program_id(2)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -35,19 +37,22 @@ def _bwd_preprocess_kernel(
     o = tl.load(tile_ptrs(O, o_strides, off_b, off_h, rows, offs_d), mask=mask, other=0.0)
     do = tl.load(tile_ptrs(DO, do_strides, off_b, off_h, rows, offs_d), mask=mask, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    tl.store(DELTA + (off_b * H + off_h).to(tl.int64) * T + rows, delta, mask=rows < T)
+    row0 = (off_b * H + off_h).to(tl.int64) * T
+    lse = tl.load(LSE + row0 + rows, mask=rows < T, other=0.0)
+    tl.store(STATS + 2 * row0 + rows, lse * LOG2E, mask=rows < T)
+    tl.store(STATS + 2 * row0 + T + rows, delta, mask=rows < T)
 
 
 @triton.jit
 def _bwd_dkdv_inner(
     dk, dv, k, v,  # (BLOCK_N, BLOCK_D) fp32 accumulators; resident K and V tiles
-    head,  # one query head's Q and dO tiles (as blocks.stream gives them), its LSE and delta at row 0
+    head,  # one query head's Q and dO tiles (as blocks.stream gives them), its STATS rows at row 0
     block,  # the block's keys and their row_hi; query offsets; real head dims
     m_start, m_end, sizes,  # the query blocks [m_start, m_end); (T, S, qk_scale)
     MASKED: tl.constexpr, BOUNDED: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
     TMA: tl.constexpr,
 ):
-    q_tiles, do_tiles, lse_ptr, delta_ptr = head
+    q_tiles, do_tiles, stats = head
     cols, row_hi, offs_m, d_mask = block
     T, S, qk_scale = sizes
     # masked runs exist only under a causal mask (bounds need one too), so MASKED applies it
@@ -58,8 +63,8 @@ def _bwd_dkdv_inner(
         q_mask = (rows[:, None] < T) & d_mask[None, :]
         q = load_tile(q_tiles, start_m, q_mask, TMA)
         do = load_tile(do_tiles, start_m, q_mask, TMA)
-        lse = tl.load(lse_ptr + rows, mask=rows < T, other=0.0) * LOG2E
-        delta = tl.load(delta_ptr + rows, mask=rows < T, other=0.0)
+        lse = tl.load(stats + rows, mask=rows < T, other=0.0)
+        delta = tl.load(stats + T + rows, mask=rows < T, other=0.0)
         # -- recompute P^T --
         qk_t = tl.dot(k, tl.trans(q), input_precision=INPUT_PRECISION)  # (BLOCK_N, BLOCK_M)
         p_t = tl.math.exp2(tl.fma(qk_t, qk_scale, -lse[None, :]))
@@ -75,14 +80,19 @@ def _bwd_dkdv_inner(
 
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV,  # as in the forward; DELTA like LSE; dk, dv like k, v
-    ROW_HI,  # (B, S) int32, one past each key's last query (Bounds; BOUNDED only)
-    q_strides, k_strides, v_strides, do_strides, dk_strides, dv_strides,  # each (batch, head, sequence, head dim)
-    H, GROUP, T, S,
-    sm_scale, qk_scale,  # softmax_scale, and softmax_scale * log2(e)
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, BOUNDED: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    Q, K, V, DO, STATS, DK, DV,  # as in the forward; STATS: the preprocess's; dk, dv like k, v
+    ROW_HI,  # (B, S) int32, one past each key's last query (kernels/masking.py's Bounds), or None
+    strides,  # (q, k, v, do, dk, dv) strides, each (batch, head, sequence, head dim)
+    shape,  # (H, GROUP, T, S) as in the forward
+    scales,  # (softmax_scale, softmax_scale * log2(e))
+    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    BLOCK_D: tl.constexpr = config.block_d(HEAD_DIM)
+    BOUNDED: tl.constexpr = ROW_HI is not None
+    q_strides, k_strides, v_strides, do_strides, dk_strides, dv_strides = strides
+    H, GROUP, T, S = shape
+    sm_scale, qk_scale = scales
     start_n = tl.program_id(0) * BLOCK_N
     off_hkv = tl.program_id(1)
     off_b = tl.program_id(2)
@@ -98,15 +108,14 @@ def _bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
-    row_hi, m_start, full_start, full_hi, q_hi = q_ranges(ROW_HI + off_b.to(tl.int64) * S, cols, start_n, T, S,
+    row_hi, m_start, full_start, full_hi, q_hi = q_ranges(ROW_HI, off_b, cols, start_n, T, S,
                                                           CAUSAL, BOUNDED, BLOCK_M, BLOCK_N)
     block, sizes = (cols, row_hi, offs_m, d_mask), (T, S, qk_scale)
     for g in range(GROUP):  # GQA: the kv head's query heads, summed in a fixed order
         off_h = off_hkv * GROUP + g
         q_tiles = stream(Q, q_strides, off_b, off_h, T, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
         do_tiles = stream(DO, do_strides, off_b, off_h, T, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
-        row0 = (off_b * H + off_h).to(tl.int64) * T
-        head = (q_tiles, do_tiles, LSE + row0, DELTA + row0)
+        head = (q_tiles, do_tiles, STATS + (off_b * H + off_h).to(tl.int64) * 2 * T)
         # -- the query blocks: masked at the diagonal, mask-free, masked where the keys' last queries lie --
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, head, block, m_start, tl.minimum(full_start, q_hi), sizes,
                                  True, BOUNDED, INPUT_PRECISION, BLOCK_M, TMA)
@@ -150,26 +159,31 @@ def _bwd_dq_inner(
 
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ,  # as in the dK/dV kernel; dq like q
-    KEY_LO,  # (B, T) int32, each query's first key (Bounds; BOUNDED only)
-    q_strides, k_strides, v_strides, do_strides, dq_strides,  # each (batch, head, sequence, head dim)
-    H, GROUP, T, S,
-    sm_scale, qk_scale,  # softmax_scale, and softmax_scale * log2(e)
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, BOUNDED: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    Q, K, V, DO, STATS, DQ,  # as in the dK/dV kernel; dq like q
+    KEY_LO,  # (B, T) int32, each query's first key (kernels/masking.py's Bounds), or None
+    strides,  # (q, k, v, do, dq) strides, each (batch, head, sequence, head dim)
+    shape,  # (H, GROUP, T, S) as in the forward
+    scales,  # (softmax_scale, softmax_scale * log2(e))
+    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    BLOCK_D: tl.constexpr = config.block_d(HEAD_DIM)
+    BOUNDED: tl.constexpr = KEY_LO is not None
+    q_strides, k_strides, v_strides, do_strides, dq_strides = strides
+    H, GROUP, T, S = shape
+    sm_scale, qk_scale = scales
     start_m, off_h, off_b, off_hkv, rows, offs_n, offs_d, d_mask, row_mask = query_program(T, GROUP, HEAD_DIM, BLOCK_D,
                                                                                            BLOCK_M, BLOCK_N)
     q = tl.load(tile_ptrs(Q, q_strides, off_b, off_h, rows, offs_d), mask=row_mask, other=0.0)
     do = tl.load(tile_ptrs(DO, do_strides, off_b, off_h, rows, offs_d), mask=row_mask, other=0.0)
-    row0 = (off_b * H + off_h).to(tl.int64) * T
-    lse = tl.load(LSE + row0 + rows, mask=rows < T, other=0.0) * LOG2E
-    delta = tl.load(DELTA + row0 + rows, mask=rows < T, other=0.0)
+    stats = STATS + (off_b * H + off_h).to(tl.int64) * 2 * T
+    lse = tl.load(stats + rows, mask=rows < T, other=0.0)
+    delta = tl.load(stats + T + rows, mask=rows < T, other=0.0)
     k_tiles = stream(K, k_strides, off_b, off_hkv, S, HEAD_DIM, BLOCK_N, BLOCK_D, TMA)
     v_tiles = stream(V, v_strides, off_b, off_hkv, S, HEAD_DIM, BLOCK_N, BLOCK_D, TMA)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    key_lo, lo, full_lo, full_end, end = kv_ranges(KEY_LO + off_b.to(tl.int64) * T, rows, start_m, T, S, CAUSAL,
+    key_lo, lo, full_lo, full_end, end = kv_ranges(KEY_LO, off_b, rows, start_m, T, S, CAUSAL,
                                                    BOUNDED, BLOCK_M, BLOCK_N)
     kv_tiles, block, sizes = (k_tiles, v_tiles), (rows, key_lo, offs_n, d_mask), (T, S, qk_scale)
     # -- the forward's three runs of key blocks --
@@ -195,23 +209,23 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, bounds
     """Writes dq, dk, dv of checked inputs; bounds: masking.Bounds, or None. Later calls of the
     same signature reuse the first one's compiled launches."""
     (B, H, T, D), (H_kv, S) = q.shape, k.shape[1:3]
-    delta = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
-    key_lo, row_hi = bounds or (delta, delta)  # delta stands in for absent bounds: unread
-    delta_args = (o, do, delta)
-    dkdv_args = (q, k, v, do, lse, delta, dk, dv, row_hi)
-    dq_args = (q, k, v, do, lse, delta, dq, key_lo)
+    stats = torch.empty((B, H, 2, T), dtype=torch.float32, device=q.device)
+    key_lo, row_hi = bounds or (None, None)
+    stats_args = (o, do, lse, stats)
+    dkdv_args = (q, k, v, do, stats, dk, dv, row_hi)
+    dq_args = (q, k, v, do, stats, dq, key_lo)
     launches = [launcher.bound_for(signature) for launcher in (PREPROCESS, DKDV, DQ)]
     if all(launches):
-        for launch, tensors in zip(launches, (delta_args, dkdv_args, dq_args), strict=True):
+        for launch, tensors in zip(launches, (stats_args, dkdv_args, dq_args), strict=True):
             launch(*tensors)
         return
     key, constexprs = config.tuning_key_and_constexprs(q, k, causal, bounds is not None, inputs.uses_tma(q, k, v, do))
     strides = (q.stride(), k.stride(), v.stride(), do.stride())
-    sizes = (H, H // H_kv, T, S, scale, scale * LOG2E.value)
+    sizes, scales = (H, H // H_kv, T, S), (scale, scale * LOG2E.value)
     with on_device(q):
         PREPROCESS.bind(signature, lambda c: (triton.cdiv(T, c["BLOCK_M"]), H, B),
-                        (*delta_args, o.stride(), do.stride(), H, T), key, HEAD_DIM=D, BLOCK_D=constexprs["BLOCK_D"])
+                        (*stats_args, o.stride(), do.stride(), H, T), key, HEAD_DIM=D)
         DKDV.bind(signature, lambda c: (triton.cdiv(S, c["BLOCK_N"]), H_kv, B),
-                  (*dkdv_args, *strides, dk.stride(), dv.stride(), *sizes), key, **constexprs)
+                  (*dkdv_args, (*strides, dk.stride(), dv.stride()), sizes, scales), key, **constexprs)
         DQ.bind(signature, lambda c: (triton.cdiv(T, c["BLOCK_M"]), H, B),
-                (*dq_args, *strides, dq.stride(), *sizes), key, **constexprs)
+                (*dq_args, (*strides, dq.stride()), sizes, scales), key, **constexprs)

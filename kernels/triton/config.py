@@ -29,7 +29,7 @@ def _configs(resident: str, streamed: str, *candidates) -> list[triton.Config]:
 
 def pruner(resident: str, streamed: str, resident_tiles: int, acc_tiles: int, score_tiles: int):
     """prune(configs, constexprs, itemsize, chip): the configs whose tiles fit in the chip's shared
-    memory and in registers at the head-dim tile constexprs["BLOCK_D"]; NoConfigFits if none does.
+    memory and in registers at the head-dim tile of constexprs["HEAD_DIM"]; NoConfigFits if none does.
 
     Per program: resident_tiles (rows, D) input tiles stay in shared memory (Q; Q and dO; K and
     V), two streamed (rows, D) tiles are buffered per pipeline stage; acc_tiles (rows, D) fp32
@@ -37,22 +37,22 @@ def pruner(resident: str, streamed: str, resident_tiles: int, acc_tiles: int, sc
     """
 
     def prune(configs: list[triton.Config], constexprs: dict, itemsize: int, chip: Chip) -> list[triton.Config]:
-        block_d = constexprs["BLOCK_D"]
+        tile_d = block_d(constexprs["HEAD_DIM"])
 
         def area(c):
             return c.kwargs[resident] * c.kwargs[streamed]
 
         def smem(c):
-            return (resident_tiles * c.kwargs[resident] + 2 * c.num_stages * c.kwargs[streamed]) * block_d * itemsize
+            return (resident_tiles * c.kwargs[resident] + 2 * c.num_stages * c.kwargs[streamed]) * tile_d * itemsize
 
         def fp32_per_thread(c):
-            return (acc_tiles * c.kwargs[resident] * block_d + score_tiles * area(c)) / (32 * c.num_warps)
+            return (acc_tiles * c.kwargs[resident] * tile_d + score_tiles * area(c)) / (32 * c.num_warps)
 
         budget = chip.smem_bytes - SMEM_RESERVED
         kept = [c for c in configs if smem(c) <= budget and fp32_per_thread(c) <= FP32_PER_THREAD]
         if not kept:
             need = min(smem(c) for c in configs)
-            raise NoConfigFits(f"flash_attention: no tile size fits head_dim {block_d} ({8 * itemsize}-bit) in the "
+            raise NoConfigFits(f"flash_attention: no tile size fits head_dim {tile_d} ({8 * itemsize}-bit) in the "
                                f"{chip.smem_bytes // 1024} KB of shared memory per block of {chip.name}: the smallest "
                                f"needs {-(-need // 1024)} KB; use a smaller head_dim or another attention")
         return kept
@@ -80,8 +80,9 @@ CPU_DQ = triton.Config({"BLOCK_M": 32, "BLOCK_N": 16})
 CPU_DKDV = triton.Config({"BLOCK_M": 16, "BLOCK_N": 32})
 
 
+@triton.constexpr_function
 def block_d(head_dim: int) -> int:
-    """The head-dim tile: D padded to a power of two >= 16."""
+    """The head-dim tile: D padded to a power of two >= 16 (on the host, and inside a kernel)."""
     return max(16, triton.next_power_of_2(head_dim))
 
 
@@ -93,6 +94,5 @@ def tuning_key_and_constexprs(q: torch.Tensor, k: torch.Tensor, causal: bool, bo
     # the precision of fp32 inputs' dots ("ieee": true fp32); irrelevant for fp16/bf16, whose dots
     # are named tf32 only where the GPU has it (Ampere on)
     tf32 = q.dtype != torch.float32 and (not q.is_cuda or chips.chip(q.device.index).tf32)
-    constexprs = {"HEAD_DIM": D, "BLOCK_D": block_d(D), "CAUSAL": causal, "BOUNDED": bounded,
-                  "INPUT_PRECISION": "tf32" if tf32 else "ieee", "TMA": tma}
+    constexprs = {"HEAD_DIM": D, "CAUSAL": causal, "INPUT_PRECISION": "tf32" if tf32 else "ieee", "TMA": tma}
     return key, constexprs

@@ -13,7 +13,8 @@ import triton.language as tl
 from kernels import inputs
 from kernels.runtime.launch import Launcher, on_device
 from kernels.triton import config
-from kernels.triton.blocks import LOG2E, key_block, kv_ranges, load_tile, query_program, stream, tile_ptrs, visible
+from kernels.triton.blocks import (LOG2E, key_block, kv_ranges, load_tile, query_program, stream, tile_ptrs,
+                                   visible)
 
 
 @triton.jit
@@ -53,13 +54,17 @@ def _fwd_inner(
 @triton.jit
 def _fwd_kernel(
     Q, K, V, O, LSE,  # q (B, H, T, D); k, v (B, H_kv, S, D); o like q; LSE (B, H, T) fp32
-    KEY_LO,  # (B, T) int32, each query's first key (Bounds; BOUNDED only)
-    q_strides, k_strides, v_strides, o_strides,  # each (batch, head, sequence, head dim)
-    H, GROUP, T, S,  # query heads, query heads per kv head, query and key lengths
+    KEY_LO,  # (B, T) int32, each query's first key (kernels/masking.py's Bounds), or None: no bounds
+    strides,  # (q, k, v, o) strides, each (batch, head, sequence, head dim)
+    shape,  # (H, GROUP, T, S): query heads, query heads per kv head, query and key lengths
     qk_scale,  # softmax_scale * log2(e)
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, BOUNDED: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    BLOCK_D: tl.constexpr = config.block_d(HEAD_DIM)
+    BOUNDED: tl.constexpr = KEY_LO is not None
+    q_strides, k_strides, v_strides, o_strides = strides
+    H, GROUP, T, S = shape
     start_m, off_h, off_b, off_hkv, rows, offs_n, offs_d, d_mask, row_mask = query_program(T, GROUP, HEAD_DIM, BLOCK_D,
                                                                                            BLOCK_M, BLOCK_N)
     q = tl.load(tile_ptrs(Q, q_strides, off_b, off_h, rows, offs_d), mask=row_mask, other=0.0)  # (BLOCK_M, BLOCK_D)
@@ -69,7 +74,7 @@ def _fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    key_lo, lo, full_lo, full_end, end = kv_ranges(KEY_LO + off_b.to(tl.int64) * T, rows, start_m, T, S, CAUSAL,
+    key_lo, lo, full_lo, full_end, end = kv_ranges(KEY_LO, off_b, rows, start_m, T, S, CAUSAL,
                                                    BOUNDED, BLOCK_M, BLOCK_N)
     kv_tiles, block, sizes = (k_tiles, v_tiles), (rows, key_lo, offs_n, d_mask), (T, S, qk_scale)
     # -- the key blocks: masked where the rows' first keys lie, mask-free, masked at the diagonal --
@@ -95,7 +100,7 @@ FWD = Launcher(_fwd_kernel, config.FWD, config.CPU_FWD, config.FWD_PRUNE)
 def forward(q, k, v, o, lse, causal: bool, scale: float, key_lo, signature: tuple) -> None:
     """Writes o and lse of checked inputs; key_lo: Bounds.key_lo, or None. Later calls of the same
     signature (kernels/inputs.py's layout, and the flags) reuse the first one's compiled launch."""
-    tensors = (q, k, v, o, lse, lse if key_lo is None else key_lo)  # lse stands in for absent bounds: unread
+    tensors = (q, k, v, o, lse, key_lo)
     if bound := FWD.bound_for(signature):
         bound(*tensors)
         return
@@ -103,5 +108,5 @@ def forward(q, k, v, o, lse, causal: bool, scale: float, key_lo, signature: tupl
     key, constexprs = config.tuning_key_and_constexprs(q, k, causal, key_lo is not None, inputs.uses_tma(k, v))
     with on_device(q):
         FWD.bind(signature, lambda c: (triton.cdiv(T, c["BLOCK_M"]), H, B),
-                 (*tensors, q.stride(), k.stride(), v.stride(), o.stride(), H, H // H_kv, T, S,
+                 (*tensors, (q.stride(), k.stride(), v.stride(), o.stride()), (H, H // H_kv, T, S),
                   scale * LOG2E.value), key, **constexprs)
