@@ -45,8 +45,10 @@ def _split_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     BLOCK_D: tl.constexpr = block_d(HEAD_DIM)
-    (stride_qb, stride_qh, stride_qt, stride_qd), (stride_kb, stride_kh, stride_kn, stride_kd), \
-        (stride_vb, stride_vh, stride_vn, stride_vd) = strides
+    q_strides, k_strides, v_strides = strides  # (Triton unpacks one level at a time)
+    stride_qb, stride_qh, stride_qt, stride_qd = q_strides
+    stride_kb, stride_kh, stride_kn, stride_kd = k_strides
+    stride_vb, stride_vh, stride_vn, stride_vd = v_strides
     H, T, window = sizes
     split = tl.program_id(0)
     off_hkv = tl.program_id(1)
