@@ -9,17 +9,19 @@ PY     ?= $(VENV)/bin/python
 PRESET := $(shell nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
 # A CUDA machine gets the torch and triton the kernels were tuned and tested with on the H100
 # (TMA descriptors and Gluon change between triton releases); a CPU machine gets torch 2.13.0
-# (a local CPU wheel on our CI machines) and the newest triton, whose interpreter runs the tests.
+# (a local CPU wheel on our CI machines) and the newest triton kernels/runtime/internals.py knows,
+# whose interpreter runs the tests.
 # Either is one override: make train TORCH=torch==2.13.0 TRITON=triton (not measured on a GPU).
 ifeq ($(PRESET),gpu)
 TORCH  ?= torch==2.11.0
 TRITON ?= triton==3.6.0
 else
 TORCH  ?= torch==2.13.0
-TRITON ?= triton>=3.6
+TRITON ?= triton>=3.6,<3.10
 endif
 # one stamp per pair: naming another pair installs it into the same .venv
-STAMP  := $(VENV)/.installed-$(subst >,,$(subst =,,$(TORCH)-$(TRITON)))
+comma  := ,
+STAMP  := $(VENV)/.installed-$(subst <,,$(subst >,,$(subst =,,$(subst $(comma),-,$(TORCH)-$(TRITON)))))
 # the Hopper kernel is Gluon of this triton release; where the venv has another, the test suite
 # compiles the kernel for sm_90 with a copy of it kept apart (tests/test_hopper.py): `make test`
 # installs it, `make train` does not need it

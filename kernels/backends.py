@@ -16,7 +16,6 @@ from kernels.hopper import config as hopper
 from kernels.runtime import chips
 from kernels.runtime.chips import NoConfigFits
 from kernels.runtime.launch import interprets
-from kernels.triton import config
 from kernels.triton.bwd import DKDV, DQ
 from kernels.triton.fwd import FWD
 

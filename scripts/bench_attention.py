@@ -32,13 +32,12 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
-from triton.compiler.errors import CompilationError  # noqa: E402
-from triton.runtime.errors import OutOfResources  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
 from kernels import LAUNCHERS, attention_flops, flash_attention  # noqa: E402
 from configs.runtime import SDPA_BACKENDS  # noqa: E402
 from kernels.masking import Mask  # noqa: E402
+from kernels.runtime.internals import CompilationError, OutOfResources  # noqa: E402
 from model.attention import ATTENTIONS  # noqa: E402
 from scripts.args import (ArgumentParser, directory, names, non_negative_int, positive_int, positive_ints,  # noqa: E402
                           require_cuda, require_divisors)

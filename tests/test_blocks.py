@@ -21,14 +21,13 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
 
 from kernels import masking
 from kernels.hopper import blocks as gluon_blocks
 from kernels.inputs import checked_bounds
 from kernels.masking import bounds, document_bounds
 from kernels.reference.flash_ref import attention_probs
-from kernels.runtime.interpreter import interpreted, interpreting
+from kernels.runtime.internals import InterpretedFunction, interpreted, interpreting
 from kernels.triton.blocks import kv_ranges, q_ranges, visible, visible_t
 
 

@@ -501,8 +501,8 @@ def test_cpu_tensors_run_interpreted_and_cuda_tensors_compiled_in_one_process(in
     # compiled functions in place, so that a CUDA call after it (where there is a GPU) compiles.
     script = (
         "import torch, triton.language as tl\n"
-        "from triton.runtime.jit import JITFunction\n"
         "torch.compile(lambda x: x + 1, backend='aot_eager')(torch.ones(2))\n"
+        "from kernels.runtime.internals import JITFunction\n"
         "from kernels import flash_attention\n"
         "from kernels.reference.flash_ref import attention_reference\n"
         "q, k, v = torch.randn(3, 1, 2, 40, 16).unbind(0)\n"

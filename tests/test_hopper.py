@@ -16,7 +16,7 @@ from triton.experimental.gluon import language as gl
 from kernels import backends, flash_attention, flash_attn_backward, flash_attn_forward
 from kernels.hopper import bwd_passes
 from kernels.hopper import config as hopper
-from kernels.runtime.interpreter import interpreted, interpreting
+from kernels.runtime.internals import interpreted, interpreting
 from kernels.runtime.launch import PREPARED
 from tests.helpers import REPO
 from tests.test_flash_attn import BF16, F16, _case_id, _check_against_float64, _doc_ids, _make_inputs
@@ -59,7 +59,7 @@ def test_compiles_for_sm90_without_a_gpu(tmp_path):
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     if not GLUON:
         env["PYTHONPATH"] = os.pathsep.join([str(GLUON_TRITON_DIR), str(REPO)])
-    out = subprocess.run([sys.executable, "-m", "kernels.hopper.sm90", "--sass", "--out", str(tmp_path)], cwd=REPO,
+    out = subprocess.run([sys.executable, "scripts/sm90.py", "--sass", "--out", str(tmp_path)], cwd=REPO,
                          env=env, capture_output=True, text=True, timeout=1800)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
@@ -90,7 +90,7 @@ def test_compiles_for_sm90_without_a_gpu(tmp_path):
 
 
 def test_compiling_refuses_a_head_dim_without_kernels_in_one_line(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "kernels.hopper.sm90", "--head-dims", "64,96", "--out",
+    out = subprocess.run([sys.executable, "scripts/sm90.py", "--head-dims", "64,96", "--out",
                           str(tmp_path / "sass")], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 2
     assert out.stderr.splitlines()[-1].endswith("--head-dims 64,96: the Hopper kernels have head dims 64, 128")

@@ -8,6 +8,8 @@ recorder.
     .venv/bin/python -m pytest tests/test_launch.py -q
 """
 
+import subprocess
+import sys
 from types import SimpleNamespace
 from typing import NamedTuple
 
@@ -15,7 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.runtime import launch
+from kernels.runtime import internals, launch
+from tests.helpers import REPO
 
 
 @triton.jit
@@ -36,7 +39,7 @@ def test_a_bound_launch_rebuilds_descriptors_and_fixes_the_rest(monkeypatch):
     calls = []
     monkeypatch.setattr(launch, "launch_compiled", lambda compiled, grid, device, args: calls.append(
         (compiled, grid, device, args)))
-    monkeypatch.setattr(launch, "_hooked", lambda: False)
+    monkeypatch.setattr(launch, "hooked", lambda: False)
     first = [torch.zeros(4, 8) for _ in range(4)]
     descs = [_Descriptor(t, list(t.shape), list(t.stride()), [2, 8], "zero") for t in first[:2]]
     args = (*descs, first[2], first[3], (8, 1), 7, 0.5)
@@ -56,12 +59,26 @@ def test_a_bound_launch_rebuilds_descriptors_and_fixes_the_rest(monkeypatch):
 def test_a_triton_launch_binds_its_tensors_as_addresses(monkeypatch):
     calls = []
     monkeypatch.setattr(launch, "launch_compiled", lambda compiled, grid, device, args: calls.append(args))
-    monkeypatch.setattr(launch, "_hooked", lambda: False)
+    monkeypatch.setattr(launch, "hooked", lambda: False)
     tensors = [torch.zeros(2) for _ in range(4)]
     bound = launch.bind(_kernel, "compiled", (1,), (*tensors, (2, 1), 3, 1.0), {"WIDTH": 8, "FLAG": False})
     assert bound.descriptors == ()
     bound(*tensors)
     assert calls == [(*(t.data_ptr() for t in tensors), (2, 1), 3, 1.0, 8, False)]
+
+
+def test_an_absent_operand_is_bound_into_the_tail(monkeypatch):
+    # an optional operand comes last among the tensors: absent (None) it is fixed with the
+    # arguments after it, and a later call passes it as None again, never as an address
+    calls = []
+    monkeypatch.setattr(launch, "launch_compiled", lambda compiled, grid, device, args: calls.append(args))
+    monkeypatch.setattr(launch, "hooked", lambda: False)
+    tensors = [torch.zeros(2) for _ in range(3)]
+    bound = launch.bind(_kernel, "compiled", (1,), (*tensors, None, (2, 1), 3, 1.0), {"WIDTH": 8, "FLAG": False})
+    assert bound.operands == 3 and bound.tail == (None, (2, 1), 3, 1.0, 8, False)
+    later = [torch.ones(2) for _ in range(3)]
+    bound(*later, None)
+    assert calls == [(*(t.data_ptr() for t in later), None, (2, 1), 3, 1.0, 8, False)]
 
 
 def test_a_direct_launch_calls_the_c_function_and_encodes_each_address_once(monkeypatch):
@@ -74,7 +91,7 @@ def test_a_direct_launch_calls_the_c_function_and_encodes_each_address_once(monk
     def expand(desc, meta):
         expanded.append(desc.base.data_ptr())
         return [("map", desc.base.data_ptr()), *desc.shape, *desc.strides]
-    monkeypatch.setattr(launch, "_expand", expand)
+    monkeypatch.setattr(internals, "_expand", expand)
     calls = []
 
     def c_launch(*args):
@@ -87,8 +104,8 @@ def test_a_direct_launch_calls_the_c_function_and_encodes_each_address_once(monk
                           launch_cooperative_grid=False, launch_pdl=False)
     compiled = SimpleNamespace(run=run, function=1234, packed_metadata=(4, 1, 0),
                                metadata=SimpleNamespace(tensordesc_meta=None))
-    monkeypatch.setattr(launch, "_hooked", lambda: False)
-    monkeypatch.setattr(launch, "_stream_of", lambda: lambda device: 77)
+    monkeypatch.setattr(launch, "hooked", lambda: False)
+    monkeypatch.setattr(internals, "current_stream", lambda: lambda device: 77)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: None)  # CPU tensors' device index
     first = [torch.zeros(4, 8) for _ in range(4)]
     descs = [_Descriptor(t, list(t.shape), list(t.stride()), [2, 8], "zero") for t in first[:2]]
@@ -104,7 +121,7 @@ def test_a_direct_launch_calls_the_c_function_and_encodes_each_address_once(monk
     assert expanded == [t.data_ptr() for t in (*first[:2], *later[:2])]  # the third call encoded nothing
 
     # past KEPT addresses a descriptor argument drops its oldest: here first's, which comes back anew
-    monkeypatch.setattr(launch._Direct, "KEPT", 2)
+    monkeypatch.setattr(internals.DirectLaunch, "KEPT", 2)
     third = [torch.full((4, 8), 2.0) for _ in range(4)]
     expanded.clear()
     for tensors in (third, later, first):
@@ -133,3 +150,13 @@ def test_prepared_launches_are_one_bounded_cache_for_both_dialects(monkeypatch):
     assert list(launch.PREPARED) == [("backward", "signature"), (launcher, "signature"), ("forward", "another")]
     with launcher.pinned(config):  # a pinned config decides: no bound launch
         assert launcher.bound_for("signature") is None
+
+
+def test_a_triton_release_whose_internals_are_unknown_fails_at_import_in_one_line():
+    # a fresh process whose triton says it is a release past the ones kernels/runtime/internals.py knows
+    script = "import triton\ntriton.__version__ = '3.10.0'\nimport kernels\n"
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines()[-1] == (
+        "ImportError: kernels: triton 3.10.0 is not a release whose internals kernels/runtime/internals.py knows "
+        "(3.6 to 3.9): pip install 'triton>=3.6,<3.10'")

@@ -2,5 +2,5 @@
 bwd.py, the backward's deterministic dQ (bwd_dq.py) and its two Triton passes around it
 (bwd_passes.py); the tile scheduler (schedule.py), the softmax (softmax.py), the tile ranges and
 mask (blocks.py), the buffers, barriers and handshakes of the warp-specialized partitions
-(pipeline.py), their table (config.py), and sm90.py, which compiles them for an H100 on a machine
+(pipeline.py) and their table (config.py); scripts/sm90.py compiles them for an H100 on a machine
 without one. config.py and bwd_passes.py import with any Triton; the others need its Gluon."""

@@ -35,7 +35,8 @@ from kernels.hopper.schedule import BwdWork, bwd_program, bwd_step_rows, bwd_til
 from kernels.hopper.softmax import column_halves, probs_t
 from kernels.masking import Bounds
 from kernels.runtime import chips
-from kernels.runtime.launch import PREPARED, Address, Bound, launch_and_bind, on_device
+from kernels.runtime.internals import Address
+from kernels.runtime.launch import PREPARED, Bound, launch_and_bind, on_device
 from kernels.triton.blocks import LOG2E
 
 BWD_WARPS = gl.constexpr(config.BWD_WARPS)
@@ -443,7 +444,7 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, bounds
 
 
 def compile_only(do, q, k, v, causal: bool, bounded: bool = False):
-    """The compiled kernel for these inputs' layout, without launching it (kernels/hopper/sm90.py)."""
+    """The compiled kernel for these inputs' layout, without launching it (scripts/sm90.py)."""
     (B, H, T, _), S = q.shape, k.shape[2]
     lse = torch.empty((B, H, T), dtype=torch.float32)
     bounds = Bounds(torch.empty((B, T), dtype=torch.int32), torch.empty((B, S), dtype=torch.int32)) if bounded else None

@@ -11,8 +11,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
 from kernels.hopper.blocks import dq_turn
-from kernels.hopper.pipeline import bulk_done, load_acquire, tma_add
+from kernels.hopper.pipeline import bulk_done, load_acquire
 from kernels.hopper.schedule import bwd_program, bwd_step_rows, bwd_tiles, take_tile
+from kernels.runtime.internals import tma_add
 
 # --------------------------------------------------------------------------------------------
 # the matmul warps' side

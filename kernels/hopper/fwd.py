@@ -392,7 +392,7 @@ def forward(q, k, v, o, lse, causal: bool, scale: float, key_lo: torch.Tensor | 
 
 
 def compile_only(q, k, v, causal: bool, bounded: bool = False):
-    """The compiled forward kernel for these inputs' layout, without launching it (kernels/hopper/sm90.py)."""
+    """The compiled forward kernel for these inputs' layout, without launching it (scripts/sm90.py)."""
     (B, H, T, D) = q.shape
     tiles = config.fwd_tiles(D, T)
     key_lo = torch.empty((B, T), dtype=torch.int32) if bounded else None

@@ -3,13 +3,12 @@
 the handshakes between the producer warp, the matmul warpgroups and the backward's dQ writer that
 the Gluon language does not name. Which tile each program works on: schedule.py."""
 
-from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from triton.experimental.gluon.language.nvidia.hopper.tma import tensor_descriptor
-from triton.language.core import _aggregate as aggregate  # Gluon's own (it has no public name)
+
+from kernels.runtime.internals import aggregate
 
 Scalar = gl.tensor | gl.constexpr  # an integer argument is a constexpr where it is 1 (Triton specializes it)
 Optional = gl.tensor | gl.constexpr  # an optional operand: a pointer, or None (a constexpr) where it is absent
@@ -152,11 +151,3 @@ def bulk_done(like):
     their shared-memory reads, as tma.store_wait waits for), and orders them before what follows."""
     return gl.inline_asm_elementwise("cp.async.bulk.wait_group 0; fence.proxy.async.global; mov.u32 $0, 0;",
                                      "=r,r", [like], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@builtin
-def tma_add(tensor_desc, coord, src, _semantic=None):
-    """TMA reduce-add of shared memory `src` into the descriptor's box at `coord` (Gluon builds the
-    op but exposes no wrapper)."""
-    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
-    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)

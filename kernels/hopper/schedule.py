@@ -12,7 +12,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from kernels.hopper.blocks import kv_blocks, q_blocks
-from kernels.hopper.pipeline import Optional, Scalar, aggregate, scalar
+from kernels.hopper.pipeline import Optional, Scalar, scalar
+from kernels.runtime.internals import aggregate
 
 # --------------------------------------------------------------------------------------------
 # the forward
@@ -36,7 +37,8 @@ class FwdWork:
 
     @gluon.constexpr_function
     def __init__(self, COUNTER, KEY_LO, H, B, GROUP, T, S, qk_scale, SECTION):
-        self.COUNTER, self.KEY_LO, self.qk_scale, self.SECTION = COUNTER, scalar(KEY_LO), qk_scale, gl.constexpr(SECTION)
+        self.COUNTER, self.KEY_LO, self.qk_scale = COUNTER, scalar(KEY_LO), qk_scale
+        self.SECTION = gl.constexpr(SECTION)
         self.H, self.B, self.GROUP, self.T, self.S = scalar(H), scalar(B), scalar(GROUP), scalar(T), scalar(S)
 
 

@@ -35,10 +35,11 @@ class Chip(NamedTuple):
 def chip(device_index: int) -> Chip:
     """The Chip of CUDA device `device_index` (read once per process)."""
     import torch
-    from triton.runtime import driver
+
+    from kernels.runtime.internals import max_shared_memory
 
     props = torch.cuda.get_device_properties(device_index)
-    smem = driver.active.utils.get_device_properties(device_index)["max_shared_mem"]  # the opt-in maximum
+    smem = max_shared_memory(device_index)  # the opt-in maximum
     return Chip(props.name, (props.major, props.minor), smem, nvidia=torch.version.hip is None,
                 sms=props.multi_processor_count)
 

@@ -5,7 +5,7 @@ CUDA tensors run the compiled kernel under the config that autotuning picked for
 tuning key (benchmarked once per key among the candidates that fit the GPU; with
 FLASH_ATTENTION_AUTOTUNE=0 the first of them that compiles and launches). CPU tensors, and any
 tensors when TRITON_INTERPRET=1 was set before import, run the kernel's interpreted twin
-(kernels/runtime/interpreter.py) under one small fixed config, so that nothing is benchmarked there.
+(kernels/runtime/internals.py) under one small fixed config, so that nothing is benchmarked there.
 
 A launch through Triton's front door binds and specializes every argument again (more Python per
 launch than a short sequence's kernel takes: docs/perf-notes.md). A
@@ -17,22 +17,19 @@ kernel's.
 """
 
 import contextlib
-import functools
 import os
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import NamedTuple
 
 import torch
 import triton
 from triton import knobs
-from triton.compiler.errors import CompilationError
-from triton.runtime import _allocation, driver
-from triton.runtime.errors import OutOfResources
 from triton.testing import do_bench
 
 from kernels.runtime import chips
-from kernels.runtime.interpreter import interpreted, interpreting
+from kernels.runtime.internals import (Address, CompilationError, DirectLaunch, HostDescriptor, OutOfResources,
+                                       ensure_allocator, hooked, interpreted, interpreting, launch_compiled,
+                                       on_device_index)
 
 Grid = Callable[[dict], tuple[int, ...]]  # config kwargs -> launch grid
 
@@ -144,7 +141,7 @@ class Launcher:
         # (config, constexprs, device, specialization) and launched directly
         key = self._compiled_key(config, args, constexprs)
         if constexprs.get("TMA"):
-            _ensure_allocator()
+            ensure_allocator()
         compiled = self.compiled.get(key)
         if compiled is None:
             self.compiled[key] = self.kernel[grid(config.kwargs)](*args, **constexprs, **config.all_kwargs())
@@ -187,24 +184,6 @@ class Launcher:
         return min(timings, key=timings.get) if timings else configs[-1]
 
 
-class HostDescriptor(NamedTuple):
-    """What Triton's C launcher reads of a host TensorDescriptor (base address, shape, strides,
-    padding) and nothing more: the tensor itself is not kept, and none of TensorDescriptor's checks
-    run again (the first launch of the signature ran them)."""
-    base: "Address"
-    shape: list
-    strides: list
-    padding: str
-
-
-class Address(NamedTuple):
-    """A device address where a descriptor wants its base tensor: all a later launch reads of it."""
-    ptr: int
-
-    def data_ptr(self) -> int:
-        return self.ptr
-
-
 class Bound:
     """One compiled kernel launched with a fixed grid and fixed non-tensor arguments."""
 
@@ -217,7 +196,7 @@ class Bound:
         self.device = device
         self.tma = tma  # the kernel makes TMA descriptors itself: it needs a scratch allocator
         self.descriptors = descriptors  # (shape, strides, padding) of the leading host TMA descriptors, one each
-        self._direct = _Direct.of(compiled, descriptors)  # None: through Triton's launcher object
+        self._direct = DirectLaunch.of(compiled, descriptors)  # None: through Triton's launcher object
 
     def __call__(self, *tensors: torch.Tensor) -> None:
         """Launches on the current stream of the tensors' device: the first len(descriptors) go in
@@ -226,9 +205,9 @@ class Bound:
         optional operands are absent: those (None, last) were bound into the tail."""
         tensors = tensors[:self.operands]
         if self.tma:
-            _ensure_allocator()
+            ensure_allocator()
         n = len(self.descriptors)
-        if _hooked():  # a profiler listens to launches: Triton's front door, with its metadata
+        if hooked():  # a profiler listens to launches: Triton's front door, with its metadata
             with on_device_index(self.device):
                 self.compiled[self.grid](*self._descriptors(tensors), *tensors[n:], *self.tail)
             return
@@ -243,63 +222,6 @@ class Bound:
 
     def _descriptors(self, tensors) -> list:
         return [HostDescriptor(Address(t.data_ptr()), *d) for t, d in zip(tensors, self.descriptors)]
-
-
-class _Direct:
-    """The C launch function of one compiled kernel (of the Triton release `of` checks for), called
-    as Triton's launcher object calls it, less that object's per-call Python: the scratch it asks
-    for (none here), and the expansion of each host TMA descriptor into an encoded tensor map, its
-    shape and strides, which is made once per address here and kept (a training step's tensors
-    come back at the same addresses from torch's caching allocator, step after step)."""
-
-    KEPT = 1024  # encoded descriptors kept per descriptor argument, the oldest dropped first past that
-
-    def __init__(self, launch, head: tuple, expand, descriptors: tuple):
-        self.launch = launch
-        self.head = head  # function, cooperative, pdl, scratch (2), kernel metadata, launch metadata, hooks (2)
-        self.expand = expand  # (HostDescriptor, index) -> [tensor map, *shape, *strides]
-        self.descriptors = descriptors
-        self.encoded = [{} for _ in descriptors]  # per descriptor argument: address -> its expansion
-
-    @classmethod
-    def of(cls, compiled, descriptors: tuple) -> "_Direct | None":
-        """The direct launch of `compiled`, or None where its launcher is not the one known here
-        (another Triton, scratch memory to allocate per launch, a stand-in)."""
-        run = getattr(compiled, "run", None)
-        if run is None or not triton.__version__.startswith("3.6.") or getattr(run, "global_scratch_size", 1) \
-                or getattr(run, "profile_scratch_size", 1):
-            return None
-        launch = run.launch
-        if descriptors:  # the C function sits inside the wrapper that expands descriptors
-            launch = next((c.cell_contents for c in launch.__closure__ or ()
-                           if getattr(c.cell_contents, "__name__", "") == "launch"), None)
-        if not callable(launch) or getattr(launch, "__name__", "") != "launch":
-            return None
-        metas = getattr(compiled.metadata, "tensordesc_meta", None) or [None] * len(descriptors)
-        head = (compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None, compiled.packed_metadata,
-                None, None, None)
-        return cls(launch, head, lambda desc, i: _expand(desc, metas[i]), descriptors)
-
-    def __call__(self, grid: tuple[int, int, int], device: int, tensors: tuple, tail: tuple) -> None:
-        args = []
-        for i, (t, encoded) in enumerate(zip(tensors, self.encoded)):
-            address = t.data_ptr()
-            expanded = encoded.get(address)
-            if expanded is None:
-                if len(encoded) >= self.KEPT:
-                    del encoded[next(iter(encoded))]  # dicts keep insertion order: the oldest
-                expanded = encoded[address] = self.expand(HostDescriptor(Address(address), *self.descriptors[i]), i)
-            args += expanded
-        args += [t.data_ptr() for t in tensors[len(self.encoded):]]
-        with on_device_index(device):
-            self.launch(*grid, _stream_of()(device), *self.head, *args, *tail)
-
-
-def _expand(descriptor: HostDescriptor, meta: dict | None) -> list:
-    """What Triton's launcher passes for a host TMA descriptor: the encoded tensor map (where
-    the kernel was compiled to take one), its shape and strides."""
-    from triton.backends.nvidia.driver import make_tensordesc_arg
-    return make_tensordesc_arg(descriptor, meta)
 
 
 def bind(kernel, compiled, grid: tuple[int, ...], args: tuple, named: dict, tma: bool = False) -> Bound:
@@ -321,24 +243,6 @@ def launch_and_bind(kernel, grid: tuple[int, ...], args: tuple, named: dict | No
     return bind(kernel, kernel[grid](*args, **named), grid, args, named)
 
 
-def launch_compiled(compiled, grid: tuple[int, int, int], device: int, args: tuple) -> None:
-    """Launches a compiled kernel through Triton's C launcher on the device's current stream, every
-    argument given in order (tensors as addresses or tensors, constexprs included), without the
-    front door's binding and specialization: the caller has compiled it for these arguments."""
-    with on_device_index(device):
-        if _hooked():
-            compiled[grid](*args)
-            return
-        # grid, stream, function, metadata, launch metadata and hooks (none), args
-        compiled.run(*grid, _stream_of()(device), compiled.function, compiled.packed_metadata, None, None, None, *args)
-
-
-def _hooked() -> bool:
-    """Whether Triton's launch hooks are set (a HookChain, or in older releases a callable or None)."""
-    return any(getattr(hook, "calls", hook) for hook in (knobs.runtime.launch_enter_hook,
-                                                         knobs.runtime.launch_exit_hook))
-
-
 def _specialization(arg) -> tuple:
     """What Triton compiles a kernel argument's value into (at least): a pointer's dtype and 16-byte
     alignment; an integer's width, divisibility by 16 and being 1; a tuple's, its elements'."""
@@ -351,30 +255,6 @@ def _specialization(arg) -> tuple:
     return (type(arg),)
 
 
-def _descriptor_memory(size: int, alignment: int, stream) -> torch.Tensor:
-    """Global memory a launch asks for: here, the TMA descriptors its programs build (on the current
-    device and stream; the caching allocator's 512-byte alignment covers Triton's 128)."""
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
-def _ensure_allocator() -> None:
-    """Descriptors made in a kernel need a scratch allocator. Triton keeps it in a context variable,
-    so autograd's backward thread starts without one: checked per launch, and one a user set is kept."""
-    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
-        triton.set_allocator(_descriptor_memory)
-
-
 def on_device(t: torch.Tensor):
     """Triton launches on the current CUDA device: make it t's."""
     return on_device_index(t.device.index) if t.is_cuda else contextlib.nullcontext()
-
-
-def on_device_index(index: int):
-    """Makes CUDA device `index` current, where it is not already (checking costs less than switching)."""
-    return contextlib.nullcontext() if torch.cuda.current_device() == index else torch.cuda.device(index)
-
-
-@functools.cache
-def _stream_of():
-    """Triton's current-stream lookup (torch's raw stream handle), resolved once through its driver proxy."""
-    return driver.active.get_current_stream

@@ -1,65 +1,27 @@
-"""Compile Gluon kernels for an H100 (sm_90) on a machine without one.
+"""Compile the Hopper kernels for an H100 (sm_90) on a machine without one.
 
-Triton asks its active driver which GPU it compiles for; this driver answers sm_90 and launches
-nothing, so `kernel.warmup(...)` runs the whole compiler (Gluon -> TTGIR -> PTX -> ptxas) and
-returns the cubin, its register and shared-memory counts, and SASS through the wheel's nvdisasm.
-CI compiles the Hopper kernels this way (tests/test_hopper.py), and it is how to read a kernel's
-SASS without spending GPU time:
+Triton asks its active driver which GPU it compiles for; kernels/runtime/internals.py's stand-in
+answers sm_90 and launches nothing, so `kernel.warmup(...)` runs the whole compiler (Gluon ->
+TTGIR -> PTX -> ptxas) and returns the cubin, its register and shared-memory counts, and SASS
+through the wheel's nvdisasm. CI compiles the Hopper kernels this way (tests/test_hopper.py), and
+it is how to read a kernel's SASS without spending GPU time:
 
-    python -m kernels.hopper.sm90            # registers, spills, shared memory of each Hopper kernel
-    python -m kernels.hopper.sm90 --sass     # and their SASS, beside the cubins under bench/sass/
-    python -m kernels.hopper.sm90 --head-dims 64  # one head dim's kernels
+    python scripts/sm90.py            # registers, spills, shared memory of each Hopper kernel
+    python scripts/sm90.py --sass     # and their SASS, beside the cubins under bench/sass/
+    python scripts/sm90.py --head-dims 64  # one head dim's kernels
 """
 
 import argparse
-import contextlib
 import pathlib
 import re
 import subprocess
+import sys
 
-import torch
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.backends.driver import DriverBase
-from triton.runtime import driver
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # scripts/ sits beside the packages
+import torch  # noqa: E402
+import triton  # noqa: E402
 
-
-class StandIn(DriverBase):
-    """A Triton driver for an sm_90 GPU that is not there: it compiles, and launches nothing."""
-
-    @classmethod
-    def is_active(cls) -> bool:
-        return True
-
-    def map_python_to_cpp_type(self, ty: str) -> str:
-        return ty
-
-    def get_current_target(self) -> GPUTarget:
-        return GPUTarget("cuda", 90, 32)
-
-    def get_active_torch_device(self) -> torch.device:
-        return torch.device("cpu")
-
-    def get_benchmarker(self):
-        raise RuntimeError("kernels.hopper.sm90 compiles only: there is no GPU to time")
-
-    def get_current_device(self) -> int:
-        return 0
-
-    def get_current_stream(self, device=None) -> int:
-        return 0
-
-
-@contextlib.contextmanager
-def stand_in():
-    """Triton compiles for sm_90 inside this block, whatever the machine has."""
-    previous = driver._active  # None until something asked: reset_active() would look for a real GPU
-    driver.set_active(StandIn())
-    try:
-        yield
-    finally:
-        driver._active = previous
-
+from kernels.runtime.internals import stand_in  # noqa: E402
 
 MASKS = ("full", "causal", "documents")  # documents: causal within packed documents (windows: the same kernels)
 SEQ = 4096  # T = S of the compiled inputs: the forward's tiles of long sequences
