@@ -11,7 +11,7 @@ PRESET := $(shell nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
 # (TMA descriptors and Gluon change between triton releases); a CPU machine gets torch 2.13.0
 # (a local CPU wheel on our CI machines) and the newest triton kernels/runtime/internals.py knows,
 # whose interpreter runs the tests.
-# Either is one override: make train TORCH=torch==2.13.0 TRITON=triton (not measured on a GPU).
+# Either is one override: make train TORCH=torch==2.13.0 "TRITON=triton>=3.6,<3.10" (not measured on a GPU).
 ifeq ($(PRESET),gpu)
 TORCH  ?= torch==2.11.0
 TRITON ?= triton==3.6.0

@@ -32,7 +32,7 @@ import triton.language as tl
 
 from kernels.runtime.launch import Launcher, on_device
 from kernels.triton.blocks import LOG2E, visible
-from kernels.triton.config import block_d
+from kernels.triton.config import block_d, dot_precision
 
 
 @triton.jit
@@ -41,10 +41,10 @@ def _split_kernel(
     strides,  # (q, k, v) strides, each (batch, head, position, head dim)
     sizes,  # (H, T, window)
     qk_scale,  # softmax_scale * log2(e)
-    GROUP: tl.constexpr, SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    GROUP: tl.constexpr, SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     BLOCK_D: tl.constexpr = block_d(HEAD_DIM)
+    INPUT_PRECISION: tl.constexpr = dot_precision(Q.dtype.element_ty)
     q_strides, k_strides, v_strides = strides  # (Triton unpacks one level at a time)
     stride_qb, stride_qh, stride_qt, stride_qd = q_strides
     stride_kb, stride_kh, stride_kn, stride_kd = k_strides
@@ -184,9 +184,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         _SPLIT(lambda c: (splits, H_kv, B),
                (q, k_cache, v_cache, length, o_part, lse_part, (q.stride(), k_cache.stride(), v_cache.stride()),
                 (H, T, window), scale), key,
-               GROUP=group, SPLITS=splits, HEAD_DIM=D,
-               INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32: true fp32, as in training
-               BLOCK_M=max(16, triton.next_power_of_2(group * T)))
+               GROUP=group, SPLITS=splits, HEAD_DIM=D, BLOCK_M=max(16, triton.next_power_of_2(group * T)))
         _MERGE(lambda c: (B * H * T,), (o_part, lse_part, o, *o.stride(), H, T), key,
                SPLITS=splits, HEAD_DIM=D, BLOCK_S=max(2, triton.next_power_of_2(splits)))
     return o

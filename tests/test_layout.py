@@ -83,3 +83,33 @@ def test_the_kernels_limits_and_constants_have_one_home():
                  if any(isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets)
                         for node in ast.parse(path.read_text()).body)]
         assert len(homes) == 1, f"{name} is assigned in {homes}"
+
+
+# Triton's modules and names outside its public API: they change from one release to the next
+TRITON_INTERNALS = ("triton._C", "triton.runtime", "triton.backends", "triton.compiler", "triton.language.core",
+                    "triton.experimental.gluon.language._core")
+
+
+def test_only_one_file_reaches_into_triton():
+    # one file to read, and to change, when Triton moves its internals: kernels/runtime/internals.py
+    files = [REPO / "train.py", *(path for folder in ("kernels", "model", "trainer", "scripts", "tests")
+                                  for path in sorted((REPO / folder).rglob("*.py")))]
+    for path in files:
+        if path == REPO / "kernels/runtime/internals.py":
+            continue
+        reached = sorted(m for m in imported_modules(path) if m.startswith(TRITON_INTERNALS))
+        assert not reached, f"{path.relative_to(REPO)} imports {reached}: use kernels/runtime/internals.py"
+
+
+def test_kernels_functions_are_short_and_kernels_take_few_parameters():
+    # a kernel or helper of more than 16 parameters takes aggregates instead (tuples of strides,
+    # sizes, scales; the Hopper kernels' buffers and work); no function runs past 80 lines
+    for path in sorted((REPO / "kernels").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.FunctionDef):
+                continue
+            where = f"{path.relative_to(REPO)}: {node.name}"
+            assert node.end_lineno - node.lineno < 80, f"{where} runs {node.end_lineno - node.lineno + 1} lines"
+            jit = any("jit" in ast.unparse(decorator) for decorator in node.decorator_list)
+            params = len(node.args.posonlyargs) + len(node.args.args) + len(node.args.kwonlyargs)
+            assert not jit or params <= 16, f"{where} takes {params} parameters"

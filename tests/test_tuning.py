@@ -72,7 +72,7 @@ def test_a_head_dim_no_config_fits_is_one_clear_error():
                                                    ((10, 0), True, True)])
 def test_capabilities_by_compute_capability(capability, bf16, tma):
     chip = Chip("card", capability, 100 * 1024)
-    assert (chip.bf16, chip.tf32, chip.tma) == (bf16, bf16, tma)
+    assert (chip.bf16, chip.tma) == (bf16, tma)
     assert not Chip("card", capability, 100 * 1024, nvidia=False).tma
 
 

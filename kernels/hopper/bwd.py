@@ -13,8 +13,7 @@ tile's end. The tiles go out shortest or (long causal sequences at D = 128) long
 (config.bwd_longest_first), and the fixed order of dQ's adds follows that order: a share waits
 only on tiles already taken by programs that run.
 Two Triton passes (bwd_passes.py) run around it: LSE * log2(e) and delta = rowsum(dO * O) laid
-out for TMA before, dQ scaled out of the accumulator after. docs/flash-attention.md derives the
-products and the order; tiles: kernels/hopper/config.py; the dQ writer: bwd_dq.py.
+out for TMA before, dQ scaled out of the accumulator after. The derivation: docs/flash-attention.md.
 """
 
 from typing import NamedTuple
@@ -39,14 +38,10 @@ from kernels.runtime.internals import Address
 from kernels.runtime.launch import PREPARED, Bound, launch_and_bind, on_device
 from kernels.triton.blocks import LOG2E
 
-BWD_WARPS = gl.constexpr(config.BWD_WARPS)
-WORKER_REGS = gl.constexpr(config.WORKER_REGS)
-
-
-@gluon.constexpr_function
-def _stages(head_dim):
-    """The depth of the Q/dO ring at this head dim (config.TABLE's row)."""
-    return config.TABLE[head_dim].bwd.stages
+BWD_WARPS, WORKER_REGS = gl.constexpr(config.BWD_WARPS), gl.constexpr(config.WORKER_REGS)
+ORDER_AT = gl.constexpr(passes.ORDER_AT)
+# each head dim's Q/dO ring depth, a constexpr global: Triton keys its cache on the values
+STAGES_OF = gl.constexpr({head_dim: row.bwd.stages for head_dim, row in config.TABLE.items()})
 
 # --------------------------------------------------------------------------------------------
 # the partitions
@@ -312,8 +307,8 @@ def _bwd_kernel(
     q_desc, k_desc, v_desc, do_desc,  # TMA descriptors of (B, H, T, D), (B, H_kv, S, D) x2, (B, H, T, D)
     aux_desc,  # of (B, H, 2, T_pad) fp32: LSE * log2(e) and delta = rowsum(dO * O), zero past T
     dqacc_desc,  # of (lines, 256) fp32, zeroed: the dQ shares added so far, in slabs (bwd_passes.py)
-    COUNTS,  # (4 + B * H * cdiv(T, BLOCK_M)) int32, zeroed: the tiles handed out (every one, the first
-    # too), and from COUNTS + 4, how many writer lanes have released a share, per Q block
+    COUNTS,  # (ORDER_AT + B * H * cdiv(T, BLOCK_M)) int32, zeroed: COUNTS[0] the tiles handed out (every
+    # one, the first too), and from ORDER_AT on how many writer lanes have released a share, per Q block
     DK, DV,  # outputs, (B, H_kv, S, D) with these strides (head dim contiguous)
     KEY_LO, ROW_HI,  # (B, T), (B, S) int32: each query's first key; one past the last query that sees
     # each key (documents, a window; kernels/masking.py's Bounds), or None, None
@@ -328,7 +323,7 @@ def _bwd_kernel(
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
-    STAGES: gl.constexpr = _stages(HEAD_DIM)
+    STAGES: gl.constexpr = STAGES_OF[HEAD_DIM]
 
     m_tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
     n_tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
@@ -365,14 +360,14 @@ def _bwd_kernel(
     io = BwdIO(q_desc, k_desc, v_desc, do_desc, aux_desc, dqacc_desc)
     buffers = BwdBuffers(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_bar, kv_empty,
                          ready, empty, dq_full, dq_empty, tile_smem, tile_ready, tile_empty)
-    work = BwdWork(COUNTS, ROW_HI, KEY_LO, H, B, GROUP, T, S, LONGEST_FIRST)
+    work = BwdWork(COUNTS, KEY_LO, ROW_HI, H, B, GROUP, T, S, LONGEST_FIRST)
     dk_strides, dv_strides = out_strides
     sm_scale, qk_scale = scales
     outs = (DK, DV, dk_strides, dv_strides, sm_scale, qk_scale)
     # -- the partitions: the matmul warpgroups in the kernel's own warps, the producer and the dQ writer beside --
     gl.warp_specialize([(_bwd_consume, (buffers, work, outs, CAUSAL, BOUNDED, BWD_WARPS)),
                         (_bwd_produce, (io, buffers, work, CAUSAL, BOUNDED)),
-                        (write_dq, (io, buffers, work, COUNTS + 4, CAUSAL, BOUNDED))],
+                        (write_dq, (io, buffers, work, COUNTS + ORDER_AT, CAUSAL, BOUNDED))],
                        [1, 1], [WORKER_REGS, WORKER_REGS])
 
 
@@ -445,9 +440,8 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, bounds
 
 def compile_only(do, q, k, v, causal: bool, bounded: bool = False):
     """The compiled kernel for these inputs' layout, without launching it (scripts/sm90.py)."""
-    (B, H, T, _), S = q.shape, k.shape[2]
-    lse = torch.empty((B, H, T), dtype=torch.float32)
+    (B, H, T, D), S = q.shape, k.shape[2]
     bounds = Bounds(torch.empty((B, T), dtype=torch.int32), torch.empty((B, S), dtype=torch.int32)) if bounded else None
-    longest_first = config.bwd_longest_first(q.shape[3], causal, bounded, S)
-    o, dq, dk, dv = torch.empty_like(q), torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    return _launch(do, q, k, v, o, lse, dq, dk, dv, bounds, causal, q.shape[3] ** -0.5, longest_first, warmup=True)
+    o, dq, dk, dv, lse = (*map(torch.empty_like, (q, q, k, v)), torch.empty((B, H, T), dtype=torch.float32))
+    return _launch(do, q, k, v, o, lse, dq, dk, dv, bounds, causal, D ** -0.5,
+                   config.bwd_longest_first(D, causal, bounded, S), warmup=True)

@@ -13,7 +13,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from kernels.hopper.blocks import dq_turn
 from kernels.hopper.pipeline import bulk_done, load_acquire
 from kernels.hopper.schedule import bwd_program, bwd_step_rows, bwd_tiles, take_tile
-from kernels.runtime.internals import tma_add
+from kernels.runtime.internals import reinterpret, tma_add
 
 # --------------------------------------------------------------------------------------------
 # the matmul warps' side
@@ -30,10 +30,9 @@ def hand_dq(j, dq, dq_smem, dq_full, dq_empty):
     # in 8-column slabs (D / 8, BLOCK_M, 8), unswizzled: a wgmma accumulator's thread holds two
     # adjacent floats of a row and its quad the row's 8, so a half-warp's 64-bit stores fill 4 rows
     # of a slab, 128 contiguous bytes, one wavefront (row by row under the 128-byte swizzle they
-    # took two); the reshape and permute move no data. (_reinterpret: the pinned Gluon's name for
-    # viewing a buffer under another shape and layout; later releases call it reinterpret)
-    slabs = dq_smem.index(buf)._reinterpret(gl.float32, [HEAD_DIM // 8, BLOCK_M, 8],
-                                            gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
+    # took two); the reshape and permute move no data
+    slabs = reinterpret(dq_smem.index(buf), gl.float32, [HEAD_DIM // 8, BLOCK_M, 8],
+                        gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
     slabs.store(gl.permute(gl.reshape(dq, [BLOCK_M, HEAD_DIM // 8, 8]), [1, 0, 2]))
     fence_async_shared()  # the writer's TMA reads what these threads wrote
     gl.thread_barrier()  # every warp's part is written
@@ -45,8 +44,9 @@ def hand_dq(j, dq, dq_smem, dq_full, dq_empty):
 
 
 @gluon.jit
-def write_dq(io, buffers, work, SEM, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr):
-    """The dQ writer warp: the dQ shares of each tile it is handed (_write_tile)."""
+def write_dq(io, buffers, work, ORDER, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr):
+    """The dQ writer warp: the dQ shares of each tile it is handed (_write_tile). ORDER: (B, H,
+    cdiv(T, BLOCK_M)) int32, zeroed: how many writer lanes have released a share, per Q block."""
     BLOCK_M: gl.constexpr = buffers.q_smem.type.shape[1]
     BLOCK_N: gl.constexpr = buffers.k_smem.type.shape[0]
     n_blocks, n_tiles = bwd_tiles(work, BLOCK_N)
@@ -55,14 +55,14 @@ def write_dq(io, buffers, work, SEM, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr
     tile = take_tile(t, buffers, 1)
     while tile < n_tiles:
         program, _, _, key_lo = bwd_program(tile, n_blocks, work, CAUSAL, BOUNDED, BLOCK_M, BLOCK_N)
-        _write_tile(io, buffers, program, SEM, key_lo, base, CAUSAL, BOUNDED)
+        _write_tile(io, buffers, program, ORDER, key_lo, base, CAUSAL, BOUNDED)
         base += program.steps * program.GROUP
         t += 1
         tile = take_tile(t, buffers, 1)
 
 
 @gluon.jit
-def _write_tile(io, buffers, program, SEM, KEY_LO, base, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr):
+def _write_tile(io, buffers, program, ORDER, KEY_LO, base, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr):
     """Adds each step's dQ share into the fp32 accumulator by one TMA reduce-add, in key-block
     order (blocks.dq_turn), the same every run; step j's share is in buffer (base + j) % 2."""
     dq_smem, dq_full, dq_empty = buffers.dq_smem, buffers.dq_full, buffers.dq_empty
@@ -76,7 +76,7 @@ def _write_tile(io, buffers, program, SEM, KEY_LO, base, CAUSAL: gl.constexpr, B
     m_blocks = gl.cdiv(T, BLOCK_M)
     for j in range(steps * GROUP):
         off_h, start_m = bwd_step_rows(j, program, BLOCK_M)
-        counter = SEM + (off_b * H + off_h) * m_blocks + start_m // BLOCK_M + lane_zero
+        counter = ORDER + (off_b * H + off_h) * m_blocks + start_m // BLOCK_M + lane_zero
         landed = load_acquire(counter)  # read now, its latency hidden behind the wait below
         # every lane of every program whose turn comes first has released its share
         turn = dq_turn(KEY_LO, start_m, n, program.n_blocks, T, S, CAUSAL, BOUNDED, program.LONGEST_FIRST, BLOCK_M,

@@ -14,6 +14,7 @@ import triton.language as tl
 
 from kernels.triton.blocks import LOG2E
 
+ORDER_AT = 4  # int32s before the order counters in the counts: the tile counter, padded to 16 bytes
 LINE = 256  # floats in a line of the accumulator's TMA box; BLOCK_M * D (8192 at both head dims) is a multiple
 DQ_ROWS = 32  # rows of dQ a program of dq_kernel scales
 
@@ -78,13 +79,13 @@ def buffers(q: torch.Tensor, block_m: int, device) -> tuple[torch.Tensor, tuple]
     """(scratch, views): the backward's buffers as views of one fp32 allocation. The views: aux
     (B, H, 2, T_pad); dQ's fp32 accumulator, (lines, 256), in slabs, every Q block whole (the last
     one's rows past T get zero shares); the counts, int32, 16 bytes aligned: the tile counter, then
-    from 4 on the order counters (B, H, cdiv(T, BLOCK_M)); and the region lse_delta_kernel zeroes,
+    from ORDER_AT on the order counters (B, H, cdiv(T, BLOCK_M)); and the region lse_delta_kernel zeroes,
     everything after aux, flat."""
     B, H, T, D = q.shape
     t_pad = triton.cdiv(T, 4) * 4  # 16-byte rows (TMA)
-    n_sem = B * H * triton.cdiv(T, block_m)
-    n_aux, n_acc = B * H * 2 * t_pad, n_sem * block_m * D
-    scratch = torch.empty(n_aux + n_acc + 4 + n_sem, dtype=torch.float32, device=device)
+    n_order = B * H * triton.cdiv(T, block_m)
+    n_aux, n_acc = B * H * 2 * t_pad, n_order * block_m * D
+    scratch = torch.empty(n_aux + n_acc + ORDER_AT + n_order, dtype=torch.float32, device=device)
     return scratch, (scratch[:n_aux].view(B, H, 2, t_pad), scratch[n_aux:n_aux + n_acc].view(-1, LINE),
                      scratch[n_aux + n_acc:].view(torch.int32), scratch[n_aux:])
 

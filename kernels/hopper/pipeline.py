@@ -11,12 +11,12 @@ from triton.experimental.gluon.language.nvidia.hopper.tma import tensor_descript
 from kernels.runtime.internals import aggregate
 
 Scalar = gl.tensor | gl.constexpr  # an integer argument is a constexpr where it is 1 (Triton specializes it)
-Optional = gl.tensor | gl.constexpr  # an optional operand: a pointer, or None (a constexpr) where it is absent
+MaybeTensor = gl.tensor | gl.constexpr  # an optional operand: a pointer, or None (a constexpr) where it is absent
 
 
 @gluon.constexpr_function
 def scalar(value):
-    """A Scalar or Optional field's value: a specialized integer, or an absent operand, reaches an
+    """A Scalar or MaybeTensor field's value: a specialized integer, or an absent operand, reaches an
     aggregate's constructor as a Python value (an int, None)."""
     return gl.constexpr(value) if value is None or isinstance(value, int) else value
 

@@ -12,7 +12,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from kernels.hopper.blocks import kv_blocks, q_blocks
-from kernels.hopper.pipeline import Optional, Scalar, scalar
+from kernels.hopper.pipeline import MaybeTensor, Scalar, scalar
 from kernels.runtime.internals import aggregate
 
 # --------------------------------------------------------------------------------------------
@@ -26,7 +26,7 @@ class FwdWork:
     the tiles handed out past the first num_programs; KEY_LO (Bounds.key_lo, or None); the sizes
     and the scale."""
     COUNTER: gl.tensor
-    KEY_LO: Optional
+    KEY_LO: MaybeTensor
     H: Scalar
     B: Scalar
     GROUP: Scalar
@@ -104,11 +104,11 @@ def fwd_program(tile, n_m, work, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr, BL
 class BwdWork:
     """The launch's work: tiles of one key block (BLOCK_N keys) of one kv head and batch row,
     numbered in launch order (bwd_tile: LONGEST_FIRST); COUNTER (int32, zeroed for the
-    launch): the tiles handed out, every one of them; ROW_HI and KEY_LO (Bounds', or None); the
-    sizes."""
+    launch; the kernel's COUNTS[0]): the tiles handed out, every one of them; KEY_LO and ROW_HI
+    (Bounds', or None); the sizes."""
     COUNTER: gl.tensor
-    ROW_HI: Optional
-    KEY_LO: Optional
+    KEY_LO: MaybeTensor
+    ROW_HI: MaybeTensor
     H: Scalar
     B: Scalar
     GROUP: Scalar
@@ -117,8 +117,8 @@ class BwdWork:
     LONGEST_FIRST: gl.constexpr
 
     @gluon.constexpr_function
-    def __init__(self, COUNTER, ROW_HI, KEY_LO, H, B, GROUP, T, S, LONGEST_FIRST):
-        self.COUNTER, self.ROW_HI, self.KEY_LO = COUNTER, scalar(ROW_HI), scalar(KEY_LO)
+    def __init__(self, COUNTER, KEY_LO, ROW_HI, H, B, GROUP, T, S, LONGEST_FIRST):
+        self.COUNTER, self.KEY_LO, self.ROW_HI = COUNTER, scalar(KEY_LO), scalar(ROW_HI)
         self.H, self.B, self.GROUP, self.T, self.S = scalar(H), scalar(B), scalar(GROUP), scalar(T), scalar(S)
         self.LONGEST_FIRST = gl.constexpr(LONGEST_FIRST)
 

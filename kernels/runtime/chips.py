@@ -22,10 +22,6 @@ class Chip(NamedTuple):
         return self.capability >= BF16_MIN_CAPABILITY
 
     @property
-    def tf32(self) -> bool:
-        return self.capability >= (8, 0)
-
-    @property
     def tma(self) -> bool:
         """TMA descriptors (and wgmma) exist from Hopper (sm_90) on."""
         return self.nvidia and self.capability >= (9, 0)

@@ -10,7 +10,8 @@ change from one Triton release to the next:
   (`DirectLaunch`, `launch_compiled`; kernels/runtime/launch.py's Bound uses them);
 - what a GPU reports (`max_shared_memory`), and a driver that compiles for sm_90 where there is
   none (`stand_in`);
-- what Gluon builds but does not name: its aggregates, and a TMA reduce-add (`aggregate`, `tma_add`).
+- what Gluon builds but does not name: its aggregates, a TMA reduce-add, a buffer viewed under
+  another shape (`aggregate`, `tma_add`, `reinterpret`).
 
 RELEASES are the Triton releases these were written against and tested with; another fails at
 import with one line that says what to install.
@@ -26,7 +27,6 @@ from typing import NamedTuple
 import numpy as np
 import torch
 import triton
-import triton.experimental.gluon  # noqa: F401  (before any swap: see interpreting())
 
 RELEASES = ((3, 6), (3, 9))  # 3.6: the GPU's (the Hopper kernels' Gluon); up to 3.9: the CPU's, interpreted
 _RELEASE = tuple(int(part) for part in re.findall(r"\d+", triton.__version__)[:2])
@@ -34,11 +34,16 @@ if not RELEASES[0] <= _RELEASE <= RELEASES[1]:
     raise ImportError(f"kernels: triton {triton.__version__} is not a release whose internals kernels/runtime/"
                       f"internals.py knows (3.6 to 3.9): pip install 'triton>=3.6,<3.10'")
 
+# Triton's argument specializer imports Gluon on first use, and Gluon's import needs
+# triton.language's functions to be the compiled ones: it is imported here, before any swap
+import triton.experimental.gluon  # noqa: E402, F401
 from triton import knobs  # noqa: E402  (the names below exist in RELEASES)
 from triton._C.libtriton import ir  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.backends.driver import DriverBase  # noqa: E402
 from triton.compiler.errors import CompilationError  # noqa: E402, F401  (for kernels/runtime/launch.py)
+from triton.experimental import gluon  # noqa: E402
+from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon.language._core import builtin  # noqa: E402
 from triton.language.core import _aggregate as aggregate  # noqa: E402, F401  (Gluon's own: no public name)
 from triton.runtime import _allocation, driver  # noqa: E402
@@ -108,7 +113,8 @@ def _language_twins() -> list[tuple[types.ModuleType, str, InterpretedFunction]]
 
 
 def _language_modules() -> list[types.ModuleType]:
-    return [m for name, m in list(sys.modules.items()) if name == "triton.language" or name.startswith("triton.language.")]
+    return [m for name, m in list(sys.modules.items())
+            if name == "triton.language" or name.startswith("triton.language.")]
 
 
 def _language_state() -> list[tuple[object, dict]]:
@@ -250,7 +256,8 @@ def launch_compiled(compiled, grid: tuple[int, int, int], device: int, args: tup
             compiled[grid](*args)
             return
         # grid, stream, function, metadata, launch metadata and hooks (none), args
-        compiled.run(*grid, current_stream()(device), compiled.function, compiled.packed_metadata, None, None, None, *args)
+        compiled.run(*grid, current_stream()(device), compiled.function, compiled.packed_metadata, None, None, None,
+                     *args)
 
 
 def hooked() -> bool:
@@ -331,6 +338,13 @@ def stand_in():
 
 # --------------------------------------------------------------------------------------------
 # Gluon
+
+
+@gluon.jit
+def reinterpret(smem, dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr):
+    """Shared memory `smem` viewed under another dtype, shape and layout (the pinned Gluon's
+    _reinterpret; later releases call it reinterpret)."""
+    return smem._reinterpret(dtype, shape, layout)
 
 
 @builtin

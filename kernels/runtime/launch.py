@@ -231,6 +231,7 @@ def bind(kernel, compiled, grid: tuple[int, ...], args: tuple, named: dict, tma:
     tensors that are always there: absent (None), it is the first argument fixed."""
     n_descs = next(i for i, a in enumerate(args) if not hasattr(a, "block_shape"))
     n = next(i for i, a in enumerate(args) if i >= n_descs and not isinstance(a, torch.Tensor))
+    assert not any(isinstance(a, torch.Tensor) for a in args[n:]), "a tensor after an absent operand would be fixed"
     tail = (*args[n:], *(named[name] for name in kernel.arg_names[len(args):]))
     kept = tuple((d.shape, d.strides, d.padding) for d in args[:n_descs])
     return Bound(compiled, (*grid, 1, 1)[:3], n, tail, args[n_descs].device.index, tma, kept)

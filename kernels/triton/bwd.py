@@ -85,10 +85,10 @@ def _bwd_dkdv_kernel(
     strides,  # (q, k, v, do, dk, dv) strides, each (batch, head, sequence, head dim)
     shape,  # (H, GROUP, T, S) as in the forward
     scales,  # (softmax_scale, softmax_scale * log2(e))
-    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     BLOCK_D: tl.constexpr = config.block_d(HEAD_DIM)
+    INPUT_PRECISION: tl.constexpr = config.dot_precision(Q.dtype.element_ty)
     BOUNDED: tl.constexpr = ROW_HI is not None
     q_strides, k_strides, v_strides, do_strides, dk_strides, dv_strides = strides
     H, GROUP, T, S = shape
@@ -164,10 +164,10 @@ def _bwd_dq_kernel(
     strides,  # (q, k, v, do, dq) strides, each (batch, head, sequence, head dim)
     shape,  # (H, GROUP, T, S) as in the forward
     scales,  # (softmax_scale, softmax_scale * log2(e))
-    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     BLOCK_D: tl.constexpr = config.block_d(HEAD_DIM)
+    INPUT_PRECISION: tl.constexpr = config.dot_precision(Q.dtype.element_ty)
     BOUNDED: tl.constexpr = KEY_LO is not None
     q_strides, k_strides, v_strides, do_strides, dq_strides = strides
     H, GROUP, T, S = shape

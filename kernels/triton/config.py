@@ -10,8 +10,8 @@ them, and BLOCK_M != BLOCK_N both ways round to exercise the block arithmetic.
 
 import torch
 import triton
+import triton.language as tl
 
-from kernels.runtime import chips
 from kernels.runtime.chips import Chip, NoConfigFits
 
 # Registers: every NVIDIA GPU from Volta on gives a thread at most 255 32-bit registers, and on
@@ -52,9 +52,9 @@ def pruner(resident: str, streamed: str, resident_tiles: int, acc_tiles: int, sc
         kept = [c for c in configs if smem(c) <= budget and fp32_per_thread(c) <= FP32_PER_THREAD]
         if not kept:
             need = min(smem(c) for c in configs)
-            raise NoConfigFits(f"flash_attention: no tile size fits head_dim {tile_d} ({8 * itemsize}-bit) in the "
-                               f"{chip.smem_bytes // 1024} KB of shared memory per block of {chip.name}: the smallest "
-                               f"needs {-(-need // 1024)} KB; use a smaller head_dim or another attention")
+            raise NoConfigFits(f"flash_attention: no tile size fits head_dim {constexprs['HEAD_DIM']} ({8 * itemsize}-"
+                               f"bit) in the {chip.smem_bytes // 1024} KB of shared memory per block of {chip.name}: "
+                               f"the smallest needs {-(-need // 1024)} KB; use a smaller head_dim or another attention")
         return kept
 
     return prune
@@ -73,11 +73,18 @@ DKDV = _configs("BLOCK_N", "BLOCK_M",
 FWD_PRUNE = pruner("BLOCK_M", "BLOCK_N", 1, 1, 1)
 DQ_PRUNE = pruner("BLOCK_M", "BLOCK_N", 2, 1, 2)
 DKDV_PRUNE = pruner("BLOCK_N", "BLOCK_M", 2, 2, 2)
-PREPROCESS = triton.Config({"BLOCK_M": 64})  # delta = rowsum(dO * O): one config everywhere
+PREPROCESS = triton.Config({"BLOCK_M": 64})  # LSE * log2(e) and delta = rowsum(dO * O): one config everywhere
 
 CPU_FWD = triton.Config({"BLOCK_M": 16, "BLOCK_N": 32})
 CPU_DQ = triton.Config({"BLOCK_M": 32, "BLOCK_N": 16})
 CPU_DKDV = triton.Config({"BLOCK_M": 16, "BLOCK_N": 32})
+
+
+@triton.constexpr_function
+def dot_precision(dtype) -> str:
+    """tl.dot's input precision for inputs of this dtype (inside a kernel): fp32 as true fp32
+    ("ieee"), as in training; fp16 and bf16 multiply at their own precision whatever it is named."""
+    return "ieee" if dtype == tl.float32 else "tf32"
 
 
 @triton.constexpr_function
@@ -91,8 +98,5 @@ def tuning_key_and_constexprs(q: torch.Tensor, k: torch.Tensor, causal: bool, bo
     D, T, S = q.shape[3], q.shape[2], k.shape[2]
     key = (q.device.index, q.dtype, block_d(D), causal, bounded, tma, triton.next_power_of_2(T),
            triton.next_power_of_2(S))
-    # the precision of fp32 inputs' dots ("ieee": true fp32); irrelevant for fp16/bf16, whose dots
-    # are named tf32 only where the GPU has it (Ampere on)
-    tf32 = q.dtype != torch.float32 and (not q.is_cuda or chips.chip(q.device.index).tf32)
-    constexprs = {"HEAD_DIM": D, "CAUSAL": causal, "INPUT_PRECISION": "tf32" if tf32 else "ieee", "TMA": tma}
+    constexprs = {"HEAD_DIM": D, "CAUSAL": causal, "TMA": tma}
     return key, constexprs

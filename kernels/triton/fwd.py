@@ -58,10 +58,10 @@ def _fwd_kernel(
     strides,  # (q, k, v, o) strides, each (batch, head, sequence, head dim)
     shape,  # (H, GROUP, T, S): query heads, query heads per kv head, query and key lengths
     qk_scale,  # softmax_scale * log2(e)
-    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     BLOCK_D: tl.constexpr = config.block_d(HEAD_DIM)
+    INPUT_PRECISION: tl.constexpr = config.dot_precision(Q.dtype.element_ty)
     BOUNDED: tl.constexpr = KEY_LO is not None
     q_strides, k_strides, v_strides, o_strides = strides
     H, GROUP, T, S = shape
