@@ -8,7 +8,8 @@ kernels copy) reproduces the dense float64 attention and its gradients to float6
 for block sizes that divide the sequences or not, BLOCK_M above, equal to or below BLOCK_N,
 T < S, T == S and T > S (rows that see no key), GQA. An error in the block arithmetic (a
 skipped block that some row sees, an unmasked block that needed the mask) shows up as an O(1)
-difference here. Pure PyTorch on CPU, a few seconds:
+difference here; (3) the reference's score modifications and sinks (kernels/score_mods.py) are
+their formulas, and off they change nothing. Pure PyTorch on CPU, a few seconds:
 
     .venv/bin/python -m pytest tests/test_flash_ref.py -q
 """
@@ -21,10 +22,12 @@ import torch
 import torch.nn.functional as F
 
 from kernels.reference.flash_ref import (
+    attention_probs,
     attention_reference,
     flash_attention_reference_backward,
     flash_attention_reference_forward,
 )
+from kernels.score_mods import ScoreMods, alibi_slopes
 
 # float64 throughout: agreement is to rounding, ~1e-15 relative
 TOL = 1e-10
@@ -97,3 +100,52 @@ def test_tiled_reference_matches_dense(T, S, causal, H_kv, block_m, block_n):
     for name, got, want in zip(("dq", "dk", "dv"), grads, grads_ref, strict=True):
         assert torch.isfinite(got).all(), name
         assert (got - want).abs().max() < TOL, name
+
+
+# --------------------------------------------------------------------------------------------
+# the ablations' score modifications and sinks (kernels/score_mods.py), in the reference
+
+
+def test_alibi_slopes_are_the_papers():
+    # a power of two: 2^(-8/n) to the powers 1..n; 12 heads: 8's slopes, then every other of 16's
+    assert alibi_slopes(8).tolist() == [2.0 ** -k for k in range(1, 9)]
+    assert alibi_slopes(12).tolist() == [2.0 ** -k for k in range(1, 9)] + [2.0 ** -(k / 2) for k in (1, 3, 5, 7)]
+    bias = ScoreMods.bias(8, 2, 3)  # 2 queries at key positions 1 and 2 (T < S): slope * (j - i')
+    assert bias[0].tolist() == [[-0.5, 0.0, 0.5], [-1.0, -0.5, 0.0]]
+    assert bias[3].tolist() == [[-0.0625, 0.0, 0.0625], [-0.125, -0.0625, 0.0]]
+
+
+@pytest.mark.parametrize("softcap", [-1.0, float("nan"), float("inf")])
+def test_a_bad_softcap_is_one_line(softcap):
+    with pytest.raises(ValueError, match=rf"^softcap={softcap}: a cap is a finite number > 0, or 0 for none$"):
+        ScoreMods(softcap=softcap)
+
+
+def test_no_modification_is_the_plain_reference_bit_for_bit():
+    q, k, v = torch.randn(3, 2, 3, 9, 16, dtype=torch.float64).unbind(0)
+    assert not ScoreMods()
+    for got, want in zip(attention_reference(q, k, v, mods=ScoreMods()), attention_reference(q, k, v)):
+        assert torch.equal(got, want)
+
+
+def test_modified_scores_are_the_formula():
+    q, k, v = torch.randn(3, 1, 4, 6, 8, dtype=torch.float64).unbind(0)
+    s = q @ k.transpose(-1, -2) * 8 ** -0.5
+    mods = ScoreMods(softcap=0.7, alibi=True)
+    s = 0.7 * torch.tanh(s / 0.7) + ScoreMods.bias(4, 6, 6)
+    s = s.masked_fill(~torch.ones(6, 6, dtype=torch.bool).tril(), float("-inf"))
+    p, lse = attention_probs(q, k, mods=mods)
+    torch.testing.assert_close(p, torch.softmax(s, -1), rtol=0, atol=1e-14)
+    torch.testing.assert_close(lse, torch.logsumexp(s, -1), rtol=0, atol=1e-14)
+
+
+def test_a_sink_takes_its_share_and_a_row_that_sees_no_key_gives_it_all():
+    # causal, T > S: the first T - S rows see no key; each row's weights sum to 1 - P_sink
+    q, k, v = torch.randn(1, 2, 7, 8, dtype=torch.float64), *torch.randn(2, 1, 2, 4, 8, dtype=torch.float64)
+    sinks = torch.tensor([0.5, -1.0], dtype=torch.float64, requires_grad=True)
+    p, lse = attention_probs(q, k, sinks=sinks)
+    torch.testing.assert_close(p.sum(-1), 1 - torch.exp(sinks[None, :, None] - lse), rtol=0, atol=1e-14)
+    o, lse = attention_reference(q, k, v, sinks=sinks)
+    assert (o[:, :, :3] == 0).all() and torch.equal(lse[:, :, :3], sinks.detach()[None, :, None].expand(1, 2, 3))
+    (grad,) = torch.autograd.grad((o * torch.randn_like(o)).sum(), sinks)
+    assert torch.isfinite(grad).all() and (grad != 0).all()

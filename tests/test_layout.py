@@ -57,7 +57,7 @@ def test_the_model_imports_no_config_library():
 # share the portable kernels' blocks); the portable kernels; what both accept; the mask, the FLOP
 # count and what launches any kernel. The names are the first part of a module's name under kernels.
 KERNEL_LAYERS = [{"__init__", "api", "backends", "ring_attention", "decode", "cross_entropy", "reference"},
-                 {"hopper"}, {"triton"}, {"inputs"}, {"masking", "flops", "runtime"}]
+                 {"hopper"}, {"triton"}, {"inputs"}, {"masking", "score_mods", "flops", "runtime"}]
 
 
 def _kernel_layer(module: str) -> int:

@@ -16,7 +16,8 @@ and batches at once. Matmul inputs are rounded to the input dtype and accumulate
 float64 for float64 inputs), like tensor cores do.
 
 `attention_reference` (and `attention_probs`) is plain dense attention with an explicit mask,
-float64 by default, that the tests compare both implementations against.
+float64 by default, that the tests compare both implementations against; it takes the ablations'
+score modifications and sinks too (kernels/score_mods.py).
 """
 
 import torch
@@ -135,23 +136,34 @@ def flash_attention_reference_backward(q, k, v, o, lse, do, causal=True, scale=N
     return (scale * dq).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def attention_probs(q, k, causal=True, scale=None, dtype=torch.float64, doc_ids=None, window=0):
+def attention_probs(q, k, causal=True, scale=None, dtype=torch.float64, doc_ids=None, window=0, mods=None,
+                    sinks=None):
     """Dense softmax probabilities P (B, H, T, S) with an explicit mask, every op in `dtype`,
     and the natural-log LSE (B, H, T). Differentiable. Rows that attend no key get P = 0 and
     LSE = -inf. doc_ids (B, T), with T == S: query i attends key j only if both ids match.
-    window W > 0: query i attends only keys j > i + S - T - W (its last W, with causal)."""
-    H, T, D = q.shape[1:]
+    window W > 0: query i attends only keys j > i + S - T - W (its last W, with causal).
+    mods: kernels/score_mods.py's ScoreMods, applied to the scaled scores before the mask. sinks
+    (H,): each head's sink logit, in every row's denominator (LSE includes it; P's rows then sum
+    to less than 1, and a row that sees no key has LSE = its sink)."""
+    B, H, T, D = q.shape
     S = k.shape[2]
     scale = D**-0.5 if scale is None else scale
     s = scale * q.to(dtype) @ _expand_kv(k, H).to(dtype).transpose(-1, -2)  # (B, H, T, S)
+    if mods:
+        s = mods.apply(s)
     s = s.masked_fill(~Mask(T, S, causal, doc_ids, window).dense(q.device), float("-inf"))
+    if sinks is not None:  # one more logit per row, of a key with no value
+        s = torch.cat([s, sinks.to(dtype)[None, :, None, None].expand(B, H, T, 1)], dim=-1)
     lse = torch.logsumexp(s.detach(), dim=-1)
     empty = torch.isinf(lse)[..., None]  # softmax of an all -inf row is NaN: give it zeros instead
-    return torch.softmax(s.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0), lse
+    p = torch.softmax(s.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
+    return p[..., :S], lse
 
 
-def attention_reference(q, k, v, causal=True, scale=None, dtype=torch.float64, doc_ids=None, window=0):
+def attention_reference(q, k, v, causal=True, scale=None, dtype=torch.float64, doc_ids=None, window=0, mods=None,
+                        sinks=None):
     """Dense attention with an explicit mask, every op in `dtype`: (o, LSE in natural log).
-    Differentiable; rows that attend no key give o = 0, LSE = -inf and zero gradients."""
-    p, lse = attention_probs(q, k, causal, scale, dtype, doc_ids, window)
+    Differentiable; rows that attend no key give o = 0, LSE = -inf (or their sink) and zero
+    gradients. mods, sinks: as attention_probs'."""
+    p, lse = attention_probs(q, k, causal, scale, dtype, doc_ids, window, mods, sinks)
     return p @ _expand_kv(v, q.shape[1]).to(dtype), lse

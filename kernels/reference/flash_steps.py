@@ -22,6 +22,7 @@ import torch
 
 from kernels import flash_attention, flash_attn_forward
 from kernels.masking import Mask
+from kernels.score_mods import ScoreMods
 from kernels.reference.flash_ref import (flash_attention_reference_backward, flash_attention_reference_forward,
                                          kv_block_range, q_block_range)
 
@@ -34,22 +35,32 @@ T, S, D, BM, BN = 40, 56, 16, 16, 8  # the steps' sizes: T != S, blocks that div
 # the textbook formula, and how a step's error is measured
 
 
-def dense_attention(q, k, v, mask=None):
+def dense_attention(q, k, v, mask=None, mods=None, bias=None, sink=None):
     """softmax(Q K^T / sqrt(D)) V and logsumexp of each row, for q (..., T, D), k, v (..., S, D);
-    mask (T, S) or broadcastable, True where a query may see a key."""
+    mask (T, S) or broadcastable, True where a query may see a key. mods: a ScoreMods on the
+    scaled scores (bias: its ALiBi bias, (T, S)); sink: one head's sink logit, a key of no value."""
     s = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5  # (..., T, S)
+    if mods is not None:
+        s = mods.apply(s, bias)
     if mask is not None:
         s = s.masked_fill(~mask, NEG_INF)
-    return torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)
+    if sink is not None:
+        s = torch.cat([s, sink.expand(*s.shape[:-1], 1)], -1)
+    return torch.softmax(s, -1)[..., :v.shape[-2]] @ v, torch.logsumexp(s, -1)
 
 
-def dense_with_grads(q, k, v, do, mask=None):
+def dense_with_grads(q, k, v, do, mask=None, **mods):
     """(O, LSE, dQ, dK, dV) of dense_attention in float64, the gradients by autograd, for one head
-    (q (T, D), k and v (S, D)) or heads (q (..., H, T, D), k and v (..., H_kv, S, D), GQA)."""
+    (q (T, D), k and v (S, D)) or heads (q (..., H, T, D), k and v (..., H_kv, S, D), GQA); with a
+    sink (mods: dense_attention's), its gradient last."""
     q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
+    leaves = (q, k, v)
+    if mods.get("sink") is not None:
+        mods["sink"] = mods["sink"].detach().double().requires_grad_()
+        leaves += (mods["sink"],)
     k_h, v_h = (k, v) if q.dim() == 2 else (t.repeat_interleave(q.shape[-3] // k.shape[-3], -3) for t in (k, v))
-    o, lse = dense_attention(q, k_h, v_h, mask)
-    return (o.detach(), lse.detach(), *torch.autograd.grad(o, (q, k, v), do.double()))
+    o, lse = dense_attention(q, k_h, v_h, mask, **mods)
+    return (o.detach(), lse.detach(), *torch.autograd.grad(o, leaves, do.double()))
 
 
 def max_error(*pairs, relative=False):
@@ -71,21 +82,30 @@ def randn(gen, *shape, dtype=F64):
 # the blocked algorithm: one head, q (T, D), k and v (S, D); every row sees at least one key
 
 
-def fa2_forward(q, k, v, bm, bn, causal=False, tiles=None):
+def _scores(q, k, rows, cols, mods, bias):
+    """A tile's scaled scores (bm, bn) and, with mods, the modified ones the softmax takes."""
+    s = q[rows] @ k[cols].T * q.shape[-1] ** -0.5
+    return s, s if mods is None else mods.apply(s, None if bias is None else bias[rows, cols])
+
+
+def fa2_forward(q, k, v, bm, bn, causal=False, tiles=None, mods=None, bias=None, sink=None):
     """(O, LSE): query blocks outside (one program each in the kernel), key blocks inside, an online
-    softmax, one division per row at the end. tiles counts the (query, key) tiles visited."""
+    softmax, one division per row at the end. tiles counts the (query, key) tiles visited. mods,
+    bias: a score modification, applied to each tile's scores before the max; sink: a logit each
+    row's softmax starts from (m = sink, l = 1: a key of no value seen first)."""
     (T, D), S = q.shape, k.shape[0]
-    scale = D**-0.5
     o, lse = torch.empty_like(q), torch.empty(T, dtype=q.dtype)
     for start_m in range(0, T, bm):
         rows = slice(start_m, min(start_m + bm, T))
         m_i = torch.full((rows.stop - start_m,), NEG_INF, dtype=q.dtype)  # running row max
         l_i = torch.zeros_like(m_i)  # running sum of exp(s - m)
+        if sink is not None:
+            m_i, l_i = m_i.fill_(sink.item()), l_i.fill_(1.0)
         acc = torch.zeros(len(m_i), D, dtype=q.dtype)  # running sum of exp(s - m) v, unnormalised
         full_end, end = kv_block_range(start_m, bm, bn, T, S, causal)
         for start_n in range(0, end, bn):
             cols = slice(start_n, min(start_n + bn, S))
-            s = scale * q[rows] @ k[cols].T  # (bm, bn)
+            _, s = _scores(q, k, rows, cols, mods, bias)  # (bm, bn)
             if causal and start_n >= full_end:  # only tiles that straddle the diagonal are masked
                 s = s.masked_fill(~Mask(T, S).dense()[0, 0, rows, cols], NEG_INF)
             m_new = torch.maximum(m_i, s.amax(-1))
@@ -102,16 +122,21 @@ def fa2_forward(q, k, v, bm, bn, causal=False, tiles=None):
     return o, lse
 
 
-def fa2_backward(q, k, v, o, lse, do, bm, bn, causal=False, tiles=None):
+def fa2_backward(q, k, v, o, lse, do, bm, bn, causal=False, tiles=None, mods=None, bias=None, sink=None):
     """(dQ, dK, dV) by recomputing P from LSE, in two passes that each own their outputs: a dK/dV
-    pass (key block resident, query blocks streaming) and a dQ pass (query block resident)."""
+    pass (key block resident, query blocks streaming) and a dQ pass (query block resident). With
+    mods, dS reaches the scaled scores through the modification's derivative; with a sink, its
+    gradient follows as a fourth output: -sum_i P_i,sink delta_i (the sink has no value: dP = 0)."""
     (T, D), S = q.shape, k.shape[0]
     scale = D**-0.5
     delta = (do * o).sum(-1)  # (T,) rowsum(dO * O) = rowsum(P * dP)
 
     def probs(rows, cols, masked):
-        p = torch.exp(scale * q[rows] @ k[cols].T - lse[rows, None])  # (bm, bn)
-        return p.masked_fill(~Mask(T, S).dense()[0, 0, rows, cols], 0.0) if masked and causal else p
+        """(P, the factor dS takes on its way back to the scaled scores) of a tile."""
+        s, s_mod = _scores(q, k, rows, cols, mods, bias)
+        p = torch.exp(s_mod - lse[rows, None])  # (bm, bn)
+        p = p.masked_fill(~Mask(T, S).dense()[0, 0, rows, cols], 0.0) if masked and causal else p
+        return p, 1.0 if mods is None else mods.derivative(s)
 
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
     for start_n in range(0, S, bn):
@@ -119,10 +144,10 @@ def fa2_backward(q, k, v, o, lse, do, bm, bn, causal=False, tiles=None):
         start, full_start = q_block_range(start_n, bm, bn, T, S, causal)
         for start_m in range(start, T, bm):
             rows = slice(start_m, min(start_m + bm, T))
-            p = probs(rows, cols, masked=start_m < full_start)  # matmul 1: Q K^T
+            p, through = probs(rows, cols, masked=start_m < full_start)  # matmul 1: Q K^T
             dv[cols] += p.T @ do[rows]  # 2
             dp = do[rows] @ v[cols].T  # 3
-            ds = p * (dp - delta[rows, None])
+            ds = p * (dp - delta[rows, None]) * through
             dk[cols] += scale * ds.T @ q[rows]  # 4
             if tiles is not None:
                 tiles["dkdv"] += 1
@@ -133,13 +158,15 @@ def fa2_backward(q, k, v, o, lse, do, bm, bn, causal=False, tiles=None):
         full_end, end = kv_block_range(start_m, bm, bn, T, S, causal)
         for start_n in range(0, end, bn):
             cols = slice(start_n, min(start_n + bn, S))
-            p = probs(rows, cols, masked=start_n >= full_end)  # 5: Q K^T again
+            p, through = probs(rows, cols, masked=start_n >= full_end)  # 5: Q K^T again
             dp = do[rows] @ v[cols].T  # 6: dO V^T again
-            ds = p * (dp - delta[rows, None])
+            ds = p * (dp - delta[rows, None]) * through
             dq[rows] += scale * ds @ k[cols]  # 7
             if tiles is not None:
                 tiles["dq"] += 1
-    return dq, dk, dv
+    if sink is None:
+        return dq, dk, dv
+    return dq, dk, dv, -(torch.exp(sink - lse) * delta).sum()
 
 
 # --------------------------------------------------------------------------------------------
@@ -253,6 +280,30 @@ def step_gqa(gen):
     return max_error(*zip((o, lse, dq, dk, dv), ref)), f"{H} query heads on {H_kv} kv heads"
 
 
+def _modified(gen, mods, sink=None):
+    """(error, note) of the blocked forward and backward with a score modification (and a sink)
+    against autograd through the textbook formula, causal, T != S, head 2 of 4 (ALiBi's slope 1/16)."""
+    q, k, v, do = _head(gen)
+    bias = ScoreMods.bias(4, T, S)[2] if mods.alibi else None
+    o, lse = fa2_forward(q, k, v, BM, BN, causal=True, mods=mods, bias=bias, sink=sink)
+    grads = fa2_backward(q, k, v, o, lse, do, BM, BN, causal=True, mods=mods, bias=bias, sink=sink)
+    ref = dense_with_grads(q, k, v, do, Mask(T, S).dense()[0, 0], mods=mods, bias=bias, sink=sink)
+    return max_error(*zip((o, lse, *grads), ref)), f"T {T}, S {S}, causal, blocks of {BM} x {BN}"
+
+
+def step_softcap(gen):
+    return _modified(gen, ScoreMods(softcap=1.5))
+
+
+def step_alibi(gen):
+    return _modified(gen, ScoreMods(alibi=True))
+
+
+def step_sinks(gen):
+    sink = randn(gen, 1)[0] + 1.0  # a logit above most scores: rows give it a real share
+    return _modified(gen, ScoreMods(softcap=2.0, alibi=True), sink)
+
+
 def _heads(gen, B, H, H_kv, dtype):
     """q (B, H, T, D), k, v (B, H_kv, S, D) and dO."""
     q, do = randn(gen, B, H, T, D, dtype=dtype), randn(gen, B, H, T, D, dtype=dtype)
@@ -320,6 +371,9 @@ STEPS = [
     Step("backward", "dK/dV pass + dQ pass = autograd dQ, dK, dV", step_backward, F64_BOUND),
     Step("causal", "T != S, skipped and masked tiles = dense causal", step_causal, F64_BOUND),
     Step("gqa", "query heads share kv heads, dK, dV summed = dense", step_gqa, F64_BOUND),
+    Step("softcap", "C tanh(s / C) before the max; dS times 1 - tanh^2 = dense", step_softcap, F64_BOUND),
+    Step("alibi", "slope (j - i') added before the max = dense, causal T != S", step_alibi, F64_BOUND),
+    Step("sinks", "m = sink, l = 1 to start; dsink = -sum P_sink delta = dense", step_sinks, F64_BOUND),
     Step("flash_ref", "kernels.reference.flash_ref forward + backward = dense", step_flash_ref, F64_BOUND),
     Step("triton", "kernels.triton (fp32) vs float64 dense", step_triton, F32_RELATIVE_BOUND),
     Step("triton_documents", "the same, packed documents", step_triton_documents, F32_RELATIVE_BOUND),
