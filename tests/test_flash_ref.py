@@ -15,6 +15,7 @@ their formulas, and off they change nothing. Pure PyTorch on CPU, a few seconds:
 """
 
 import itertools
+import math
 import zlib
 
 import pytest
@@ -106,35 +107,56 @@ def test_tiled_reference_matches_dense(T, S, causal, H_kv, block_m, block_n):
 # the ablations' score modifications and sinks (kernels/score_mods.py), in the reference
 
 
+def _papers_slopes(n):
+    """The ALiBi paper's get_slopes, as published."""
+    def power_of_2(n):
+        start = 2 ** (-2 ** -(math.log2(n) - 3))
+        return [start * start ** i for i in range(n)]
+    if math.log2(n).is_integer():
+        return power_of_2(n)
+    closest = 2 ** math.floor(math.log2(n))
+    return power_of_2(closest) + _papers_slopes(2 * closest)[0::2][:n - closest]
+
+
 def test_alibi_slopes_are_the_papers():
-    # a power of two: 2^(-8/n) to the powers 1..n; 12 heads: 8's slopes, then every other of 16's
+    for n in range(1, 65):
+        torch.testing.assert_close(alibi_slopes(n), torch.tensor(_papers_slopes(n), dtype=torch.float64))
     assert alibi_slopes(8).tolist() == [2.0 ** -k for k in range(1, 9)]
-    assert alibi_slopes(12).tolist() == [2.0 ** -k for k in range(1, 9)] + [2.0 ** -(k / 2) for k in (1, 3, 5, 7)]
-    bias = ScoreMods.bias(8, 2, 3)  # 2 queries at key positions 1 and 2 (T < S): slope * (j - i')
-    assert bias[0].tolist() == [[-0.5, 0.0, 0.5], [-1.0, -0.5, 0.0]]
-    assert bias[3].tolist() == [[-0.0625, 0.0, 0.0625], [-0.125, -0.0625, 0.0]]
+    with pytest.raises(ValueError, match=r"^alibi_slopes: n_heads=0: need at least one head$"):
+        alibi_slopes(0)
 
 
-@pytest.mark.parametrize("softcap", [-1.0, float("nan"), float("inf")])
-def test_a_bad_softcap_is_one_line(softcap):
+def test_alibi_bias_is_minus_slope_times_distance_bottom_right():
+    bias = ScoreMods.alibi_bias(8, 2, 3)  # 2 queries at key positions 1 and 2 (T < S)
+    assert bias[0].tolist() == [[-0.5, 0.0, -0.5], [-1.0, -0.5, 0.0]]
+    assert bias[3].tolist() == [[-0.0625, 0.0, -0.0625], [-0.125, -0.0625, 0.0]]
+
+
+@pytest.mark.parametrize("softcap", [-1.0, float("nan"), float("inf"), None, True])
+def test_a_bad_modification_is_one_line(softcap):
     with pytest.raises(ValueError, match=rf"^softcap={softcap}: a cap is a finite number > 0, or 0 for none$"):
         ScoreMods(softcap=softcap)
+    with pytest.raises(ValueError, match=r"^alibi=1: true or false$"):
+        ScoreMods(alibi=1)
 
 
 def test_no_modification_is_the_plain_reference_bit_for_bit():
     q, k, v = torch.randn(3, 2, 3, 9, 16, dtype=torch.float64).unbind(0)
-    assert not ScoreMods()
+    assert not ScoreMods() and ScoreMods(alibi=True) and ScoreMods(softcap=2)
     for got, want in zip(attention_reference(q, k, v, mods=ScoreMods()), attention_reference(q, k, v)):
         assert torch.equal(got, want)
 
 
-def test_modified_scores_are_the_formula():
-    q, k, v = torch.randn(3, 1, 4, 6, 8, dtype=torch.float64).unbind(0)
+@pytest.mark.parametrize("T, S", [(6, 6), (4, 7)])
+def test_modified_scores_are_the_formula(T, S):
+    # softcap, then ALiBi's -slope |j - i'| written out here (4 heads: slopes 1/4 .. 1/256)
+    q, k = torch.randn(1, 4, T, 8, dtype=torch.float64), torch.randn(1, 4, S, 8, dtype=torch.float64)
     s = q @ k.transpose(-1, -2) * 8 ** -0.5
-    mods = ScoreMods(softcap=0.7, alibi=True)
-    s = 0.7 * torch.tanh(s / 0.7) + ScoreMods.bias(4, 6, 6)
-    s = s.masked_fill(~torch.ones(6, 6, dtype=torch.bool).tril(), float("-inf"))
-    p, lse = attention_probs(q, k, mods=mods)
+    i, j = torch.arange(T)[:, None] + S - T, torch.arange(S)[None, :]
+    slopes = torch.tensor([4.0 ** -(h + 1) for h in range(4)], dtype=torch.float64)[:, None, None]
+    s = 0.7 * torch.tanh(s / 0.7) - slopes * (j - i).abs()
+    s = s.masked_fill(j > i, float("-inf"))
+    p, lse = attention_probs(q, k, mods=ScoreMods(softcap=0.7, alibi=True))
     torch.testing.assert_close(p, torch.softmax(s, -1), rtol=0, atol=1e-14)
     torch.testing.assert_close(lse, torch.logsumexp(s, -1), rtol=0, atol=1e-14)
 
@@ -142,10 +164,15 @@ def test_modified_scores_are_the_formula():
 def test_a_sink_takes_its_share_and_a_row_that_sees_no_key_gives_it_all():
     # causal, T > S: the first T - S rows see no key; each row's weights sum to 1 - P_sink
     q, k, v = torch.randn(1, 2, 7, 8, dtype=torch.float64), *torch.randn(2, 1, 2, 4, 8, dtype=torch.float64)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
     sinks = torch.tensor([0.5, -1.0], dtype=torch.float64, requires_grad=True)
     p, lse = attention_probs(q, k, sinks=sinks)
     torch.testing.assert_close(p.sum(-1), 1 - torch.exp(sinks[None, :, None] - lse), rtol=0, atol=1e-14)
     o, lse = attention_reference(q, k, v, sinks=sinks)
     assert (o[:, :, :3] == 0).all() and torch.equal(lse[:, :, :3], sinks.detach()[None, :, None].expand(1, 2, 3))
-    (grad,) = torch.autograd.grad((o * torch.randn_like(o)).sum(), sinks)
-    assert torch.isfinite(grad).all() and (grad != 0).all()
+    do = torch.randn_like(o)
+    dq, dk, dv, dsinks = torch.autograd.grad((o * do).sum(), (q, k, v, sinks))
+    assert all(torch.isfinite(g).all() for g in (dq, dk, dv, dsinks)) and (dq[:, :, :3] == 0).all()
+    delta = (do * o).sum(-1)  # the sink's gradient from the LSE and delta alone
+    torch.testing.assert_close(dsinks, -(torch.exp(sinks[None, :, None] - lse) * delta).sum((0, 2)).detach(),
+                               rtol=0, atol=1e-13)

@@ -49,17 +49,17 @@ def dense_attention(q, k, v, mask=None, mods=None, bias=None, sink=None):
     return torch.softmax(s, -1)[..., :v.shape[-2]] @ v, torch.logsumexp(s, -1)
 
 
-def dense_with_grads(q, k, v, do, mask=None, **mods):
+def dense_with_grads(q, k, v, do, mask=None, **extra):
     """(O, LSE, dQ, dK, dV) of dense_attention in float64, the gradients by autograd, for one head
     (q (T, D), k and v (S, D)) or heads (q (..., H, T, D), k and v (..., H_kv, S, D), GQA); with a
-    sink (mods: dense_attention's), its gradient last."""
+    sink (extra: dense_attention's mods, bias and sink), its gradient last."""
     q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
     leaves = (q, k, v)
-    if mods.get("sink") is not None:
-        mods["sink"] = mods["sink"].detach().double().requires_grad_()
-        leaves += (mods["sink"],)
+    if extra.get("sink") is not None:
+        extra["sink"] = extra["sink"].detach().double().requires_grad_()
+        leaves += (extra["sink"],)
     k_h, v_h = (k, v) if q.dim() == 2 else (t.repeat_interleave(q.shape[-3] // k.shape[-3], -3) for t in (k, v))
-    o, lse = dense_attention(q, k_h, v_h, mask, **mods)
+    o, lse = dense_attention(q, k_h, v_h, mask, **extra)
     return (o.detach(), lse.detach(), *torch.autograd.grad(o, leaves, do.double()))
 
 
@@ -282,9 +282,10 @@ def step_gqa(gen):
 
 def _modified(gen, mods, sink=None):
     """(error, note) of the blocked forward and backward with a score modification (and a sink)
-    against autograd through the textbook formula, causal, T != S, head 2 of 4 (ALiBi's slope 1/16)."""
+    against autograd through the textbook formula, causal, T != S, head 1 of 4 (ALiBi's slope 1/16).
+    Both sides take the same bias: the steps check where the blocks apply it, the tests its values."""
     q, k, v, do = _head(gen)
-    bias = ScoreMods.bias(4, T, S)[2] if mods.alibi else None
+    bias = ScoreMods.alibi_bias(4, T, S)[1] if mods.alibi else None
     o, lse = fa2_forward(q, k, v, BM, BN, causal=True, mods=mods, bias=bias, sink=sink)
     grads = fa2_backward(q, k, v, o, lse, do, BM, BN, causal=True, mods=mods, bias=bias, sink=sink)
     ref = dense_with_grads(q, k, v, do, Mask(T, S).dense()[0, 0], mods=mods, bias=bias, sink=sink)
@@ -300,7 +301,7 @@ def step_alibi(gen):
 
 
 def step_sinks(gen):
-    sink = randn(gen, 1)[0] + 1.0  # a logit above most scores: rows give it a real share
+    sink = 0.5 + 0.1 * randn(gen, 1)[0]  # a real share of each row, and the row's max still moves past it
     return _modified(gen, ScoreMods(softcap=2.0, alibi=True), sink)
 
 
@@ -372,7 +373,7 @@ STEPS = [
     Step("causal", "T != S, skipped and masked tiles = dense causal", step_causal, F64_BOUND),
     Step("gqa", "query heads share kv heads, dK, dV summed = dense", step_gqa, F64_BOUND),
     Step("softcap", "C tanh(s / C) before the max; dS times 1 - tanh^2 = dense", step_softcap, F64_BOUND),
-    Step("alibi", "slope (j - i') added before the max = dense, causal T != S", step_alibi, F64_BOUND),
+    Step("alibi", "-slope |j - i'| added before the max = dense, causal T != S", step_alibi, F64_BOUND),
     Step("sinks", "m = sink, l = 1 to start; dsink = -sum P_sink delta = dense", step_sinks, F64_BOUND),
     Step("flash_ref", "kernels.reference.flash_ref forward + backward = dense", step_flash_ref, F64_BOUND),
     Step("triton", "kernels.triton (fp32) vs float64 dense", step_triton, F32_RELATIVE_BOUND),
