@@ -67,8 +67,8 @@ def _kv_side(KEY_LO, OUT, T, S, CAUSAL: tl.constexpr, BOUNDED: tl.constexpr, CON
     rows = first + tl.arange(0, ROWS)
     _, own_lo, full_lo, n_full = gluon_kv_runs(key_lo_row, rows, first, lo, n_blocks, T, S, CAUSAL, BOUNDED, ROWS,
                                                BLOCK_N)
-    _, lo_t, full_lo_t, full_end_t, end_t = kv_ranges(KEY_LO, tl.program_id(2), rows, first, T, S, CAUSAL, BOUNDED, ROWS,
-                                                      BLOCK_N)
+    _, lo_t, full_lo_t, full_end_t, end_t = kv_ranges(KEY_LO, tl.program_id(2), rows, first, T, S, CAUSAL, BOUNDED,
+                                                      ROWS, BLOCK_N)
     _store(OUT + (tl.program_id(0) * CONSUMERS + tl.program_id(1)) * 9,
            (lo, n_blocks, own_lo, full_lo, n_full, lo_t, full_lo_t, full_end_t, end_t))
 

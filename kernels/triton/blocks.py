@@ -180,10 +180,10 @@ def bounded_q_range(ROW_HI, start_n, S, full_start, BLOCK_M: tl.constexpr, BLOCK
 def kv_ranges(KEY_LO, off_b, rows, start_m, T, S, CAUSAL: tl.constexpr, BOUNDED: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """What the forward and dQ kernels need of query rows [start_m, start_m + BLOCK_M) of batch row
-    off_b (KEY_LO: Bounds.key_lo, (B, T); None unbounded): (key_lo, each row's first key, for visible; lo, full_lo, full_end,
-    end), the key blocks they visit in three runs: masked [lo, min(full_lo, full_end)) where the
-    rows' first keys lie (empty unbounded), mask-free [full_lo, full_end), masked
-    [max(lo, full_end), end) on the diagonal and past the keys' end."""
+    off_b (KEY_LO: Bounds.key_lo, (B, T); None unbounded): (key_lo, each row's first key, for
+    visible; lo, full_lo, full_end, end), the key blocks they visit in three runs: masked
+    [lo, min(full_lo, full_end)) where the rows' first keys lie (empty unbounded), mask-free
+    [full_lo, full_end), masked [max(lo, full_end), end) on the diagonal and past the keys' end."""
     key_lo = rows
     full_end, end = kv_block_range(start_m, T, S, CAUSAL, BLOCK_M, BLOCK_N)
     if BOUNDED:
@@ -200,10 +200,10 @@ def kv_ranges(KEY_LO, off_b, rows, start_m, T, S, CAUSAL: tl.constexpr, BOUNDED:
 def q_ranges(ROW_HI, off_b, cols, start_n, T, S, CAUSAL: tl.constexpr, BOUNDED: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """What the dK/dV kernel needs of keys cols = [start_n, start_n + BLOCK_N) of batch row off_b
-    (ROW_HI: Bounds.row_hi, (B, S); None unbounded): (row_hi, each key's, for visible_t; start, full_start, full_hi, q_hi), the
-    query blocks that see them in three runs: masked [start, min(full_start, q_hi)) on the
-    diagonal, mask-free [full_start, full_hi), masked [full_hi, q_hi) where the keys' last
-    queries lie (empty unbounded)."""
+    (ROW_HI: Bounds.row_hi, (B, S); None unbounded): (row_hi, each key's, for visible_t; start,
+    full_start, full_hi, q_hi), the query blocks that see them in three runs: masked
+    [start, min(full_start, q_hi)) on the diagonal, mask-free [full_start, full_hi), masked
+    [full_hi, q_hi) where the keys' last queries lie (empty unbounded)."""
     start, full_start = q_block_range(start_n, T, S, CAUSAL, BLOCK_M, BLOCK_N)
     row_hi = cols
     full_hi = T

@@ -2,9 +2,10 @@
 
 First each row's delta = rowsum(dO * O), laid beside its LSE; then a dK/dV kernel keeps a K/V
 tile resident and streams the Q/dO tiles of every query head of its group, and a dQ kernel keeps
-a Q/dO tile resident and streams K/V tiles. Both recompute P = exp2(S * scale * log2(e) - LSE) from the forward's LSE. Every
-output element is written by one program, without atomics: the backward is bit-identical run to
-run, at the price of computing QK^T and dO V^T in both kernels (7 matmuls per tile pair, not 5).
+a Q/dO tile resident and streams K/V tiles. Both recompute P = exp2(S * scale * log2(e) - LSE)
+from the forward's LSE. Every output element is written by one program, without atomics: the
+backward is bit-identical run to run, at the price of computing QK^T and dO V^T in both kernels
+(7 matmuls per tile pair, not 5).
 dQ, dK, dV are (B, H, T, D) and (B, H_kv, S, D) in the callers' tensors.
 """
 
