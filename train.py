@@ -48,7 +48,7 @@ from data import DatasetError, TokenizerError, TokenWindows, document_ids, get_e
 from data.files import WriteError, atomic_write  # noqa: E402
 from data.prepare import prepare_on_node  # noqa: E402
 from model import GPT, get_attention  # noqa: E402
-from model.attention import sdpa_masked  # noqa: E402
+from model.attention import Modifications, sdpa_masked  # noqa: E402
 from trainer.checkpoint import (CHECKPOINT_NAME, CheckpointError, load_checkpoint, load_weights,  # noqa: E402
                                 save_checkpoint)
 from trainer.metrics import json_line, read_metrics  # noqa: E402
@@ -252,7 +252,7 @@ def build_model(cfg: DictConfig, par: Parallel) -> GPT:
     """The GPT on this process's device, with the attention the layout calls (the ring under cp)."""
     try:
         return GPT(cfg.model, par.attention(get_attention(cfg.attn.name, cfg.attn.backend)), cfg.ac,
-                   cfg.attn.window).to(par.device)
+                   cfg.attn.window, Modifications.of(cfg.attn)).to(par.device)
     except (MemoryError, RuntimeError) as e:
         if not out_of_memory(e):
             raise
@@ -280,13 +280,15 @@ def run_info(cfg: DictConfig, par: Parallel, model: GPT) -> dict:
             raise ConfigError(str(e)) from None
     if cfg.attn.name == "sdpa":
         dtype = autocast_dtype(cfg.dtype, device) or torch.float32
+        # what the layers mask: documents, a prefix, a bias (ALiBi, sinks), the shortest window
+        masked = bool(cfg.data.doc_mask or cfg.attn.prefix or cfg.attn.alibi or cfg.attn.sinks)
+        window = min((w for w in cfg.model.window_pattern if w), default=cfg.attn.window)
         try:
             head_dim = cfg.model.d_model // cfg.model.n_head
             # under context parallelism each call attends a rank's shard
             info["sdpa_backend"] = probe_sdpa_backend(cfg.seq_len // cfg.parallel.cp, cfg.model.n_head, head_dim,
                                                       dtype, device, cfg.attn.sdpa_backend,
-                                                      sdpa_masked(cfg.data.doc_mask, cfg.attn.window, cfg.seq_len,
-                                                                  cfg.seq_len),
+                                                      sdpa_masked(masked, window, cfg.seq_len, cfg.seq_len),
                                                       cfg.model.n_kv_head)
         except RuntimeError as e:
             raise ConfigError(f"attn.sdpa_backend={cfg.attn.sdpa_backend}: torch has no such kernel for these "
@@ -322,6 +324,8 @@ def train_step(run: Run) -> tuple[torch.Tensor, torch.Tensor, float]:
     """One optimizer step over grad_accum micro-batches: (mean loss, grad norm) on the device, unsynced, and the lr."""
     cfg = run.cfg
     new_graph_step(run)
+    if cfg.attn.window_warmup:
+        run.raw_model.warm_windows(run.step, cfg.attn.window_warmup)
     lr = lr_at(run.step, cfg)
     for group in run.optimizer.param_groups:
         group["lr"] = lr

@@ -61,8 +61,19 @@ class AttnConfig:
     # (the Hopper ones, sm_90 only)
     backend: KernelBackend = KernelBackend.auto
     # sliding-window causal attention: each query sees its last `window` keys, itself included
-    # (within its document with data.doc_mask); 0: every earlier key
+    # (within its document with data.doc_mask); 0: every earlier key. model.window_pattern sets
+    # one per layer instead
     window: int = 0
+    # the windows grow in eighths over this many first steps (model/gpt.py: warmed_window); 0: whole from step 0
+    window_warmup: int = 0
+    # the ablations' modifications (kernels/score_mods.py; model/attention.py says which attention
+    # computes which). softcap C: each scaled score s becomes C tanh(s / C) (Gemma 2); 0: none
+    softcap: float = 0.0
+    alibi: bool = False  # ALiBi: each head's slope times -(distance to the key) added to its scores
+    sinks: bool = False  # one learnable logit per head and layer in every row's softmax, of no key
+    # prefix-LM: every query sees the first `prefix` tokens of its sequence (of its document, with
+    # data.doc_mask), later ones too; the loss counts only targets the prefix does not show
+    prefix: int = 0
 
 
 @dataclass

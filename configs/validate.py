@@ -19,7 +19,7 @@ from configs.runtime import autocast_dtype, resolve_device, wandb_mode
 from configs.schema import AttnConfig, DataConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, WandbConfig
 from data.tokenizer import VOCAB_SIZE
 from kernels import unsupported
-from model.attention import ATTENTIONS, get_attention
+from model.attention import ATTENTIONS, MODS, Modifications, get_attention
 
 
 class ConfigError(ValueError):
@@ -78,7 +78,7 @@ def validate(cfg: DictConfig, world: int = 1) -> None:
     _at_least(cfg, "seq_len batch_size grad_accum max_steps log_interval model.n_layer model.n_head "
                    "model.d_model model.max_seq_len model.loss_chunk batch_tokens parallel.cp", 1)
     _at_least(cfg, "eval_interval eval_steps optim.warmup_steps sample_tokens model.mlp_chunk model.n_kv_head "
-                   "attn.window", 0)
+                   "attn.window attn.window_warmup attn.prefix", 0)
     _at_least(cfg, "ckpt_interval", -1)
     _at_least(cfg, "seed data_seed", 0)
     try:
@@ -99,6 +99,7 @@ def validate(cfg: DictConfig, world: int = 1) -> None:
     if cfg.attn.window >= cfg.seq_len:
         _fail("attn.window", cfg.attn.window, f"must be below seq_len {cfg.seq_len}: a window of as many keys as a "
                                              "training sequence masks nothing; 0 is plain causal attention")
+    _windows_and_mods(cfg)
     if m.vocab_size < VOCAB_SIZE:
         _fail("model.vocab_size", m.vocab_size, f"must be at least the GPT-2 tokenizer's {VOCAB_SIZE}")
     if m.d_model % m.n_head:
@@ -225,12 +226,47 @@ def _parallel(cfg: DictConfig, world: int) -> None:
     if cfg.attn.window:
         _fail("attn.window", cfg.attn.window, "is not supported with parallel.cp > 1 (the ring does not window its "
                                               "keys): use attn.window=0 or parallel.cp=1")
+    if cfg.model.window_pattern:
+        _fail("model.window_pattern", list(cfg.model.window_pattern), "is not supported with parallel.cp > 1 (the "
+                                                                       "ring does not window its keys): drop it")
+    for name in (name for name in MODS if cfg.attn[name]):
+        _fail(f"attn.{name}", cfg.attn[name], "is not supported with parallel.cp > 1 (the ring and torch's context "
+                                     "parallelism attend without it): drop it, or use parallel.cp=1")
     if method == "torch" and resolve_device(cfg.device).type != "cuda":
         _fail("parallel.cp", cp, f"with attn={cfg.attn.name} is torch's context parallelism, which runs SDPA's CUDA "
                                  "kernels only (flash, efficient, cuDNN): use a CUDA device, or attn=triton")
     if method == "torch" and cfg.attn.sdpa_backend == "math":
         _fail("attn.sdpa_backend", "math", "has no ring in torch's context parallelism: choose flash, efficient, "
                                           "cudnn or null with parallel.cp > 1")
+
+
+def _windows_and_mods(cfg: DictConfig) -> None:
+    """The per-layer windows, their warm-up and the ablations' modifications: in range, and ones
+    the attention computes (model/attention.py's registry says which)."""
+    pattern, a = list(cfg.model.window_pattern), cfg.attn
+    if pattern and a.window:
+        _fail("model.window_pattern", pattern, f"sets every layer's window: drop attn.window={a.window}, or the pattern")
+    if pattern and not 1 <= len(pattern) <= cfg.model.n_layer:
+        _fail("model.window_pattern", pattern, f"needs 1 to model.n_layer = {cfg.model.n_layer} windows, repeating "
+                                               "over the layers")
+    for w in pattern:
+        if not 0 <= w < cfg.seq_len:
+            _fail("model.window_pattern", pattern, f"windows must be 0 (global) or in [1, seq_len = {cfg.seq_len})")
+    if a.window_warmup and not (a.window or any(pattern)):
+        _fail("attn.window_warmup", a.window_warmup, "warms up sliding windows: set attn.window or "
+                                                     "model.window_pattern, or drop it")
+    if not (math.isfinite(a.softcap) and a.softcap >= 0):
+        _fail("attn.softcap", a.softcap, "must be a finite number > 0, or 0 for none")
+    if a.prefix >= cfg.seq_len:
+        _fail("attn.prefix", a.prefix, f"must be below seq_len {cfg.seq_len}: a prefix of the whole sequence "
+                                       "leaves no token to predict")
+    attention = ATTENTIONS[a.name]
+    for name, value in Modifications.of(a).on().items():
+        if why := attention.refusal(name):
+            _fail(f"attn.{name}", value, why)
+        if a.backend == "gluon" and name != "prefix":
+            _fail(f"attn.{name}", value, "the Hopper kernels (attn.backend=gluon) do not compute it: use "
+                                         "attn.backend=auto or triton, which run the portable kernels")
 
 
 def data_parallel_size(cfg: DictConfig, world: int) -> int:

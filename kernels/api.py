@@ -3,10 +3,14 @@
 q (B, H, T, D), k and v (B, H_kv, S, D), H % H_kv == 0 (GQA: query head h reads kv head
 h // (H / H_kv)), causal bottom-right aligned, optional packed documents and a sliding window
 (kernels/masking.py). O, dQ, dK, dV are (B, T, H, D) in memory, returned as (B, H, T, D) views.
-Each direction runs the kernels kernels/backends.py chooses for the caller's backend ("auto",
-"triton" or "gluon"): kernels/triton/ (any GPU, and the CPU through Triton's interpreter, whose
-bf16 tl.dot is wrong: there bf16 is computed in fp32 and rounded) or kernels/hopper/ (sm_90). The
-backward is deterministic: the same bits every run.
+Optional score modifications (mods, kernels/score_mods.py's ScoreMods: a softcap C tanh(s / C) and
+ALiBi's per-head bias on the scaled scores s) and sinks (H,): a learnable logit per query head,
+in units of s, that joins every row's softmax and attends nothing; its gradient comes back in its
+dtype. Each direction runs the kernels kernels/backends.py chooses for the caller's backend
+("auto", "triton" or "gluon"): kernels/triton/ (any GPU, and the CPU through Triton's
+interpreter, whose bf16 tl.dot is wrong: there bf16 is computed in fp32 and rounded) or
+kernels/hopper/ (sm_90; without modifications or sinks). The backward is deterministic: the same
+bits every run.
 """
 
 import functools
@@ -14,9 +18,11 @@ import functools
 import torch
 
 from kernels import backends
-from kernels.inputs import autocast_inputs, check_inputs, checked_bounds, empty_bhtd, layout, softmax_scale_of
+from kernels.inputs import (OFF, autocast_inputs, check_inputs, checked_bounds, checked_mods, empty_bhtd, layout,
+                            softmax_scale_of)
 from kernels.masking import Bounds
 from kernels.runtime.launch import interprets
+from kernels.score_mods import ScoreMods, kernel_slopes
 from kernels.triton import bwd, fwd
 
 
@@ -36,64 +42,86 @@ def _bf16_in_interpreter(q) -> bool:
     return q.dtype == torch.bfloat16 and interprets(q.device)
 
 
-def _signature(tensors: tuple, causal: bool, scale: float, bounds: Bounds | None, backend: str) -> tuple:
+def _signature(tensors: tuple, causal: bool, scale: float, bounds: Bounds | None, backend: str, mods: ScoreMods,
+               sinks) -> tuple:
     """What a call's kernels and launches depend on, and the key they are kept by: the tensors'
     layouts (the outputs are fresh from torch's allocator, 512-byte aligned, shaped by them), the
-    flags, the bounds' layout and the backend."""
-    return (*layout(*tensors), causal, scale, None if bounds is None else layout(*bounds), backend)
+    flags, the bounds' layout, the backend, and the modifications (ALiBi's slopes follow from H)."""
+    return (*layout(*tensors), causal, scale, None if bounds is None else layout(*bounds), backend,
+            mods.softcap, mods.alibi, None if sinks is None else layout(sinks))
 
 
-def _forward(q, k, v, causal, scale, bounds, backend):
+def _mod_operands(q, mods: ScoreMods, sinks):
+    """(ALiBi's slopes, sinks) as the kernels read them: (H,) fp32, or None."""
+    alibi = kernel_slopes(q.shape[1], q.device) if mods.alibi else None
+    return alibi, None if sinks is None else sinks.detach().float().contiguous()
+
+
+def _forward(q, k, v, causal, scale, bounds, backend, mods=OFF, sinks=None):
     """(o, lse) of checked inputs."""
     if _bf16_in_interpreter(q):
-        o, lse = _forward(q.float(), k.float(), v.float(), causal, scale, bounds, backend)
+        o, lse = _forward(q.float(), k.float(), v.float(), causal, scale, bounds, backend, mods, sinks)
         return o.to(torch.bfloat16), lse
     B, H, T, D = q.shape
     o = empty_bhtd(B, H, T, D, q)
     lse = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
     key_lo = None if bounds is None else bounds.key_lo
-    signature = _signature((q, k, v), causal, scale, bounds, backend)
-    if backends.kernels_for("forward", signature, (q, k, v), backend) == "gluon":
+    alibi, sinks = _mod_operands(q, mods, sinks)
+    signature = _signature((q, k, v), causal, scale, bounds, backend, mods, sinks)
+    modified = bool(mods) or sinks is not None
+    if backends.kernels_for("forward", signature, (q, k, v), backend, modified) == "gluon":
         _hopper("forward").forward(q, k, v, o, lse, causal, scale, key_lo, signature)
     else:
-        fwd.forward(q, k, v, o, lse, causal, scale, key_lo, signature)
+        fwd.forward(q, k, v, o, lse, causal, scale, key_lo, signature, mods.softcap, alibi, sinks)
     return o, lse
 
 
-def _backward(do, q, k, v, o, lse, causal, scale, bounds, backend):
-    """(dq, dk, dv) of checked inputs."""
+def _backward(do, q, k, v, o, lse, causal, scale, bounds, backend, mods=OFF, sinks=None):
+    """(dq, dk, dv) of checked inputs, and with sinks their gradient (H,) in their dtype last."""
     if _bf16_in_interpreter(q):
-        grads = _backward(do.float(), q.float(), k.float(), v.float(), o.float(), lse, causal, scale, bounds, backend)
-        return tuple(g.to(torch.bfloat16) for g in grads)
+        grads = _backward(do.float(), q.float(), k.float(), v.float(), o.float(), lse, causal, scale, bounds, backend,
+                          mods, sinks)
+        return *(g.to(torch.bfloat16) for g in grads[:3]), *grads[3:]
     (B, H, T, D), (H_kv, S) = q.shape, k.shape[1:3]
     dq, dk, dv = empty_bhtd(B, H, T, D, q), empty_bhtd(B, H_kv, S, D, k), empty_bhtd(B, H_kv, S, D, v)
-    signature = _signature((q, k, v, do, o, lse), causal, scale, bounds, backend)
-    if backends.kernels_for("backward", signature, (q, k, v, do), backend) == "gluon":
+    alibi, sinks32 = _mod_operands(q, mods, sinks)
+    signature = _signature((q, k, v, do, o, lse), causal, scale, bounds, backend, mods, sinks32)
+    modified = bool(mods) or sinks is not None
+    if backends.kernels_for("backward", signature, (q, k, v, do), backend, modified) == "gluon":
         _hopper("backward").backward(do, q, k, v, o, lse, dq, dk, dv, causal, scale, bounds, signature)
-    else:
-        bwd.backward(do, q, k, v, o, lse, dq, dk, dv, causal, scale, bounds, signature)
-    return dq, dk, dv
+        return dq, dk, dv
+    delta = bwd.backward(do, q, k, v, o, lse, dq, dk, dv, causal, scale, bounds, signature, mods.softcap, alibi)
+    if sinks is None:
+        return dq, dk, dv
+    # d LSE / d sink is the sink's probability: dsink_h = -sum_{b,i} exp(sink_h - LSE_bhi) delta_bhi
+    dsinks = -(torch.exp(sinks32[:, None] - lse) * delta).sum((0, 2))
+    return dq, dk, dv, dsinks.to(sinks.dtype)
 
 
-def flash_attn_forward(q, k, v, causal=True, softmax_scale=None, doc_ids=None, window=0, backend="auto"):
-    """(o (B, H, T, D) in q's dtype, lse (B, H, T) fp32 in natural log), without autograd."""
+def flash_attn_forward(q, k, v, causal=True, softmax_scale=None, doc_ids=None, window=0, backend="auto", mods=None,
+                       sinks=None):
+    """(o (B, H, T, D) in q's dtype, lse (B, H, T) fp32 in natural log, the sinks' logits included),
+    without autograd."""
     backends.check_backend(backend)
     bounds = checked_bounds(q, k, v, causal, doc_ids, window)
-    return _forward(q, k, v, causal, softmax_scale_of(q, softmax_scale), bounds, backend)
+    mods = checked_mods(q, mods, sinks)
+    return _forward(q, k, v, causal, softmax_scale_of(q, softmax_scale), bounds, backend, mods, sinks)
 
 
 def flash_attn_backward(do, q, k, v, o, lse, causal=True, softmax_scale=None, doc_ids=None, window=0,
-                        backend="auto"):
-    """(dq, dk, dv), shaped and typed like q, k, v, from the forward's o and lse; deterministic."""
+                        backend="auto", mods=None, sinks=None):
+    """(dq, dk, dv), shaped and typed like q, k, v, from the forward's o and lse; with sinks,
+    (dq, dk, dv, dsinks), dsinks shaped and typed like sinks. Deterministic."""
     backends.check_backend(backend)
     bounds = checked_bounds(q, k, v, causal, doc_ids, window)
+    mods = checked_mods(q, mods, sinks)
     for name, t, like in (("do", do, q), ("o", o, q)):
         if not isinstance(t, torch.Tensor) or t.shape != like.shape or t.dtype != like.dtype:
             raise ValueError(f"flash_attn_backward: {name} must be shaped and typed like q {tuple(like.shape)} "
                              f"{like.dtype}, got {getattr(t, 'shape', type(t).__name__)}")
     if not isinstance(lse, torch.Tensor) or lse.shape != q.shape[:3] or lse.dtype != torch.float32:
         raise ValueError(f"flash_attn_backward: lse must be the forward's float32 {tuple(q.shape[:3])} tensor")
-    return _backward(do, q, k, v, o, lse, causal, softmax_scale_of(q, softmax_scale), bounds, backend)
+    return _backward(do, q, k, v, o, lse, causal, softmax_scale_of(q, softmax_scale), bounds, backend, mods, sinks)
 
 
 # --------------------------------------------------------------------------------------------
@@ -106,50 +134,66 @@ def flash_attn_backward(do, q, k, v, o, lse, causal=True, softmax_scale=None, do
 # directly (torch.library.custom_op wraps it in more Python per call). Eager calls take a plain
 # autograd.Function: any dispatch costs host time that short sequences cannot hide
 # (docs/perf-notes.md). Both take the Bounds of documents and windows from flash_attention
-# (kernels/masking.py: made once per batch or shape in eager calls).
+# (kernels/masking.py: made once per batch or shape in eager calls). The ops take a ScoreMods as
+# its two fields; the backward's fourth output is the sinks' gradient, empty without sinks (an op
+# returns tensors).
 
 torch.library.define("kernels::flash_attn_fwd", "(Tensor q, Tensor k, Tensor v, bool causal, float scale, "
-                     "Tensor? key_lo, Tensor? row_hi, str backend) -> (Tensor, Tensor)")
+                     "Tensor? key_lo, Tensor? row_hi, str backend, float softcap=0., bool alibi=False, "
+                     "Tensor? sinks=None) -> (Tensor, Tensor)")
 torch.library.define("kernels::flash_attn_bwd", "(Tensor do, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, "
-                     "bool causal, float scale, Tensor? key_lo, Tensor? row_hi, str backend) "
-                     "-> (Tensor, Tensor, Tensor)")
+                     "bool causal, float scale, Tensor? key_lo, Tensor? row_hi, str backend, float softcap=0., "
+                     "bool alibi=False, Tensor? sinks=None) -> (Tensor, Tensor, Tensor, Tensor)")
+
+
+@functools.cache
+def _mods(softcap: float, alibi: bool) -> ScoreMods:
+    return ScoreMods(softcap, alibi) or OFF
+
+
+def _bounds(key_lo, row_hi) -> Bounds | None:
+    return None if key_lo is None else Bounds(key_lo, row_hi)
 
 
 @torch.library.impl("kernels::flash_attn_fwd", ("cpu", "cuda"))
-def _flash_attn_fwd_op(q, k, v, causal, scale, key_lo, row_hi, backend):
-    return _forward(q, k, v, causal, scale, None if key_lo is None else Bounds(key_lo, row_hi), backend)
+def _flash_attn_fwd_op(q, k, v, causal, scale, key_lo, row_hi, backend, softcap=0.0, alibi=False, sinks=None):
+    return _forward(q, k, v, causal, scale, _bounds(key_lo, row_hi), backend, _mods(softcap, alibi), sinks)
 
 
 @torch.library.register_fake("kernels::flash_attn_fwd")
-def _(q, k, v, causal, scale, key_lo, row_hi, backend):
+def _(q, k, v, causal, scale, key_lo, row_hi, backend, softcap=0.0, alibi=False, sinks=None):
     check_inputs(q, k, v)
     B, H, T, D = q.shape
     return empty_bhtd(B, H, T, D, q), q.new_empty((B, H, T), dtype=torch.float32)
 
 
 @torch.library.impl("kernels::flash_attn_bwd", ("cpu", "cuda"))
-def _flash_attn_bwd_op(do, q, k, v, o, lse, causal, scale, key_lo, row_hi, backend):
-    return _backward(do, q, k, v, o, lse, causal, scale, None if key_lo is None else Bounds(key_lo, row_hi), backend)
+def _flash_attn_bwd_op(do, q, k, v, o, lse, causal, scale, key_lo, row_hi, backend, softcap=0.0, alibi=False,
+                       sinks=None):
+    grads = _backward(do, q, k, v, o, lse, causal, scale, _bounds(key_lo, row_hi), backend, _mods(softcap, alibi),
+                      sinks)
+    return *grads[:3], grads[3] if sinks is not None else q.new_empty(0)
 
 
 @torch.library.register_fake("kernels::flash_attn_bwd")
-def _(do, q, k, v, o, lse, causal, scale, key_lo, row_hi, backend):
+def _(do, q, k, v, o, lse, causal, scale, key_lo, row_hi, backend, softcap=0.0, alibi=False, sinks=None):
     (B, H, T, D), (H_kv, S) = q.shape, k.shape[1:3]
-    return empty_bhtd(B, H, T, D, q), empty_bhtd(B, H_kv, S, D, k), empty_bhtd(B, H_kv, S, D, v)
+    dsinks = q.new_empty(0) if sinks is None else torch.empty_like(sinks)
+    return empty_bhtd(B, H, T, D, q), empty_bhtd(B, H_kv, S, D, k), empty_bhtd(B, H_kv, S, D, v), dsinks
 
 
 def _op_setup_context(ctx, inputs, output):
-    q, k, v, causal, scale, key_lo, row_hi, backend = inputs
+    q, k, v, causal, scale, key_lo, row_hi, backend, softcap, alibi, sinks = inputs
     o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse, key_lo, row_hi)
-    ctx.causal, ctx.scale, ctx.backend = causal, scale, backend
+    ctx.save_for_backward(q, k, v, o, lse, key_lo, row_hi, sinks)
+    ctx.causal, ctx.scale, ctx.backend, ctx.softcap, ctx.alibi = causal, scale, backend, softcap, alibi
 
 
 def _op_backward(ctx, do, dlse):  # dlse: LSE is an output for the backward only, never differentiated
-    q, k, v, o, lse, key_lo, row_hi = ctx.saved_tensors
-    dq, dk, dv = torch.ops.kernels.flash_attn_bwd(do, q, k, v, o, lse, ctx.causal, ctx.scale, key_lo, row_hi,
-                                                  ctx.backend)
-    return dq, dk, dv, None, None, None, None, None
+    q, k, v, o, lse, key_lo, row_hi, sinks = ctx.saved_tensors
+    dq, dk, dv, dsinks = torch.ops.kernels.flash_attn_bwd(do, q, k, v, o, lse, ctx.causal, ctx.scale, key_lo, row_hi,
+                                                          ctx.backend, ctx.softcap, ctx.alibi, sinks)
+    return dq, dk, dv, None, None, None, None, None, None, None, None if sinks is None else dsinks
 
 
 torch.library.register_autograd("kernels::flash_attn_fwd", _op_backward, setup_context=_op_setup_context)
@@ -159,19 +203,22 @@ class FlashAttentionFunction(torch.autograd.Function):
     """Eager autograd wrapper: the launchers without the custom-op dispatch (see above)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, bounds, backend):
-        o, lse = _forward(q, k, v, causal, scale, bounds, backend)
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.causal, ctx.scale, ctx.bounds, ctx.backend = causal, scale, bounds, backend
+    def forward(ctx, q, k, v, causal, scale, bounds, backend, mods, sinks):
+        o, lse = _forward(q, k, v, causal, scale, bounds, backend, mods, sinks)
+        ctx.save_for_backward(q, k, v, o, lse, sinks)
+        ctx.causal, ctx.scale, ctx.bounds, ctx.backend, ctx.mods = causal, scale, bounds, backend, mods
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, o, lse = ctx.saved_tensors
-        return *_backward(do, q, k, v, o, lse, ctx.causal, ctx.scale, ctx.bounds, ctx.backend), None, None, None, None
+        q, k, v, o, lse, sinks = ctx.saved_tensors
+        dq, dk, dv, *dsinks = _backward(do, q, k, v, o, lse, ctx.causal, ctx.scale, ctx.bounds, ctx.backend,
+                                        ctx.mods, sinks)
+        return dq, dk, dv, None, None, None, None, None, *(dsinks or [None])
 
 
-def flash_attention(q, k, v, causal=True, softmax_scale=None, doc_ids=None, window=0, backend="auto"):
+def flash_attention(q, k, v, causal=True, softmax_scale=None, doc_ids=None, window=0, backend="auto", mods=None,
+                    sinks=None):
     """softmax(softmax_scale * q k^T, mask) v for q (B, H, T, D) and k, v (B, H_kv, S, D).
 
     Returns (B, H, T, D) in q's dtype; softmax_scale defaults to 1 / sqrt(D). doc_ids (B, T) of
@@ -179,16 +226,25 @@ def flash_attention(q, k, v, causal=True, softmax_scale=None, doc_ids=None, wind
     only within its own document, and the tiles of other documents are skipped. window W > 0
     (causal): query i sees only the W keys up to its own (a sliding window; with documents, within
     its document too), and the tiles outside the window are skipped.
+    mods: a kernels.score_mods.ScoreMods (None, or one with nothing on: none), applied to the scaled
+    scores s = softmax_scale * q.k before the mask: softcap C > 0 makes them C tanh(s / C), then
+    alibi adds -slope_h |j - i'| (i' = i + S - T; alibi_slopes(H), per query head). sinks: None or
+    a (H,) float tensor, one logit per query head in units of s, in every row's softmax
+    denominator: a row may give part of its weight to no key (one that sees no key returns 0).
+    Autograd returns its gradient, in its dtype.
     backend: "auto" (by length, the faster kernels here), "triton" (the portable kernels) or "gluon"
-    (the Hopper kernels; a ValueError where they cannot run). Under torch.autocast, q, k and v are
-    first cast to the autocast dtype, as autocast does for scaled_dot_product_attention.
+    (the Hopper kernels, which take no mods or sinks; a ValueError where they cannot run). Under
+    torch.autocast, q, k and v are first cast to the autocast dtype, as autocast does for
+    scaled_dot_product_attention.
     """
     backends.check_backend(backend)
     q, k, v = autocast_inputs(q, k, v)
     bounds = checked_bounds(q, k, v, causal, doc_ids, window)
+    mods = checked_mods(q, mods, sinks)
     scale = softmax_scale_of(q, softmax_scale)
     # the custom op where something watches the dispatcher: torch.compile, and modes such as
     # selective activation checkpointing, which must see the attention as one op to keep it
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
-        return torch.ops.kernels.flash_attn_fwd(q, k, v, bool(causal), scale, *(bounds or (None, None)), backend)[0]
-    return FlashAttentionFunction.apply(q, k, v, bool(causal), scale, bounds, backend)
+        return torch.ops.kernels.flash_attn_fwd(q, k, v, bool(causal), scale, *(bounds or (None, None)), backend,
+                                                float(mods.softcap), mods.alibi, sinks)[0]
+    return FlashAttentionFunction.apply(q, k, v, bool(causal), scale, bounds, backend, mods, sinks)

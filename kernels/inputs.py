@@ -1,12 +1,14 @@
 """What the kernels accept, checked once per layout: q (B, H, T, D), k and v (B, H_kv, S, D) with
 H % H_kv == 0 (GQA), any strides, T and S, D <= MAX_HEAD_DIM, fp16, bf16 or fp32; doc_ids (B, T)
-and window (causal). The outputs' layout, the softmax scale, autocast, and whether TMA reads them."""
+and window (causal); score modifications (kernels/score_mods.py's ScoreMods) and sinks (H,).
+The outputs' layout, the softmax scale, autocast, and whether TMA reads them."""
 
 import torch
 
 from kernels.masking import Bounds, kernel_bounds
 from kernels.runtime import chips
 from kernels.runtime.launch import interprets
+from kernels.score_mods import ScoreMods
 
 # what both backends take; each may take less (kernels/backends.py says so)
 MAX_HEAD_DIM = 256  # tiles pad D to a power of two >= 16 and mask the rest
@@ -87,6 +89,26 @@ def checked_bounds(q, k, v, causal, doc_ids, window) -> Bounds | None:
             _CHECKED.add(key)
     (B, _, T, _), S = q.shape, k.shape[2]
     return kernel_bounds(doc_ids, window, B, T, S, q.device)  # Mask.bounds, without making a Mask per call
+
+
+OFF = ScoreMods()  # no modification
+
+
+def checked_mods(q, mods, sinks) -> ScoreMods:
+    """mods as the kernels take it, OFF for None or a ScoreMods that modifies nothing, once mods and
+    sinks are known good (ValueError otherwise): sinks, None or one logit per query head."""
+    if mods is not None and not isinstance(mods, ScoreMods):
+        raise ValueError(f"flash_attention: mods={mods!r}: must be a kernels.score_mods.ScoreMods (softcap, alibi) "
+                         "or None")
+    if sinks is not None:
+        H = q.shape[1]
+        if (not isinstance(sinks, torch.Tensor) or sinks.shape != (H,) or not sinks.is_floating_point()
+                or sinks.device != q.device):
+            got = (f"a {tuple(sinks.shape)} {sinks.dtype} tensor on {sinks.device}" if isinstance(sinks, torch.Tensor)
+                   else repr(sinks))
+            raise ValueError(f"flash_attention: sinks={got}: must be a ({H},) floating-point tensor on {q.device}, "
+                             "one logit per query head, or None")
+    return mods or OFF
 
 
 def softmax_scale_of(q, softmax_scale=None) -> float:

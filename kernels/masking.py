@@ -4,6 +4,8 @@ Query i (of T) sees key j (of S) iff
     j < S                                   a real key
     j <= i + S - T                          causal, bottom-right aligned (SDPA's is_causal at T == S)
     key_lo(i) <= j, equivalently i < row_hi(j)   bounded: packed documents and a sliding window
+    or j is among its document's first P keys  a prefix-LM's prefix, seen whole by its document's
+                                            queries (bidirectional there), still within the window
 Documents (T == S) bound query i's keys from below by its document's first token; a causal window
 of W keys by i + S - T - W + 1. Both bounds grow with i, so their maximum, key_lo, does too, and
 so does its inverse row_hi (one past the last query that sees key j): one comparison per score
@@ -34,24 +36,40 @@ class Bounds(NamedTuple):
 class Mask:
     """Which of S keys each of T queries sees: bottom-right causal (query i sits at key position
     i + S - T: the newest T of S keys), within its document (doc_ids (B, T), T == S; a row's
-    documents have distinct ids) and fewer than `window` keys back (0: any)."""
+    documents have distinct ids), fewer than `window` keys back (0: any), and, with a prefix of P
+    keys, every one of its document's (or sequence's) first P keys too, later ones included."""
     T: int
     S: int
     causal: bool = True
     doc_ids: torch.Tensor | None = None
     window: int = 0
+    prefix: int = 0
 
     def __post_init__(self):
-        if self.window and not self.causal:
-            raise ValueError(f"Mask: window={self.window} needs causal=True (each query keeps the `window` keys up to "
-                             "its own)")
+        for name in ("window", "prefix"):
+            if getattr(self, name) and not self.causal:
+                raise ValueError(f"Mask: {name}={getattr(self, name)} needs causal=True (it bounds a causal mask)")
 
     def sees(self, b, rows, cols) -> torch.Tensor:
         """Whether query `rows` of batch row b (read only with documents) sees key `cols`, for
         broadcasting index tensors."""
         if self.doc_ids is not None and b is None:
             raise ValueError("Mask.sees: with documents, say which batch rows (b)")
-        return sees(b, rows, cols, self.T, self.S, self.causal, self.window or None, self.doc_ids)
+        return sees(b, rows, cols, self.T, self.S, self.causal, self.window or None, self.doc_ids,
+                    self.in_prefix(cols.device))
+
+    def in_prefix(self, device: torch.device | None = None) -> torch.Tensor | None:
+        """(B or 1, S) bool: the keys among their document's (without documents, the sequence's) first
+        `prefix`; None without a prefix."""
+        if not self.prefix:
+            return None
+        if self.doc_ids is None:
+            return (torch.arange(self.S, device=device) < self.prefix)[None]
+        keys = torch.arange(self.S, device=self.doc_ids.device).expand_as(self.doc_ids)
+        first = torch.ones_like(self.doc_ids, dtype=torch.bool)
+        first[:, 1:] = self.doc_ids[:, 1:] != self.doc_ids[:, :-1]
+        starts = torch.cummax(torch.where(first, keys, 0), dim=1).values  # each key's document's first
+        return keys - starts < self.prefix
 
     def dense(self, device: torch.device | None = None) -> torch.Tensor:
         """(B or 1, 1, T, S) bool, True where a query sees a key."""
@@ -68,19 +86,23 @@ class Mask:
         kernel reads, not a constant compiled into it: one kernel (and one of dynamo's 8 compiles
         per function) serves every window of a sweep; 0 reaches all S keys."""
         T, S, causal, doc_ids = self.T, self.S, self.causal, self.doc_ids
-        reach = torch.tensor(self.window or S, device=device)
+        reach, in_prefix = torch.tensor(self.window or S, device=device), self.in_prefix(device)
 
         def mask_mod(b, h, q_idx, kv_idx):
-            return sees(b, q_idx, kv_idx, T, S, causal, reach, doc_ids)
+            return sees(b, q_idx, kv_idx, T, S, causal, reach, doc_ids, in_prefix)
         return mask_mod
 
     def bounds(self, B: int, device: torch.device) -> Bounds | None:
         """The Bounds our kernels read (None: the causal mask alone), made once per batch or shape."""
+        if self.prefix:
+            raise ValueError(f"Mask.bounds: prefix={self.prefix}: the kernels' Bounds have no prefix")
         return kernel_bounds(self.doc_ids, self.window, B, self.T, self.S, device)
 
     def fa4(self) -> dict:
         """FlashAttention-4's arguments: its window_size (W - 1 keys before, none after); with
         documents those of its varlen entry, where the B rows are flattened to B·T tokens."""
+        if self.prefix:
+            raise ValueError(f"Mask.fa4: prefix={self.prefix}: FlashAttention-4 has no prefix-LM mask")
         args = {"causal": self.causal, "window_size": (self.window - 1, 0) if self.window else (None, None)}
         if self.doc_ids is not None:
             offsets = _batch_cu_seqlens(self.doc_ids)
@@ -186,13 +208,17 @@ def kernel_bounds(doc_ids: torch.Tensor | None, window: int, B: int, T: int, S: 
     return document_bounds(doc_ids, window, B, T, S, device)
 
 
-def sees(b, rows, cols, T: int, S: int, causal: bool, reach, doc_ids: torch.Tensor | None) -> torch.Tensor:
+def sees(b, rows, cols, T: int, S: int, causal: bool, reach, doc_ids: torch.Tensor | None,
+         in_prefix: torch.Tensor | None = None) -> torch.Tensor:
     """The rule, for broadcasting index tensors of queries (rows, below T) and keys (cols, below S):
-    query i of batch row b sees key j iff j is no later than i's own position i + S - T (causal),
-    fewer than reach keys behind it (an int or a tensor; None: any) and in i's document. The ops
-    are FlexAttention's per score, as few as the rule needs."""
+    query i of batch row b sees key j iff j is no later than i's own position i + S - T (causal)
+    or in its document's prefix (in_prefix (B or 1, S), Mask.in_prefix's), fewer than reach keys
+    behind it (an int or a tensor; None: any) and in i's document. The ops are FlexAttention's per
+    score, as few as the rule needs."""
     behind = rows + (S - T) - cols  # how far key j lies behind query i's own position
     seen = behind >= 0 if causal else torch.ones_like(behind, dtype=torch.bool)
+    if in_prefix is not None:
+        seen = seen | in_prefix[0 if doc_ids is None else b, cols]
     if reach is not None:
         seen = seen & (behind < reach)
     if doc_ids is not None:

@@ -21,6 +21,7 @@ denominator and attends nothing, so a row may give part of its weight to no key.
 """
 
 import dataclasses
+import functools
 import math
 
 import torch
@@ -37,6 +38,13 @@ def alibi_slopes(n_heads: int) -> torch.Tensor:
     below = 2 ** math.floor(math.log2(n_heads))
     slopes = powers(below) + powers(2 * below)[0::2][:n_heads - below]
     return torch.tensor(slopes, dtype=torch.float64)
+
+
+@functools.cache
+def kernel_slopes(n_heads: int, device: torch.device) -> torch.Tensor:
+    """(n_heads,) float32 on device: alibi_slopes times log2(e), the bias per key of distance in the
+    kernels' base-2 softmax; made once per head count and device."""
+    return (alibi_slopes(n_heads) * math.log2(math.e)).to(device=device, dtype=torch.float32)
 
 
 @dataclasses.dataclass(frozen=True)

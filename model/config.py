@@ -1,7 +1,7 @@
 """The model's typed config: plain dataclasses, so the model needs no Hydra or OmegaConf
 (configs/schema.py registers them for the command line)."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 # OmegaConf's marker of a value the config must set (its omegaconf.MISSING), spelled out so that
@@ -46,3 +46,6 @@ class ModelConfig:
     loss_chunk: int = 4096  # tokens per chunk of the chunked loss
     mlp_chunk: int = 0  # tokens per chunk of a sequence-tiled MLP (model/gpt.py); 0: the whole sequence at once
     z_loss: float = 0.0  # weight of lse^2 in the loss (PaLM's z-loss); 0 disables
+    # each layer's sliding window, the list repeating over the layers (0: global; e.g. [1024,1024,1024,0],
+    # three local layers to a global one); empty: every layer takes attn.window
+    window_pattern: list[int] = field(default_factory=list)

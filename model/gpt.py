@@ -17,8 +17,9 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from kernels import attention_flops
-from kernels.cross_entropy import full_cross_entropy, linear_cross_entropy
-from model.attention import Attention, AttentionFn, get_attention
+from kernels.cross_entropy import IGNORE_INDEX, full_cross_entropy, linear_cross_entropy
+from kernels.masking import Mask
+from model.attention import Attention, AttentionFn, Modifications, get_attention
 from model.config import ModelConfig
 from model.kv_cache import DecodeFn, KVCache
 from model.offload import Offload
@@ -57,10 +58,30 @@ class CacheStep(NamedTuple):
     end: torch.Tensor
 
 
+def layer_windows(pattern: list[int], window: int, n_layer: int) -> list[int]:
+    """Each layer's window: model.window_pattern repeating over the layers, else attn.window for all."""
+    return [pattern[i % len(pattern)] if pattern else window for i in range(n_layer)]
+
+
+def warmed_window(window: int, step: int, warmup: int) -> int:
+    """attn.window_warmup: a window grows in eighths over the first `warmup` steps, from window / 8
+    at step 0 to the whole window from step 7/8 warmup on; global layers (0) stay global. Eighths,
+    not every step's size, so that a compiled model or a kernel keyed by the window sees 8 of them."""
+    if not window or step >= warmup:
+        return window
+    return max(1, window * min(8, 8 * step // warmup + 1) // 8)
+
+
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, attention: AttentionFn | None, rotary: Rotary | None, window: int = 0):
+    def __init__(self, cfg: ModelConfig, attention: AttentionFn | None, rotary: Rotary | None, window: int = 0,
+                 mods: Modifications = Modifications()):
         super().__init__()
-        self.window = window  # each query's last `window` keys (0: all)
+        self.full_window = window  # each query's last `window` keys (0: all), once warmed up
+        self.window = window  # this step's (GPT.warm_windows)
+        self.mods, self.prefix = mods.scores, mods.prefix
+        # one learnable logit per head in every row's softmax (attn.sinks); 0 at first: a sink
+        # starts as one more key scoring 0
+        self.sinks = nn.Parameter(torch.zeros(cfg.n_head)) if mods.sinks else None
         self.decode: DecodeFn | None = None  # set with attention (GPT.set_attention)
         self.layer = 0  # this block's index: its slot in a KV cache
         self.n_head, self.n_kv_head = cfg.n_head, cfg.n_kv_head or cfg.n_head
@@ -85,17 +106,19 @@ class CausalSelfAttention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if self.rotary is not None:
             q, k = self.rotary(q, pos), self.rotary(k, pos)
-        masks = {} if doc_ids is None else {"doc_ids": doc_ids}
-        if self.window:
-            masks["window"] = self.window
+        # what is on, by keyword: an attention is called as it was before its options existed
+        on = {"doc_ids": doc_ids, "window": self.window or None, "prefix": self.prefix or None,
+              "mods": self.mods or None, "sinks": self.sinks}
+        options = {key: value for key, value in on.items() if value is not None}
         if cache is None:
-            y = self.attention(q, k, v, **masks)  # (B, H, T, D)
+            y = self.attention(q, k, v, **options)  # (B, H, T, D)
         else:
             k_cache, v_cache = cache.cache.append(self.layer, k, v, pos)
             if cache.cache.filled == 0:  # prefill: the prompt alone, as in training
-                y = self.attention(q, k, v, **masks)
-            else:
-                y = self.decode(q, k_cache, v_cache, cache.end, cache.cache.filled + T, self.window)
+                y = self.attention(q, k, v, **options)
+            else:  # decoded tokens attend causally: a prefix is what the prompt's prefill saw of it
+                y = self.decode(q, k_cache, v_cache, cache.end, cache.cache.filled + T, self.window,
+                                mods=on["mods"], sinks=self.sinks)
         y = y.transpose(1, 2).reshape(B, T, C)
         return self.dropout(self.proj(y))
 
@@ -124,10 +147,11 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, attention: AttentionFn | None, rotary: Rotary | None, window: int = 0):
+    def __init__(self, cfg: ModelConfig, attention: AttentionFn | None, rotary: Rotary | None, window: int = 0,
+                 mods: Modifications = Modifications()):
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
-        self.attn = CausalSelfAttention(cfg, attention, rotary, window)
+        self.attn = CausalSelfAttention(cfg, attention, rotary, window, mods)
         self.ln2 = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
         self.mlp = MLP(cfg)
 
@@ -138,12 +162,16 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: ModelConfig, attention: Attention | str, ac: str = "none", window: int = 0):
+    def __init__(self, cfg: ModelConfig, attention: Attention | str, ac: str = "none", window: int = 0,
+                 mods: Modifications = Modifications()):
         """attention: an entry of model/attention.py's registry, or its name; ac: activation
         checkpointing per block, none | selective | full | offload (model/config.py); window: each
-        query sees its last `window` keys (attn.window; 0: all)."""
+        query sees its last `window` keys (attn.window; 0: all), in every layer unless
+        cfg.window_pattern gives each its own; mods: the attention's modifications (attn.softcap,
+        attn.alibi, attn.sinks, attn.prefix)."""
         super().__init__()
-        self.cfg, self.ac, self.window = cfg, ac, window
+        self.cfg, self.ac = cfg, ac
+        self.windows = layer_windows(list(cfg.window_pattern), window, cfg.n_layer)
         self.offload = Offload() if ac == "offload" else None
         self.vocab_size = padded_vocab(cfg.vocab_size)
         head_dim = cfg.d_model // cfg.n_head
@@ -152,7 +180,7 @@ class GPT(nn.Module):
         self.tok_emb = nn.Embedding(self.vocab_size, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model) if rotary is None else None
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg, None, rotary, window) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(Block(cfg, None, rotary, w, mods) for w in self.windows)
         for i, block in enumerate(self.blocks):
             block.attn.layer = i
         self.ln_f = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
@@ -167,6 +195,11 @@ class GPT(nn.Module):
         self.attention = get_attention(attention) if isinstance(attention, str) else attention
         for block in self.blocks:
             block.attn.attention, block.attn.decode = self.attention.fn, self.attention.decode
+
+    def warm_windows(self, step: int, warmup: int) -> None:
+        """Each layer's window at training step `step` of a warm-up of `warmup` steps (warmed_window)."""
+        for block in self.blocks:
+            block.attn.window = warmed_window(block.attn.full_window, step, warmup)
 
     def _init_weights(self, module: nn.Module) -> None:
         # GPT-2 init; residual projections scaled by 1/sqrt(2 * n_layer) so the residual stream's
@@ -188,11 +221,13 @@ class GPT(nn.Module):
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token (PaLM's MFU convention): 6N for the weights, plus causal
-        attention's QK^T and PV forward (kernels/flops.py; over the window's pairs only) times 3 for
+        attention's QK^T and PV forward (kernels/flops.py; over each layer's window's pairs only,
+        once warmed up: attn.window_warmup's first steps count more than they run) times 3 for
         forward and backward."""
         head_dim = self.cfg.d_model // self.cfg.n_head
-        attention = attention_flops(1, self.cfg.n_head, seq_len, seq_len, head_dim, True, self.window) / seq_len
-        return 6 * self.num_params(matmul_only=True) + 3 * self.cfg.n_layer * attention
+        attention = sum(attention_flops(1, self.cfg.n_head, seq_len, seq_len, head_dim, True, window)
+                        for window in self.windows) / seq_len
+        return 6 * self.num_params(matmul_only=True) + 3 * attention
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, pos: torch.Tensor | None = None,
                 doc_ids: torch.Tensor | None = None, cache: KVCache | None = None):
@@ -226,6 +261,8 @@ class GPT(nn.Module):
         if cache is not None:
             cache.advance(T)
         x = self.ln_f(x)
+        if targets is not None and self.blocks[0].attn.prefix > 1:
+            targets = self._past_the_prefix(targets, doc_ids)
         if targets is not None and self.cfg.loss == "chunked":
             loss = linear_cross_entropy(x.view(B * T, -1), self.head.weight, targets.view(-1), self.cfg.loss_chunk,
                                         z_loss=self.cfg.z_loss)
@@ -234,6 +271,14 @@ class GPT(nn.Module):
         if targets is None:
             return logits, None
         return logits, full_cross_entropy(logits.view(B * T, -1), targets.view(-1), z_loss=self.cfg.z_loss)
+
+    def _past_the_prefix(self, targets: torch.Tensor, doc_ids: torch.Tensor | None) -> torch.Tensor:
+        """targets (B, T) without those a prefix shows its own queries: a prefix of P tokens sees the
+        token after each of its first P - 1, so only from its last on does a token predict one it
+        has not seen (a prefix-LM's loss is the rest's)."""
+        B, T = targets.shape
+        shown = Mask(T, T, True, doc_ids, prefix=self.blocks[0].attn.prefix - 1).in_prefix(targets.device)  # (B or 1, T)
+        return targets.masked_fill(shown, IGNORE_INDEX)
 
     def _ac_context(self):
         """Activation checkpointing of a block: full (and offload) recomputes it all in the backward;

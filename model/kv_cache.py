@@ -4,8 +4,9 @@ values so far, so that a new token costs one token's forward, not the whole wind
     prefill:  the prompt's forward, as in training (the attention's own kernel, causal over the
               prompt), each layer writing its K and V into the cache;
     decode:   one token's forward; each layer appends its K and V and attends the cache through
-              its attention's `decode` (model/attention.py's registry): triton_decode
-              (kernels/decode.py) for attn=triton, dense_decode over the cached slice for the others.
+              its attention's `decode` (model/attention.py's registry), with the attention's score
+              modifications and sinks: triton_decode (kernels/decode.py) for attn=triton,
+              dense_decode over the cached slice for the others.
 
 The number of positions filled lives on the device (`length`), read by the decode kernel and
 advanced in place, so that one decode step can be captured in a CUDA graph and replayed for
@@ -14,14 +15,22 @@ spends tens of microseconds of Python per kernel (model/gpt.py).
 """
 
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
 from kernels.decode import decode_attention
+from kernels.score_mods import ScoreMods
 
-# (q (B, H, T, D), k_cache, v_cache (B, H_kv, max_len, D), length (1,) int32 on the device, its host
-# copy filled, window) -> (B, H, T, D): the T newest positions, the last T of the `filled`, against the cache
-DecodeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int], torch.Tensor]
+
+class DecodeFn(Protocol):
+    """(q (B, H, T, D), k_cache, v_cache (B, H_kv, max_len, D), length (1,) int32 on the device, its host
+    copy filled, window, mods= the score modifications or None, sinks= (H,) sink logits or None) ->
+    (B, H, T, D): the T newest positions, the last T of the `filled`, against the cache."""
+
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, length: torch.Tensor,
+                 filled: int, window: int = 0, *, mods: ScoreMods | None = None,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
 class KVCache:
@@ -57,15 +66,23 @@ class KVCache:
 
 
 def dense_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, length: torch.Tensor, filled: int,
-                 window: int = 0, *, attend: Callable[..., torch.Tensor]) -> torch.Tensor:
+                 window: int = 0, *, attend: Callable[..., torch.Tensor], mods: ScoreMods | None = None,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Decoding with an attention that has no cache kernel: `attend` (q, k, v, window=) over the cache's
-    filled slice, the T new queries its newest positions. The slice's length is read on the host: eager
-    only (no CUDA graph)."""
-    return attend(q, k_cache[:, :, :filled], v_cache[:, :, :filled], window=window)
+    filled slice, the T new queries its newest positions. mods and sinks reach it as keywords only when
+    set, so an attend that takes neither still decodes without them. The slice's length is read on the
+    host: eager only (no CUDA graph)."""
+    extra = {}
+    if mods:
+        extra["mods"] = mods
+    if sinks is not None:
+        extra["sinks"] = sinks
+    return attend(q, k_cache[:, :, :filled], v_cache[:, :, :filled], window=window, **extra)
 
 
 def triton_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, length: torch.Tensor, filled: int,
-                  window: int = 0) -> torch.Tensor:
-    """Our FlashDecoding kernel (kernels/decode.py): reads the length on the device, so a CUDA graph
-    can replay it."""
-    return decode_attention(q, k_cache, v_cache, length, window)
+                  window: int = 0, *, mods: ScoreMods | None = None, sinks: torch.Tensor | None = None
+                  ) -> torch.Tensor:
+    """Our FlashDecoding kernel (kernels/decode.py), score modifications and sinks included: reads the
+    length on the device, so a CUDA graph can replay it."""
+    return decode_attention(q, k_cache, v_cache, length, window, mods=mods, sinks=sinks)

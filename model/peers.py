@@ -25,6 +25,7 @@ import torch
 from torch.nn.attention import flex_attention as torch_flex
 
 from kernels.masking import Mask, once_per_batch
+from kernels.score_mods import ScoreMods, alibi_slopes
 
 FA4_NEEDS = ("FlashAttention-4 needs the flash-attn-4 package (pip install flash-attn-4, CUDA 13) and an sm_90 or "
              "sm_100 GPU")
@@ -48,22 +49,48 @@ def _block_mask(mask_mod, B: int | None, T: int, S: int, device: torch.device) -
 
 @torch.compiler.disable
 @functools.cache
-def _shape_mask(T: int, S: int, window: int, device: torch.device) -> torch_flex.BlockMask:
-    return _block_mask(Mask(T, S, window=window).mask_mod(device), None, T, S, device)
+def _shape_mask(T: int, S: int, window: int, prefix: int, device: torch.device) -> torch_flex.BlockMask:
+    return _block_mask(Mask(T, S, window=window, prefix=prefix).mask_mod(device), None, T, S, device)
 
 
 @once_per_batch
-def _document_mask(doc_ids: torch.Tensor, window: int) -> torch_flex.BlockMask:
+def _document_mask(doc_ids: torch.Tensor, window: int, prefix: int) -> torch_flex.BlockMask:
     B, T = doc_ids.shape
-    return _block_mask(Mask(T, T, True, doc_ids, window).mask_mod(doc_ids.device), B, T, T, doc_ids.device)
+    return _block_mask(Mask(T, T, True, doc_ids, window, prefix).mask_mod(doc_ids.device), B, T, T, doc_ids.device)
+
+
+@functools.cache
+def _score_mod(mods: ScoreMods, H: int, T: int, S: int, device: torch.device):
+    """FlexAttention's score_mod(score, b, h, q_idx, kv_idx) of mods (kernels/score_mods.py), on the
+    scaled score; one function per setting and shape, so that dynamo compiles each once."""
+    cap, slopes = mods.softcap, alibi_slopes(H).float().to(device) if mods.alibi else None
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        if cap:
+            score = cap * torch.tanh(score / cap)
+        if slopes is not None:  # the query at key position q_idx + S - T
+            score = score - slopes[h] * (kv_idx - q_idx - (S - T)).abs()
+        return score
+    return score_mod
 
 
 def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None = None,
-                   window: int = 0) -> torch.Tensor:
-    """FlexAttention, compiled for each shape (dynamic=False: the kernels of a fixed shape)."""
-    T, S = q.size(-2), k.size(-2)
-    mask = _shape_mask(T, S, window, q.device) if doc_ids is None else _document_mask(doc_ids, window)
-    return _compiled(torch_flex.flex_attention)(q, k, v, block_mask=mask, enable_gqa=k.size(1) != q.size(1))
+                   window: int = 0, prefix: int = 0, mods: ScoreMods | None = None,
+                   sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """FlexAttention, compiled for each shape (dynamic=False: the kernels of a fixed shape). A sink
+    joins each row's denominator after the kernel, from its LSE L: O l / (l + e^sink) = O sigmoid(L - sink),
+    differentiated through L as FlexAttention's backward allows."""
+    (H, T), S = q.shape[1:3], k.size(-2)
+    mask = (_shape_mask(T, S, window, prefix, q.device) if doc_ids is None
+            else _document_mask(doc_ids, window, prefix))
+    score_mod = _score_mod(mods, H, T, S, q.device) if mods else None
+    attend = functools.partial(_compiled(torch_flex.flex_attention), q, k, v, score_mod=score_mod, block_mask=mask,
+                               enable_gqa=k.size(1) != q.size(1))
+    if sinks is None:
+        return attend()
+    out, aux = attend(return_aux=torch_flex.AuxRequest(lse=True))
+    kept = torch.sigmoid(aux.lse - sinks.float()[None, :, None])  # (B, H, T): a row with no key keeps 0
+    return (out.float() * kept[..., None]).to(out.dtype)
 
 
 def flex_unsupported(head_dim: int, dtype: torch.dtype, device: torch.device) -> str | None:
@@ -79,16 +106,25 @@ def flex_unsupported(head_dim: int, dtype: torch.dtype, device: torch.device) ->
 # FlashAttention-4
 
 
+# what FlashAttention-4 cannot compute of the ablations (model/attention.py's MODS): it takes a softcap,
+# windows and learnable sinks as arguments; the rest would be CuTe DSL score_mod / mask_mod functions
+FA4_REFUSES = {"alibi": "FlashAttention-4 has no ALiBi argument", "prefix": "FlashAttention-4 has no prefix-LM mask"}
+
+
 @torch.compiler.disable
 def fa4_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None = None,
-                  window: int = 0, deterministic: bool = False) -> torch.Tensor:
-    """FlashAttention-4, causal (bottom-right aligned, as kernels/masking.py's Mask: T new queries of S keys);
-    deterministic: its ordered dQ backward."""
+                  window: int = 0, prefix: int = 0, mods: ScoreMods | None = None,
+                  sinks: torch.Tensor | None = None, deterministic: bool = False) -> torch.Tensor:
+    """FlashAttention-4, causal (bottom-right aligned, as kernels/masking.py's Mask: T new queries of S keys),
+    with its softcap and learnable sinks; deterministic: its ordered dQ backward."""
     from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
 
+    if prefix or (mods and mods.alibi):
+        raise ValueError(f"fa4_attention: {FA4_REFUSES['prefix' if prefix else 'alibi']}")
     B, H, T, D = q.shape
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, T, H, D): a view, the model's memory order
-    args = Mask(T, k.size(1), True, doc_ids, window).fa4()
+    args = Mask(T, k.size(1), True, doc_ids, window).fa4() | {"softcap": mods.softcap if mods else 0.0,
+                                                              "learnable_sink": sinks}
     if doc_ids is None:
         out, _ = flash_attn_func(q, k, v, deterministic=deterministic, **args)
         return out.transpose(1, 2)

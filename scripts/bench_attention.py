@@ -13,6 +13,7 @@ flash-attn-4` (CUDA 13) has installed it on an sm_90 or sm_100 GPU, and is skipp
     python scripts/bench_attention.py --quick --impls triton,sdpa_flash --out docs/bench
     python scripts/bench_attention.py --documents synthetic --head-dims 64 --seq-lens 32768
     python scripts/bench_attention.py --window 1024 --seq-lens 32768      # sliding windows, with and without documents
+    python scripts/bench_attention.py --mods --seq-lens 8192              # each ablation's modification, ours and peers
 """
 import functools
 import gc
@@ -38,6 +39,7 @@ from kernels import LAUNCHERS, attention_flops, flash_attention  # noqa: E402
 from configs.runtime import SDPA_BACKENDS  # noqa: E402
 from kernels.masking import Mask  # noqa: E402
 from kernels.runtime.internals import CompilationError, OutOfResources  # noqa: E402
+from kernels.score_mods import ScoreMods  # noqa: E402
 from model.attention import ATTENTIONS  # noqa: E402
 from scripts.args import (ArgumentParser, directory, names, non_negative_int, positive_int, positive_ints,  # noqa: E402
                           require_cuda, require_divisors)
@@ -48,6 +50,10 @@ from scripts.stopping import stoppable  # noqa: E402
 SEQ_LENS = [512, 1024, 2048, 4096, 8192, 16384]
 QUICK_SEQ_LENS = [1024, 8192]
 DOC_SEQ_LENS = [8192, 16384, 32768, 65536]  # --documents and --window
+MODS_SEQ_LENS = [8192]  # --mods
+# --mods: each modification alone, as attn.softcap=30, attn.alibi, attn.sinks, attn.prefix=1024 set it
+MODS = {"off": {}, "softcap": {"mods": ScoreMods(softcap=30.0)}, "alibi": {"mods": ScoreMods(alibi=True)},
+        "sinks": {"sinks": True}, "prefix": {"prefix": 1024}}
 HEAD_DIMS = [64, 128]
 # naive fwd+bwd keeps bf16 scores, a masked copy, fp32 softmax and their gradients: ~20 bytes a score
 NAIVE_BYTES_PER_SCORE = 20
@@ -286,6 +292,10 @@ def parse_args(argv=None):
     p.add_argument("--window", type=positive_int,
                    help="sliding windows instead: B = 1, T = --seq-lens (default 8192-65536), each query sees its "
                         "last WINDOW keys, alone and within synthetic documents (as --documents synthetic)")
+    p.add_argument("--mods", action="store_true",
+                   help="the ablations' modifications instead (softcap, ALiBi, sinks, prefix): ours, FlexAttention and "
+                        "FlashAttention-4 each with one modification against itself with none; btHd, T = --seq-lens "
+                        "(default 8192)")
     p.add_argument("--tokens", type=positive_int, default=16384, help="B·T, fixed across T")
     p.add_argument("--width", type=positive_int, default=1024, help="H·D, fixed across D")
     p.add_argument("--warmup", type=non_negative_int, default=25, help="do_bench warmup, ms")
@@ -297,8 +307,10 @@ def parse_args(argv=None):
     if args.quick:
         args.seq_lens = QUICK_SEQ_LENS
     require_divisors(p, "--head-dims", args.head_dims, args.width, "--width", "H·D")
-    if args.documents and args.window:
-        p.error("--documents and --window are two modes: --window times windows within synthetic documents too")
+    if sum(map(bool, (args.documents, args.window, args.mods))) > 1:
+        p.error("--documents, --window and --mods are three modes: choose one")
+    if args.mods:
+        args.seq_lens = MODS_SEQ_LENS if args.seq_lens == SEQ_LENS else args.seq_lens
     if args.documents or args.window:  # B = 1: T is free
         args.seq_lens = DOC_SEQ_LENS if args.seq_lens == SEQ_LENS else args.seq_lens
         return args
@@ -449,12 +461,66 @@ def run_windows(args, env):
           f"(1.00: the skipped tiles cost nothing)\n\n{table}")
 
 
+def _with_mods(fn, H: int, options: dict):
+    """fn(q, k, v) with a modification's keywords; sinks: a fresh (H,) fp32 leaf, trained as the model's."""
+    options = dict(options)
+    if options.pop("sinks", False):
+        options["sinks"] = torch.randn(H, device="cuda").requires_grad_()
+    return lambda q, k, v: fn(q, k, v, **options)
+
+
+def run_mods(args, env):
+    """fwd+bwd of each modification alone in ours (attn=triton as training calls it), FlexAttention
+    and FlashAttention-4 (what it takes: softcap, sinks), each against itself with none: what a
+    modification costs, and ours against each peer with the same one; causal, btHd."""
+    rows = ["| D | T | modification | ours ms | ours / ours off | ours / portable off | Flex ms | Flex / Flex off "
+            "| Flex / ours | FA4 ms | FA4 / FA4 off | FA4 / ours |", "|---" * 12 + "|"]
+    fa4_skipped(args.head_dims)
+    impls = {"ours": ATTENTIONS["triton"].fn, "flex": ATTENTIONS["flex"].fn, "fa4": ATTENTIONS["fa4"].fn}
+    for D in args.head_dims:
+        H = args.width // D
+        for T in args.seq_lens:
+            B = max(1, args.tokens // T)
+            leaves, get_qkv, dout = make_inputs(B, H, T, D, "btHd")
+            torch._dynamo.reset()  # flex: a fresh graph per shape
+            # the portable kernels with none: where the Hopper ones (auto's at this length) take no modification
+            ms = {("portable", "off"): _timed(lambda q, k, v: flash_attention(q, k, v, backend="triton"), leaves,
+                                              get_qkv, dout, args)}
+            for mod, options in MODS.items():
+                for name, fn in impls.items():
+                    if mod in ATTENTIONS["triton" if name == "ours" else name].refuses:
+                        ms[name, mod] = "refused"
+                    elif name == "fa4" and fa4_missing(D):
+                        ms[name, mod] = "skipped"
+                    else:
+                        ms[name, mod] = _timed(_with_mods(fn, H, options), leaves, get_qkv, dout, args)
+
+            def cell(name, mod, over=None):
+                a, b = ms[name, mod], ms[over] if over else None
+                if not isinstance(a, float) or (over and not isinstance(b, float)):
+                    return a if not isinstance(a, float) else "n/a"
+                return f"{a / b:.2f}x" if over else f"{a:.2f}"
+            for mod in MODS:
+                rows.append(f"| {D} | {T} | {mod} | {cell('ours', mod)} | {cell('ours', mod, ('ours', 'off'))} | "
+                            f"{cell('ours', mod, ('portable', 'off'))} | {cell('flex', mod)} | "
+                            f"{cell('flex', mod, ('flex', 'off'))} | {cell('flex', mod, ('ours', mod))} | "
+                            f"{cell('fa4', mod)} | {cell('fa4', mod, ('fa4', 'off'))} | {cell('fa4', mod, ('ours', mod))} |")
+                print(rows[-1], flush=True)
+            leaves = get_qkv = dout = None
+            free_memory()
+    table = "\n".join(rows)
+    write_text(args.out / "mods.md", f"{env}\n\n{table}\n")
+    print(f"\n{env}\nforward+backward ms, B·T = {args.tokens}, H·D = {args.width}; x: the first's time over the "
+          f"second's\n\n{table}")
+
+
 def main():
     args = parse_args()
     require_cuda("bench_attention.py")
-    if args.documents or args.window:
+    if args.documents or args.window or args.mods:
         args.out.mkdir(parents=True, exist_ok=True)
-        return (run_documents if args.documents else run_windows)(args, environment())
+        run = run_documents if args.documents else run_windows if args.window else run_mods
+        return run(args, environment())
     if set(FA4_IMPLS) & set(args.impls) and fa4_skipped(args.head_dims):
         args.impls = [name for name in args.impls if name not in FA4_IMPLS]
     env = environment()

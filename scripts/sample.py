@@ -29,6 +29,7 @@ from configs.validate import ConfigError  # noqa: E402
 from data import TokenizerError, get_encoding  # noqa: E402
 from trainer.checkpoint import CheckpointError, checkpoint_path, load_checkpoint, load_weights  # noqa: E402
 from model import GPT, get_attention  # noqa: E402
+from model.attention import Modifications  # noqa: E402
 from scripts.args import fail, hydra_config  # noqa: E402
 from scripts.stopping import stoppable  # noqa: E402
 
@@ -89,7 +90,12 @@ def load_model(ckpt: str, attention: str | None, device: torch.device) -> GPT:
     trained = state["config"]
     model_cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), trained["model"])
     check_attention(attention, trained["attn"]["name"], model_cfg.d_model // model_cfg.n_head, device)
-    model = GPT(model_cfg, attention or trained["attn"]["name"], window=trained["attn"].get("window", 0))
+    mods = Modifications.of(trained["attn"])
+    name = attention or trained["attn"]["name"]
+    for key, value in mods.on().items():  # the weights were trained with them: an attention must compute them
+        if why := get_attention(name).refusal(key):
+            raise ConfigError(f"attention={name}: the checkpoint trained with attn.{key}={value}; {why}")
+    model = GPT(model_cfg, name, window=trained["attn"].get("window", 0), mods=mods)
     load_weights(model, state["model"], path)
     return model.to(device).eval()
 

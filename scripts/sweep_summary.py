@@ -7,15 +7,21 @@ from the local files alone.
     python scripts/sweep_summary.py outputs/<date>/*_naive_T256 outputs/<date>/*_sdpa_T256 --out compare
 
 Reads every Hydra job under a sweep directory, and every run directory named (`.hydra/config.yaml`
-for the setting: attn, attn.window, model.n_kv_head and seq_len; `metrics.jsonl` for the curves,
-`summary.json` for the outcome) and writes, into --out (default: the one directory named):
+for the setting: attn, attn.window, model.n_kv_head, seq_len and the attention modifications;
+`metrics.jsonl` for the curves, `summary.json` for the outcome) and writes, into --out (default: the
+one directory named):
 - summary.csv: one row per job, raw numbers;
 - summary.md:  the same rows sorted by seq_len then setting, and tokens/s pivoted seq_len x setting
-               (a setting: the attention, with its window and key/value heads where not the default);
+               (a setting: the attention, with its window and key/value heads where not the default,
+               and the modifications that are on: softcap C, alibi, sinks, prefix P, per-layer
+               windows W=[...], window warm-up; e.g. `triton W=[1024,1024,1024,0] warmup=40`);
 - sweep.png:   tokens/s and peak allocated GPU memory against seq_len, one line per setting,
                out-of-memory jobs marked with an x on the axis;
 - losses.png:  every job's training (solid) and validation (dashed) loss against the step, each
-               labelled by the config keys in which the runs differ (attn=naive, attn=sdpa, ...).
+               labelled by the config keys in which the runs differ (attn=naive, attn=sdpa, ...);
+- ablation.png: per setting (and seq_len, where the jobs have several), side by side: its loss
+               curves (training solid, validation dashed with dots), its tokens/s and its peak
+               allocated GPU memory as bars (on the CPU, which records no GPU memory, peak RSS).
 No network and no W&B: the same numbers are in W&B, grouped by sweep, but this works offline.
 
 tokens/s and MFU are means over the logged intervals after the first, which holds warmup,
@@ -51,7 +57,7 @@ from scripts.args import ArgumentParser, directory, fail, unwritable  # noqa: E4
 from scripts.outputs import write_csv, write_text  # noqa: E402
 from scripts.stopping import stoppable  # noqa: E402
 
-COLUMNS = ["attn", "window", "n_kv_head", "seq_len", "status", "steps", "tokens_per_s", "mfu",
+COLUMNS = ["attn", "window", "n_kv_head", "mods", "seq_len", "status", "steps", "tokens_per_s", "mfu",
            "peak_mem_alloc_gib", "peak_mem_reserved_gib", "peak_rss_gib", "final_loss", "final_val_loss", "device",
            "message"]
 PEAKS = ("peak_mem_alloc_gib", "peak_mem_reserved_gib", "peak_rss_gib")  # GPU allocator's; the CPU process's RSS
@@ -60,6 +66,10 @@ NUMBERS = ("loss", "val_loss", "tokens_per_s", "mfu", *PEAKS)
 # config keys that name or place a run rather than set what it trains: not what tells runs apart
 NOT_SETTINGS = ("resume", "wandb.")
 STATUSES = ("ok", "oom", "diverged", "failed", "skipped", "stopped")
+# the modifications an ablation turns on (configs/ablate/), by config key: how a setting names each
+MODS = {"attn.softcap": lambda c: f"softcap={c:g}", "attn.alibi": lambda _: "alibi", "attn.sinks": lambda _: "sinks",
+        "attn.prefix": lambda p: f"prefix={p}", "model.window_pattern": lambda w: f"W=[{','.join(map(str, w))}]",
+        "attn.window_warmup": lambda n: f"warmup={n}"}
 
 
 class SweepError(ValueError):
@@ -122,10 +132,16 @@ def label_differences(rows: list[dict]) -> None:
         r["label"] = ", ".join(said) or r["dir"].name
 
 
+def modifications(config: dict) -> str:
+    """The modifications a job's config turns on, in a label ("softcap=30 alibi"; "" for none)."""
+    return " ".join(name(config[key]) for key, name in MODS.items() if config.get(key))
+
+
 def setting(row: dict) -> str:
-    """What a job ablates, in a label: the attention, and its window and key/value heads if set."""
-    return row["attn"] + (f" W={row['window']}" if row["window"] else "") + (
-        f" kv={row['n_kv_head']}" if row["n_kv_head"] else "")
+    """What a job ablates, in a label: the attention, its window and key/value heads if set, and the
+    modifications that are on (naive W=8 kv=1, triton softcap=30, triton W=[1024,0] warmup=40)."""
+    return " ".join(filter(None, (row["attn"], row["window"] and f"W={row['window']}",
+                                  row["n_kv_head"] and f"kv={row['n_kv_head']}", row["mods"])))
 
 
 def job_records(path: Path) -> list[dict]:
@@ -182,7 +198,8 @@ def job_row(job: Path) -> dict:
     else:
         status = "oom" if any(r.get("event") == "oom" for r in records) else "failed"
     peaks = {k: max((r[k] for r in steady_train if r.get(k) is not None), default=None) for k in PEAKS}
-    return {"attn": attn, "window": window, "n_kv_head": n_kv_head, "seq_len": seq_len, "status": status,
+    return {"attn": attn, "window": window, "n_kv_head": n_kv_head, "mods": modifications(config),
+            "seq_len": seq_len, "status": status,
             "steps": summary.get("steps", train[-1]["step"] if train else 0),
             "tokens_per_s": mean([r.get("tokens_per_s") for r in steady_train]),
             "mfu": mean([r.get("mfu") for r in steady_train]),
@@ -253,13 +270,13 @@ def markdown(rows: list[dict], source: str) -> str:
     lines = [f"## Runs of `{source}`", "",
              f"Device: {', '.join(devices)}. tokens/s, MFU (means) and peak memory (max) over the logged "
              "intervals after the first.", "",
-             "| attn | window | kv heads | seq_len | status | steps | tokens/s | MFU | peak alloc GiB "
-             "| peak reserved GiB | final loss | final val loss |",
-             "|---|--:|--:|--:|---|--:|--:|--:|--:|--:|--:|--:|"]
+             "| attn | window | kv heads | modifications | seq_len | status | steps | tokens/s | MFU "
+             "| peak alloc GiB | peak reserved GiB | final loss | final val loss |",
+             "|---|--:|--:|---|--:|---|--:|--:|--:|--:|--:|--:|--:|"]
     for r in rows:
         mfu = None if r["mfu"] is None else 100 * r["mfu"]
-        lines.append(f"| {r['attn']} | {r['window'] or 'all'} | {r['n_kv_head'] or 'n_head'} | {r['seq_len']} "
-                     f"| {r['status']} | {r['steps']} "
+        lines.append(f"| {r['attn']} | {r['window'] or 'all'} | {r['n_kv_head'] or 'n_head'} "
+                     f"| {r['mods'] or 'none'} | {r['seq_len']} | {r['status']} | {r['steps']} "
                      f"| {fmt(r['tokens_per_s'], ',.0f')} "
                      f"| {fmt(mfu, '.1f')}{'%' if mfu is not None else ''} | {fmt(r['peak_mem_alloc_gib'], '.2f')} "
                      f"| {fmt(r['peak_mem_reserved_gib'], '.2f')} | {fmt(r['final_loss'], '.4f')} "
@@ -321,12 +338,50 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def plot_ablation(rows: list[dict], path: Path) -> None:
+    """ablation.png: one row of panels, one colour per setting: the loss curves, tokens/s and peak memory."""
+    several = len({r["seq_len"] for r in rows}) > 1
+    names = [setting(r) + (f" T={r['seq_len']}" if several else "") for r in rows]
+    colors = [f"C{i % 10}" for i in range(len(rows))]
+    memory = ("peak_mem_alloc_gib", "peak allocated GPU memory (GiB)", ".2f")
+    if all(r["peak_mem_alloc_gib"] is None for r in rows):  # the CPU's: one process runs a sweep's jobs
+        memory = ("peak_rss_gib", "peak RSS (GiB): no GPU memory recorded;\nthe process's, grows over a sweep", ".2f")
+    fig, (losses, *bars) = plt.subplots(1, 3, figsize=(16, max(4.5, 1.5 + 0.4 * len(rows))),
+                                        gridspec_kw={"width_ratios": [1.6, 1, 1]})
+    for r, name, color in zip(rows, names, colors):
+        if r["curve"]:
+            losses.plot(*zip(*r["curve"]), color=color, label=name)
+        if r["val_curve"]:  # a dot too: a sweep that evaluates once, at the end, has one point
+            losses.plot(*zip(*r["val_curve"]), "o--", color=color)
+    if any(r["curve"] for r in rows):
+        losses.legend(fontsize=8)
+    losses.set(xlabel="step", ylabel="loss (dashed, dots: validation)")
+    losses.grid(True, alpha=0.3)
+    for ax, (key, label, spec) in zip(bars, [("tokens_per_s", "tokens/s", ",.0f"), memory]):
+        values = [r[key] if r["status"] == "ok" else None for r in rows]
+        ax.barh(range(len(rows)), [v or 0 for v in values], color=colors)
+        for i, (v, r) in enumerate(zip(values, rows)):  # the value, or why there is none
+            note = format(v, spec) if v is not None else r["status"] if r["status"] != "ok" else "not recorded"
+            ax.text(v or 0, i, f" {note}", va="center", fontsize=8, color="black" if v is not None else "gray")
+        ax.set_yticks(range(len(rows)), names if ax is bars[0] else [])
+        ax.set_xlim(0, 1.25 * max((v for v in values if v is not None), default=1))
+        ax.xaxis.set_major_locator(ticker.MaxNLocator(5))
+        ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:,.0f}" if v >= 100 else f"{v:g}"))
+        ax.invert_yaxis()  # the first setting on top, as in the legend
+        ax.set_xlabel(label)
+        ax.grid(True, axis="x", alpha=0.3)
+    fig.tight_layout()
+    save_figure(fig, path)
+    plt.close(fig)
+
+
 def main() -> None:
     parser = ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("dirs", type=Path, nargs="+", metavar="DIR",
                         help="the multirun/<date>/<time> directory of `train.py -m`, or run directories of train.py")
     parser.add_argument("--out", type=directory,
-                        help="where to write summary.csv/.md, sweep.png and losses.png (default: the one DIR)")
+                        help="where to write summary.csv/.md, sweep.png, losses.png and ablation.png "
+                             "(default: the one DIR)")
     args = parser.parse_args()
     if len(args.dirs) > 1 and args.out is None:
         parser.error(f"{len(args.dirs)} directories and no --out: pass --out DIR to write their comparison into")
@@ -344,7 +399,9 @@ def main() -> None:
     write_text(out / "summary.md", table)
     plot(rows, out / "sweep.png")
     plot_losses(rows, out / "losses.png")
-    print(f"wrote {out / 'summary.csv'}, {out / 'summary.md'}, {out / 'sweep.png'}, {out / 'losses.png'}\n")
+    plot_ablation(rows, out / "ablation.png")
+    print(f"wrote {out / 'summary.csv'}, {out / 'summary.md'}, {out / 'sweep.png'}, {out / 'losses.png'}, "
+          f"{out / 'ablation.png'}\n")
     print(table)
 
 

@@ -67,18 +67,19 @@ def test_a_triton_launch_binds_its_tensors_as_addresses(monkeypatch):
     assert calls == [(*(t.data_ptr() for t in tensors), (2, 1), 3, 1.0, 8, False)]
 
 
-def test_an_absent_operand_is_bound_into_the_tail(monkeypatch):
-    # an optional operand comes last among the tensors: absent (None) it is fixed with the
-    # arguments after it, and a later call passes it as None again, never as an address
+def test_an_absent_operand_is_passed_as_none_wherever_it_sits(monkeypatch):
+    # an optional operand among the tensors (ALiBi's slopes between the bounds and the sinks):
+    # absent (None), every later call passes it as None again, never as an address
     calls = []
     monkeypatch.setattr(launch, "launch_compiled", lambda compiled, grid, device, args: calls.append(args))
     monkeypatch.setattr(launch, "hooked", lambda: False)
-    tensors = [torch.zeros(2) for _ in range(3)]
-    bound = launch.bind(_kernel, "compiled", (1,), (*tensors, None, (2, 1), 3, 1.0), {"WIDTH": 8, "FLAG": False})
-    assert bound.operands == 3 and bound.tail == (None, (2, 1), 3, 1.0, 8, False)
-    later = [torch.ones(2) for _ in range(3)]
-    bound(*later, None)
-    assert calls == [(*(t.data_ptr() for t in later), None, (2, 1), 3, 1.0, 8, False)]
+    tensors = [torch.zeros(2) for _ in range(2)]
+    bound = launch.bind(_kernel, "compiled", (1,), (tensors[0], None, tensors[1], None, (2, 1), 3, 1.0),
+                        {"WIDTH": 8, "FLAG": False})
+    assert bound.operands == 4 and bound.tail == ((2, 1), 3, 1.0, 8, False)
+    later = [torch.ones(2) for _ in range(2)]
+    bound(later[0], None, later[1], None)
+    assert calls == [(later[0].data_ptr(), None, later[1].data_ptr(), None, (2, 1), 3, 1.0, 8, False)]
 
 
 def test_a_direct_launch_calls_the_c_function_and_encodes_each_address_once(monkeypatch):

@@ -429,7 +429,7 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, bounds
         base = scratch.data_ptr()
         aux, dq_acc, counts, zeroed = (Address(base + offset) for offset in launches.offsets)
         launches.aux(o, do, lse, aux, zeroed)
-        launches.main(q, k, v, do, aux, dq_acc, counts, dk, dv, *(bounds or ()))
+        launches.main(q, k, v, do, aux, dq_acc, counts, dk, dv, *(bounds or (None, None)))
         launches.dq(dq_acc, dq)
         return
     longest_first = config.bwd_longest_first(q.shape[3], causal, bounds is not None, k.shape[2])

@@ -235,7 +235,7 @@ class DirectLaunch:
                     del encoded[next(iter(encoded))]  # dicts keep insertion order: the oldest
                 expanded = encoded[address] = self.expand(HostDescriptor(Address(address), *self.descriptors[i]), i)
             args += expanded
-        args += [t.data_ptr() for t in tensors[len(self.encoded):]]
+        args += [None if t is None else t.data_ptr() for t in tensors[len(self.encoded):]]
         with on_device_index(device):
             self.launch(*grid, current_stream()(device), *self.head, *args, *tail)
 

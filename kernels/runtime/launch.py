@@ -191,7 +191,7 @@ class Bound:
                  descriptors: tuple = ()):
         self.compiled = compiled  # triton's CompiledKernel
         self.grid = grid
-        self.operands = operands  # how many leading tensors a call passes (absent ones, None, are in the tail)
+        self.operands = operands  # how many leading tensors a call passes (absent ones as None)
         self.tail = tail  # every argument after the leading tensors, constexprs included, in order
         self.device = device
         self.tma = tma  # the kernel makes TMA descriptors itself: it needs a scratch allocator
@@ -202,7 +202,8 @@ class Bound:
         """Launches on the current stream of the tensors' device: the first len(descriptors) go in
         as host TMA descriptors over their addresses, the rest as addresses. The caller's
         signature fixes their 16-byte alignment, the descriptors' shapes and strides, and which
-        optional operands are absent: those (None, last) were bound into the tail."""
+        optional operands are absent: those are None here as they were when bound (a constexpr
+        the kernel was compiled for)."""
         tensors = tensors[:self.operands]
         if self.tma:
             ensure_allocator()
@@ -215,9 +216,9 @@ class Bound:
             self._direct(self.grid, self.device, tensors, self.tail)
             return
         if n:
-            args = (*self._descriptors(tensors), *[t.data_ptr() for t in tensors[n:]], *self.tail)
+            args = (*self._descriptors(tensors), *map(address, tensors[n:]), *self.tail)
         else:
-            args = (*[t.data_ptr() for t in tensors], *self.tail)
+            args = (*map(address, tensors), *self.tail)
         launch_compiled(self.compiled, self.grid, self.device, args)
 
     def _descriptors(self, tensors) -> list:
@@ -227,14 +228,18 @@ class Bound:
 def bind(kernel, compiled, grid: tuple[int, ...], args: tuple, named: dict, tma: bool = False) -> Bound:
     """The Bound of `compiled`, just launched as kernel(*args, **named) on `grid` through Triton's
     front door: args' leading host TMA descriptors and tensors are passed anew on every call, the
-    arguments after them and the named constexprs are fixed. An optional operand comes after the
-    tensors that are always there: absent (None), it is the first argument fixed."""
+    arguments after them and the named constexprs are fixed. An optional operand may sit anywhere
+    among the tensors: absent (None), every call passes None there again."""
     n_descs = next(i for i, a in enumerate(args) if not hasattr(a, "block_shape"))
-    n = next(i for i, a in enumerate(args) if i >= n_descs and not isinstance(a, torch.Tensor))
-    assert not any(isinstance(a, torch.Tensor) for a in args[n:]), "a tensor after an absent operand would be fixed"
+    n = next(i for i, a in enumerate(args) if i >= n_descs and not (a is None or isinstance(a, torch.Tensor)))
     tail = (*args[n:], *(named[name] for name in kernel.arg_names[len(args):]))
     kept = tuple((d.shape, d.strides, d.padding) for d in args[:n_descs])
     return Bound(compiled, (*grid, 1, 1)[:3], n, tail, args[n_descs].device.index, tma, kept)
+
+
+def address(t: torch.Tensor | None) -> int | None:
+    """What a launch passes for a tensor operand: its address; None for an absent one."""
+    return None if t is None else t.data_ptr()
 
 
 def launch_and_bind(kernel, grid: tuple[int, ...], args: tuple, named: dict | None = None) -> Bound:

@@ -5,7 +5,8 @@ how a tile of a (B, H, T, D) tensor is addressed: through pointers, or a TMA des
 A program's tiles fall into runs: masked tiles where its rows' first keys lie (bounded only),
 mask-free tiles every row sees whole, masked tiles on the diagonal and past the keys' end. Each
 kernel walks the runs with one inner loop, MASKED a constexpr, so mask-free tiles pay no mask.
-Strides come as one tuple per tensor: (batch, head, sequence, head dim).
+Strides come as one tuple per tensor: (batch, head, sequence, head dim). Also what the score
+modifications and sinks (kernels/score_mods.py) do to a tile's scores and a row's softmax.
 """
 
 import math
@@ -123,6 +124,46 @@ def visible_t(cols, rows, T, S, row_hi, BOUNDED: tl.constexpr):
     if BOUNDED:
         visible_t = visible_t & (rows[None, :] < row_hi[:, None])
     return visible_t
+
+
+# --------------------------------------------------------------------------------------------
+# score modifications and sinks (kernels/score_mods.py): compile-time branches, none taken when off
+
+
+@triton.jit
+def softcap_tanh(qk, qk_scale, SOFTCAP: tl.constexpr):
+    """tanh(s / C) of the scaled scores s = softmax_scale * qk (qk_scale: that times log2(e); C =
+    SOFTCAP), as 1 - 2 / (e^(2 s / C) + 1): tl.math has no tanh, and exp2 and a division run on
+    every target and in the interpreter; it saturates to +-1 where exp2 overflows, never NaN."""
+    return 1.0 - 2.0 / (tl.math.exp2(qk * (qk_scale * (2.0 / SOFTCAP))) + 1.0)
+
+
+@triton.jit
+def scores(qk, qk_scale, q_pos, k_pos, slope, SOFTCAP: tl.constexpr):
+    """The modified scores in log2 units, of qk = q . k: capped, C tanh(s / C) for SOFTCAP = C > 0
+    (s = softmax_scale * qk), then ALiBi's bias -slope |j - i'| (slope: log2 units, None for none)
+    at key positions k_pos j and query positions q_pos i' = i + S - T (broadcastable to qk)."""
+    if SOFTCAP > 0.0:
+        s = softcap_tanh(qk, qk_scale, SOFTCAP) * (SOFTCAP * LOG2E)
+    else:
+        s = qk * qk_scale
+    if slope is not None:
+        s -= slope * tl.abs(k_pos - q_pos).to(tl.float32)
+    return s
+
+
+@triton.jit
+def row_start(SINKS, off_h, BLOCK_M: tl.constexpr):
+    """(m, l): the running max (log2 units) and sum of each row before its first key: -inf and 0;
+    with sinks (SINKS: (H,) fp32 logits, natural units), head off_h's sink seen first, a key of no
+    value: its logit and 1, so a row that sees no key gets O = 0 and LSE = its sink."""
+    if SINKS is not None:
+        m_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32) + tl.load(SINKS + off_h) * LOG2E
+        l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    return m_i, l_i
 
 
 # --------------------------------------------------------------------------------------------

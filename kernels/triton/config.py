@@ -93,10 +93,12 @@ def block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
-def tuning_key_and_constexprs(q: torch.Tensor, k: torch.Tensor, causal: bool, bounded: bool, tma: bool):
-    """(tuning key, constexprs) of a launch: a new sequence length retunes only past a power of two."""
+def tuning_key_and_constexprs(q: torch.Tensor, k: torch.Tensor, causal: bool, bounded: bool, tma: bool,
+                              softcap: float = 0.0):
+    """(tuning key, constexprs) of a launch: a new sequence length retunes only past a power of two.
+    A softcap is compiled in (SOFTCAP, 0.0: none) but tunes as the plain scores do."""
     D, T, S = q.shape[3], q.shape[2], k.shape[2]
     key = (q.device.index, q.dtype, block_d(D), causal, bounded, tma, triton.next_power_of_2(T),
            triton.next_power_of_2(S))
-    constexprs = {"HEAD_DIM": D, "CAUSAL": causal, "TMA": tma}
+    constexprs = {"HEAD_DIM": D, "CAUSAL": causal, "TMA": tma, "SOFTCAP": float(softcap)}
     return key, constexprs
