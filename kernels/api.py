@@ -68,9 +68,8 @@ def _forward(q, k, v, causal, scale, bounds, backend, mods=OFF, sinks=None):
     key_lo = None if bounds is None else bounds.key_lo
     alibi, sinks = _mod_operands(q, mods, sinks)
     signature = _signature((q, k, v), causal, scale, bounds, backend, mods, sinks)
-    modified = bool(mods) or sinks is not None
-    if backends.kernels_for("forward", signature, (q, k, v), backend, modified) == "gluon":
-        _hopper("forward").forward(q, k, v, o, lse, causal, scale, key_lo, signature)
+    if backends.kernels_for("forward", signature, (q, k, v), backend, bool(mods)) == "gluon":
+        _hopper("forward").forward(q, k, v, o, lse, causal, scale, key_lo, signature, sinks)
     else:
         fwd.forward(q, k, v, o, lse, causal, scale, key_lo, signature, mods.softcap, alibi, sinks)
     return o, lse
@@ -86,11 +85,14 @@ def _backward(do, q, k, v, o, lse, causal, scale, bounds, backend, mods=OFF, sin
     dq, dk, dv = empty_bhtd(B, H, T, D, q), empty_bhtd(B, H_kv, S, D, k), empty_bhtd(B, H_kv, S, D, v)
     alibi, sinks32 = _mod_operands(q, mods, sinks)
     signature = _signature((q, k, v, do, o, lse), causal, scale, bounds, backend, mods, sinks32)
-    modified = bool(mods) or sinks is not None
-    if backends.kernels_for("backward", signature, (q, k, v, do), backend, modified) == "gluon":
+    # a sink changes only the LSE, which P is recomputed from: the Hopper backward runs unchanged
+    if backends.kernels_for("backward", signature, (q, k, v, do), backend, bool(mods)) == "gluon":
         _hopper("backward").backward(do, q, k, v, o, lse, dq, dk, dv, causal, scale, bounds, signature)
-        return dq, dk, dv
-    delta = bwd.backward(do, q, k, v, o, lse, dq, dk, dv, causal, scale, bounds, signature, mods.softcap, alibi)
+        # its delta stays in its own scratch layout: the sinks' gradient reads it anew, one pass over O and dO
+        delta = None if sinks is None else (o.float() * do.float()).sum(-1)
+    else:
+        delta = bwd.backward(do, q, k, v, o, lse, dq, dk, dv, causal, scale, bounds, signature, mods.softcap,
+                             alibi)
     if sinks is None:
         return dq, dk, dv
     # d LSE / d sink is the sink's probability: dsink_h = -sum_{b,i} exp(sink_h - LSE_bhi) delta_bhi

@@ -5,8 +5,8 @@ backend; and why a kernel cannot run (unsupported, the one place that says so).
 backend: "auto", by length, the faster kernels as measured on the H100 (the Hopper kernels from
 kernels/hopper/config.py's MIN_SEQ queries on, where they can run); "triton", the portable
 kernels only; "gluon", the Hopper kernels both ways, or a ValueError saying why not. The backward
-is deterministic either way: the same bits every run. The Hopper kernels take no score
-modifications or sinks (kernels/score_mods.py): with any, "auto" runs the portable kernels.
+is deterministic either way: the same bits every run. The Hopper kernels take sinks but no score
+modification (kernels/score_mods.py: softcap, ALiBi): with one, "auto" runs the portable kernels.
 """
 
 import torch
@@ -73,14 +73,14 @@ def _gluon_wanted(seq_len: int, backend: str) -> bool:
     return backend == "gluon" or (backend == "auto" and seq_len >= hopper.MIN_SEQ)
 
 
-# why the Hopper kernels cannot run score modifications or sinks, after "the Hopper kernels" or "they"
-MODS_REFUSED = 'take no softcap, ALiBi or sinks: backend="auto" or "triton" runs them (the portable kernels)'
+# why the Hopper kernels cannot run score modifications, after "the Hopper kernels" or "they"
+MODS_REFUSED = 'take no softcap or ALiBi: backend="auto" or "triton" runs them (the portable kernels)'
 
 
 def kernels_for(direction: str, signature: tuple, streamed: tuple, backend: str, modified: bool = False) -> str:
     """"gluon" or "triton": the kernels that run this direction of these inputs (decided once per
     signature, which holds the backend and the modifications; streamed: the inputs read through
-    TMA, q first; modified: score modifications or sinks, which only the portable kernels take).
+    TMA, q first; modified: score modifications (softcap, ALiBi), which only the portable kernels take).
     ValueError where backend="gluon" asks for the Hopper kernels and they cannot, or where the card
     cannot run the portable ones."""
     chosen = _CHOSEN.get((direction, signature))
@@ -107,8 +107,8 @@ def kernels_for(direction: str, signature: tuple, streamed: tuple, backend: str,
 def backends(head_dim: int, dtype: torch.dtype, device: torch.device, seq_len: int,
              backend: str = "auto", modified: bool = False) -> dict[str, str]:
     """Which kernels run the forward and the backward of attention with this head dim, dtype,
-    device and query length (with or without documents; modified: with score modifications or
-    sinks), for inputs laid out as the model lays them out (the run info logs it); ValueError for a
+    device and query length (with or without documents; modified: with score modifications,
+    softcap or ALiBi), for inputs laid out as the model lays them out (the run info logs it); ValueError for a
     backend it does not know, or gluon where it cannot run."""
     check_backend(backend)
     why = f"they {MODS_REFUSED}" if modified else unsupported(head_dim, dtype, device, "gluon")

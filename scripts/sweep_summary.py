@@ -365,8 +365,10 @@ def plot_ablation(rows: list[dict], path: Path) -> None:
             ax.text(v or 0, i, f" {note}", va="center", fontsize=8, color="black" if v is not None else "gray")
         ax.set_yticks(range(len(rows)), names if ax is bars[0] else [])
         ax.set_xlim(0, 1.25 * max((v for v in values if v is not None), default=1))
-        ax.xaxis.set_major_locator(ticker.MaxNLocator(5))
-        ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:,.0f}" if v >= 100 else f"{v:g}"))
+        ax.xaxis.set_major_locator(ticker.MaxNLocator(4))
+        # thousands as k: six-digit tokens/s side by side would run into each other
+        ax.xaxis.set_major_formatter(ticker.FuncFormatter(
+            lambda v, _: f"{v / 1000:,.0f}k" if v >= 10_000 else f"{v:,.0f}" if v >= 100 else f"{v:g}"))
         ax.invert_yaxis()  # the first setting on top, as in the legend
         ax.set_xlabel(label)
         ax.grid(True, axis="x", alpha=0.3)

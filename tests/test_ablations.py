@@ -203,7 +203,7 @@ def test_every_attention_gives_the_model_the_same_logits_and_loss():
     (["attn=triton", "attn.prefix=4"], "attn.prefix=4: attn=triton cannot compute it"),
     (["attn=fa4", "attn.alibi=true"], "attn.alibi=True: attn=fa4 cannot compute it (FlashAttention-4 has no ALiBi "
                                       "argument)"),
-    (["attn=triton", "attn.backend=gluon", "attn.sinks=true"], "attn.sinks=True: the Hopper kernels"),
+    (["attn=triton", "attn.backend=gluon", "attn.alibi=true"], "attn.alibi=True: the Hopper kernels"),
     (["attn.softcap=-1"], "attn.softcap=-1.0: must be a finite number > 0, or 0 for none"),
     (["attn.prefix=32"], "attn.prefix=32: must be below seq_len 32"),
     (["model.window_pattern=[8,0]", "attn.window=4"], "model.window_pattern=[8, 0]: sets every layer's window"),

@@ -1,5 +1,5 @@
-"""The portable kernels' score modifications and sinks (kernels/score_mods.py) compute attention and
-every gradient, dsinks included.
+"""Our kernels' score modifications and sinks (kernels/score_mods.py) compute attention and every
+gradient, dsinks included: the portable kernels take them all, the Hopper kernels the sinks.
 
 Proves, for O, LSE, dQ, dK, dV and the sinks' gradient, against the dense float64 reference
 (kernels/reference/flash_ref.py's attention_reference, which takes the same ScoreMods and sinks),
@@ -9,12 +9,12 @@ alone and together, causal with T == S, T < S and T > S (rows that see no key: w
 and LSE = the sink), not causal, packed documents, a sliding window, GQA. Also: off (None, or a
 ScoreMods with nothing on) is the same bits as no argument; the backward is bit-identical run to
 run; autograd (eager and torch.compile) gives the same bits as the two halves; bad arguments and
-backend="gluon" (the Hopper kernels take no modifications) raise one line; a launch is kept per
-modification, and bound only where Launcher.bind can.
+backend="gluon" with a softcap or ALiBi (which the Hopper kernels do not take) raise one line; a
+launch is kept per modification, and bound wherever its absent operands sit.
 
 On CPU the kernels run in Triton's interpreter on small shapes that span several of its 16- and
 32-row tiles (bf16 computed in fp32); under a minute on 2 cores. The test_gpu_* tests (skipped
-without CUDA) run bf16 and fp16 up to T = 2048 at D 64 and 128:
+without CUDA) run bf16 and fp16 up to T = 2048 at D 64 and 128, and the Hopper kernels' sinks:
 
     .venv/bin/python -m pytest tests/test_score_mods_kernels.py -q
 """
@@ -84,15 +84,15 @@ def _error_scales(q, k, v, do, sinks, causal, doc_ids, window, mods):
 
 
 def _check(case_id, dtype, B, H, H_kv, T, S, D, causal, mods, sinks_on, layout="bthd", doc_ids=None, window=0,
-           device="cpu"):
+           device="cpu", backend="auto"):
     """The two halves' O, LSE, dQ, dK, dV (and dsinks) against the float64 reference, each within
     its bound; returns them."""
     q, k, v, do = _make_inputs(case_id, B, H, H_kv, T, S, D, dtype, layout, device)
     q, k, v = (t.detach() for t in (q, k, v))
     sinks = _sinks(case_id, H, S, device) if sinks_on else None
     masks_and_mods = dict(causal=causal, doc_ids=doc_ids, window=window, mods=mods)
-    o, lse = flash_attn_forward(q, k, v, sinks=sinks, **masks_and_mods)
-    grads = flash_attn_backward(do, q, k, v, o, lse, sinks=sinks, **masks_and_mods)
+    o, lse = flash_attn_forward(q, k, v, sinks=sinks, backend=backend, **masks_and_mods)
+    grads = flash_attn_backward(do, q, k, v, o, lse, sinks=sinks, backend=backend, **masks_and_mods)
     got = (o, lse, *grads)
     assert len(grads) == (4 if sinks_on else 3)
     assert o.dtype == dtype and all(g.dtype == dtype for g in grads[:3]) and lse.dtype == F32
@@ -232,18 +232,18 @@ def test_bad_arguments_raise_one_line(call):
         assert "\n" not in str(raised.value)
 
 
-@pytest.mark.parametrize("extra", [{"mods": CAP}, {"mods": ALIBI}, {"sinks": torch.zeros(2)}],
-                         ids=["softcap", "alibi", "sinks"])
+@pytest.mark.parametrize("extra", [{"mods": CAP}, {"mods": ALIBI, "sinks": torch.zeros(2)}],
+                         ids=["softcap", "alibi-sinks"])
 def test_gluon_refuses_modifications_in_one_line(extra):
     # raised before anything asks for a GPU: the same line on any machine
     q = torch.randn(1, 2, 8, 16)
     for call in (lambda: kernels.flash_attention(q, q, q, backend="gluon", **extra),
                  lambda: kernels.flash_attn_forward(q, q, q, backend="gluon", **extra)):
-        with pytest.raises(ValueError, match='backend=gluon: the Hopper kernels take no softcap, ALiBi or sinks: '
+        with pytest.raises(ValueError, match='backend=gluon: the Hopper kernels take no softcap or ALiBi: '
                                              'backend="auto" or "triton" runs them') as raised:
             call()
         assert "\n" not in str(raised.value)
-    with pytest.raises(ValueError, match="take no softcap, ALiBi or sinks"):
+    with pytest.raises(ValueError, match="take no softcap or ALiBi"):
         backends.backends(64, BF16, torch.device("cpu"), 4096, "gluon", modified=True)
     assert backends.backends(64, BF16, torch.device("cpu"), 4096, "auto", modified=True) == {
         "forward": "triton", "backward": "triton"}
@@ -329,6 +329,19 @@ def test_gpu_backward_is_deterministic_and_launches_are_kept_apart(lengths):
     assert all(torch.isfinite(t).all() and torch.equal(a, t) for a, t in zip(first, second, strict=True))
     assert not torch.equal(first[0], plain[0])
     assert all(torch.equal(a, b) for a, b in zip(grads(), plain, strict=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D, lengths", [(64, LENGTHS), (128, None)], ids=["D64-documents", "D128"])
+def test_gpu_the_hopper_kernels_take_sinks(D, lengths):
+    # a sink starts each row's softmax in the Gluon forward; their backward reads it in the LSE
+    if why := backends.unsupported(D, BF16, torch.device("cuda"), "gluon"):
+        pytest.skip(why)
+    doc_ids = None if lengths is None else _doc_ids(lengths, "cuda")
+    case = f"gpu-hopper-sinks-D{D}"
+    first = _check(case, BF16, 1, 8, 2, 2048, 2048, D, True, OFF, True, "bthd", doc_ids, 0, "cuda", "gluon")
+    again = _check(case, BF16, 1, 8, 2, 2048, 2048, D, True, OFF, True, "bthd", doc_ids, 0, "cuda", "gluon")
+    assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))  # deterministic, bit for bit
 
 
 @pytest.mark.gpu

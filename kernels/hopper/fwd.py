@@ -167,6 +167,9 @@ def _fwd_tile(io, buffers, program, origin, t, CAUSAL: gl.constexpr, BOUNDED: gl
     cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
     l_i = gl.zeros([ROWS], gl.float32, row_layout)
+    if io.SINKS is not None:  # a sink starts every row: m = its logit (log2 units), l = its exp2(0) = 1
+        m_i = gl.full([ROWS], 0.0, gl.float32, row_layout) + gl.load(io.SINKS + program.off_h) * LOG2E
+        l_i = gl.full([ROWS], 1.0, gl.float32, row_layout)
     acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
     # the tile's key blocks lo .. n_blocks - 1 pass through the ring in order
     key_lo, own_lo, full_lo, n_full = kv_runs(program.KEY_LO, rows, first, lo, n_blocks, T, S, CAUSAL, BOUNDED, ROWS,
@@ -191,7 +194,7 @@ def _fwd_tile(io, buffers, program, origin, t, CAUSAL: gl.constexpr, BOUNDED: gl
                                       True, CAUSAL, BOUNDED)
 
     # -- epilogue: LSE, and O through Q's buffer --
-    l_safe = gl.where(l_i == 0.0, 1.0, l_i)  # rows that attend no key: O = 0, LSE = -inf
+    l_safe = gl.where(l_i == 0.0, 1.0, l_i)  # rows that attend no key (and no sink): O = 0, LSE = -inf
     lse = (m_i + gl.log2(l_safe)) / LOG2E
     gl.store(io.LSE + (program.off_b * program.H + program.off_h).to(gl.int64) * T + rows, lse, mask=rows < T)
     o = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]
@@ -282,6 +285,7 @@ def _fwd_kernel(
     LSE,  # (B, H, T) fp32, natural log
     COUNTER,  # (1,) int32, zero: the tiles handed out
     KEY_LO,  # (B, T) int32: each query's first key (documents, a window; kernels/masking.py's Bounds), or None
+    SINKS,  # (H,) fp32: each head's sink logit, in every row's softmax (kernels/score_mods.py), or None
     sizes,  # (H, B, GROUP, T, S)
     qk_scale,  # softmax_scale * log2(e)
     CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
@@ -318,7 +322,7 @@ def _fwd_kernel(
         mbarrier.init(tile_ready.index(s), count=1)
         mbarrier.init(tile_empty.index(s), count=CONSUMERS)
 
-    io = FwdIO(q_desc, k_desc, v_desc, o_desc, LSE)
+    io = FwdIO(q_desc, k_desc, v_desc, o_desc, LSE, SINKS)
     buffers = FwdBuffers(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty, tile_smem, tile_ready,
                          tile_empty)
     work = FwdWork(COUNTER, KEY_LO, H, B, GROUP, T, S, qk_scale, SECTION)
@@ -361,19 +365,21 @@ def _grid(q, tiles: config.FwdTiles, chip: chips.Chip) -> tuple[int]:
     return (min(n_m * H * B, chip.sms),)
 
 
-def _args(q, k, v, o, lse, counter, key_lo, scale: float, tiles: config.FwdTiles) -> tuple:
+def _args(q, k, v, o, lse, counter, key_lo, sinks, scale: float, tiles: config.FwdTiles) -> tuple:
     (B, H, T, D), (H_kv, S) = q.shape, k.shape[1:3]
     rows = config.FWD_ROWS
     return (descriptor(q, [1, 1, rows, D]), descriptor(k, [1, 1, tiles.block_n, D]),
-            descriptor(v, [1, 1, tiles.block_n, D]), descriptor(o, [1, 1, rows, D]), lse, counter, key_lo,
+            descriptor(v, [1, 1, tiles.block_n, D]), descriptor(o, [1, 1, rows, D]), lse, counter, key_lo, sinks,
             (H, B, H // H_kv, T, S), scale * LOG2E.value)
 
 
-def forward(q, k, v, o, lse, causal: bool, scale: float, key_lo: torch.Tensor | None, signature: tuple) -> None:
+def forward(q, k, v, o, lse, causal: bool, scale: float, key_lo: torch.Tensor | None, signature: tuple,
+            sinks: torch.Tensor | None = None) -> None:
     """Writes o (shaped like q, head dim contiguous) and lse ((B, H, T) fp32, contiguous, natural
     log). key_lo ((B, T) int32, contiguous; causal only): each query's first key, to attend within
-    documents or a window (kernels/masking.py's Bounds.key_lo). signature: kernels/api.py's, which
-    fixes all the launch depends on but the addresses."""
+    documents or a window (kernels/masking.py's Bounds.key_lo). sinks: (H,) fp32 logits, in every
+    row's softmax and so in the LSE, or None. signature: kernels/api.py's, which fixes all the
+    launch depends on but the addresses."""
     # zeroed for each launch: a counter kept from call to call and left zero by every launch would
     # break under CUDA graphs (a capture records its launches, and a graph's pool may reuse memory)
     counter = torch.zeros(1, dtype=torch.int32, device=q.device)
@@ -381,21 +387,21 @@ def forward(q, k, v, o, lse, causal: bool, scale: float, key_lo: torch.Tensor | 
     # the new addresses, where Triton's front door would bind every argument again and
     # TensorDescriptor would re-check what the signature fixes
     if bound := PREPARED.get((forward, signature)):
-        bound(q, k, v, o, lse, counter, key_lo)
+        bound(q, k, v, o, lse, counter, key_lo, sinks)
         return
     tiles = config.fwd_tiles(q.shape[3], q.shape[2])
-    args = _args(q, k, v, o, lse, counter, key_lo, scale, tiles)
+    args = _args(q, k, v, o, lse, counter, key_lo, sinks, scale, tiles)
     options = _options(causal, tiles, _section(q, k), q.shape[3])
     grid = _grid(q, tiles, chips.chip(q.device.index))
     with on_device(q):
         PREPARED[(forward, signature)] = launch_and_bind(_fwd_kernel, grid, args, options)
 
 
-def compile_only(q, k, v, causal: bool, bounded: bool = False):
+def compile_only(q, k, v, causal: bool, bounded: bool = False, sinks: bool = False):
     """The compiled forward kernel for these inputs' layout, without launching it (scripts/sm90.py)."""
     (B, H, T, D) = q.shape
     tiles = config.fwd_tiles(D, T)
     key_lo = torch.empty((B, T), dtype=torch.int32) if bounded else None
     args = _args(q, k, v, torch.empty_like(q), torch.empty((B, H, T), dtype=torch.float32),
-                 torch.zeros(1, dtype=torch.int32), key_lo, D ** -0.5, tiles)
+                 torch.zeros(1, dtype=torch.int32), key_lo, torch.zeros(H) if sinks else None, D ** -0.5, tiles)
     return _fwd_kernel.warmup(*args, grid=_grid(q, tiles, chips.H100), **_options(causal, tiles, _section(q, k), D))

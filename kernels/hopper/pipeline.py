@@ -27,16 +27,19 @@ def scalar(value):
 
 @aggregate
 class FwdIO:
-    """The program's global memory: TMA descriptors of q, k, v and o (B, H, T, D); LSE (B, H, T)."""
+    """The program's global memory: TMA descriptors of q, k, v and o (B, H, T, D); LSE (B, H, T);
+    SINKS (H,) fp32, each head's sink logit, or None."""
     q_desc: tensor_descriptor
     k_desc: tensor_descriptor
     v_desc: tensor_descriptor
     o_desc: tensor_descriptor
     LSE: gl.tensor
+    SINKS: MaybeTensor
 
     @gluon.constexpr_function
-    def __init__(self, q_desc, k_desc, v_desc, o_desc, LSE):
+    def __init__(self, q_desc, k_desc, v_desc, o_desc, LSE, SINKS):
         self.q_desc, self.k_desc, self.v_desc, self.o_desc, self.LSE = q_desc, k_desc, v_desc, o_desc, LSE
+        self.SINKS = scalar(SINKS)
 
 
 @aggregate
