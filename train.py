@@ -681,6 +681,8 @@ def main(cfg: DictConfig) -> float | None:
     sweep = hc.mode == RunMode.MULTIRUN
     try:
         done = start_sweep_job(cfg, run_dir) if sweep else None
+        if sweep:  # jobs compile apart: dynamo keeps 8 graphs per function, then runs it eagerly (flex: unfused)
+            torch._dynamo.reset()
         if done is not None:
             print(f"{run_dir.name}: skipped: its run finished at step {done['steps']} (a larger max_steps trains it "
                   "further; other settings need another hydra.sweep.dir)", file=sys.stderr)

@@ -95,6 +95,8 @@ def _namespace(module: str) -> dict:
     those it imports by name (not triton.language's: see interpreting()), is an interpreted twin."""
     if module not in _namespaces:
         namespace = _namespaces[module] = dict(vars(sys.modules[module]))
+        if "INTERPRETED" in namespace:  # a module's kernels ask where they run (no inline PTX here)
+            namespace["INTERPRETED"] = triton.language.constexpr(True)
         for name, value in list(namespace.items()):
             if isinstance(value, JITFunction) and not value.fn.__module__.startswith("triton."):
                 namespace[name] = _twin(value)

@@ -10,11 +10,15 @@ modifications and sinks (kernels/score_mods.py) do to a tile's scores and a row'
 """
 
 import math
+import os
 
 import triton
 import triton.language as tl
 
 LOG2E = tl.constexpr(math.log2(math.e))  # the kernels' softmax runs in base 2: exp(x) = exp2(x * LOG2E)
+# whether these functions run in Triton's interpreter, which runs no inline PTX: TRITON_INTERPRET=1
+# at import, or (kernels/runtime/internals.py) in the interpreted twins' copy of these globals
+INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
 
 # --------------------------------------------------------------------------------------------
 # addressing
@@ -131,20 +135,28 @@ def visible_t(cols, rows, T, S, row_hi, BOUNDED: tl.constexpr):
 
 
 @triton.jit
-def softcap_tanh(qk, qk_scale, SOFTCAP: tl.constexpr):
+def softcap_tanh(qk, qk_scale, SOFTCAP: tl.constexpr, DTYPE: tl.constexpr):
     """tanh(s / C) of the scaled scores s = softmax_scale * qk (qk_scale: that times log2(e); C =
-    SOFTCAP), as 1 - 2 / (e^(2 s / C) + 1): tl.math has no tanh, and exp2 and a division run on
-    every target and in the interpreter; it saturates to +-1 where exp2 overflows, never NaN."""
-    return 1.0 - 2.0 / (tl.math.exp2(qk * (qk_scale * (2.0 / SOFTCAP))) + 1.0)
+    SOFTCAP) for inputs of DTYPE. 16-bit inputs on a GPU: the hardware's tanh, one instruction,
+    within 2^-11 relative, below their own rounding of a score; fp32 and the interpreter: exactly,
+    as 1 - 2 / (e^(2 s / C) + 1), which saturates to +-1 where exp2 overflows, never NaN."""
+    x = qk * (qk_scale / (SOFTCAP * LOG2E))  # s / C
+    if INTERPRETED or DTYPE == tl.float32:
+        t = 1.0 - 2.0 / (tl.math.exp2(x * (2.0 * LOG2E)) + 1.0)
+    else:
+        t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
+                                      pack=1)
+    return t
 
 
 @triton.jit
-def scores(qk, qk_scale, q_pos, k_pos, slope, SOFTCAP: tl.constexpr):
-    """The modified scores in log2 units, of qk = q . k: capped, C tanh(s / C) for SOFTCAP = C > 0
-    (s = softmax_scale * qk), then ALiBi's bias -slope |j - i'| (slope: log2 units, None for none)
-    at key positions k_pos j and query positions q_pos i' = i + S - T (broadcastable to qk)."""
+def scores(qk, qk_scale, q_pos, k_pos, slope, SOFTCAP: tl.constexpr, DTYPE: tl.constexpr):
+    """The modified scores in log2 units, of qk = q . k for inputs of DTYPE: capped, C tanh(s / C)
+    for SOFTCAP = C > 0 (s = softmax_scale * qk), then ALiBi's bias -slope |j - i'| (slope: log2
+    units, None for none) at key positions k_pos j and query positions q_pos i' = i + S - T
+    (broadcastable to qk)."""
     if SOFTCAP > 0.0:
-        s = softcap_tanh(qk, qk_scale, SOFTCAP) * (SOFTCAP * LOG2E)
+        s = softcap_tanh(qk, qk_scale, SOFTCAP, DTYPE) * (SOFTCAP * LOG2E)
     else:
         s = qk * qk_scale
     if slope is not None:

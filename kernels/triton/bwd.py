@@ -78,7 +78,7 @@ def _bwd_dkdv_inner(
         qk_t = tl.dot(k, tl.trans(q), input_precision=INPUT_PRECISION)  # (BLOCK_N, BLOCK_M)
         s_t = qk_t
         if MODIFIED:
-            s_t = scores(qk_t, qk_scale, rows[None, :] + (S - T), cols[:, None], slope, SOFTCAP)
+            s_t = scores(qk_t, qk_scale, rows[None, :] + (S - T), cols[:, None], slope, SOFTCAP, q.dtype)
         p_t = tl.math.exp2(tl.fma(s_t, s_scale, -lse[None, :]))
         if MASKED:  # selected after exp2: a row with LSE = -inf gives inf here and is dropped, never NaN
             p_t = tl.where(visible_t(cols, rows, T, S, row_hi, BOUNDED), p_t, 0.0)
@@ -87,7 +87,7 @@ def _bwd_dkdv_inner(
         dp_t = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)  # (BLOCK_N, BLOCK_M)
         ds_t = p_t * (dp_t - delta[None, :])
         if SOFTCAP > 0.0:  # on to the scaled scores through the cap's derivative
-            t = softcap_tanh(qk_t, qk_scale, SOFTCAP)
+            t = softcap_tanh(qk_t, qk_scale, SOFTCAP, q.dtype)
             ds_t *= 1.0 - t * t
         dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=INPUT_PRECISION)
     return dk, dv
@@ -172,7 +172,7 @@ def _bwd_dq_inner(
         qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)  # (BLOCK_M, BLOCK_N)
         s = qk
         if MODIFIED:
-            s = scores(qk, qk_scale, rows[:, None] + (S - T), cols[None, :], slope, SOFTCAP)
+            s = scores(qk, qk_scale, rows[:, None] + (S - T), cols[None, :], slope, SOFTCAP, k.dtype)
         p = tl.math.exp2(tl.fma(s, s_scale, -lse[:, None]))
         if MASKED:  # selected after exp2, as in the dK/dV kernel
             p = tl.where(visible(rows, cols, T, S, key_lo, CAUSAL, BOUNDED), p, 0.0)
@@ -180,7 +180,7 @@ def _bwd_dq_inner(
         dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)  # (BLOCK_M, BLOCK_N)
         ds = p * (dp - delta[:, None])
         if SOFTCAP > 0.0:  # through the cap's derivative, as in the dK/dV kernel
-            t = softcap_tanh(qk, qk_scale, SOFTCAP)
+            t = softcap_tanh(qk, qk_scale, SOFTCAP, k.dtype)
             ds *= 1.0 - t * t
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=INPUT_PRECISION)
     return dq

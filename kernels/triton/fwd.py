@@ -46,7 +46,7 @@ def _fwd_inner(
         k = load_tile(k_tiles, start_n, kv_mask, TMA)
         qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)  # (BLOCK_M, BLOCK_N)
         if MODIFIED:  # before the mask: a masked score stays -inf, not -C
-            qk = scores(qk, qk_scale, rows[:, None] + (S - T), cols[None, :], slope, SOFTCAP)
+            qk = scores(qk, qk_scale, rows[:, None] + (S - T), cols[None, :], slope, SOFTCAP, k.dtype)
         if MASKED:
             qk = tl.where(visible(rows, cols, T, S, key_lo, CAUSAL, BOUNDED), qk, float("-inf"))
         # -- online softmax: new row max, rescale --
