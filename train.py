@@ -207,6 +207,8 @@ def setup(cfg: DictConfig, run_dir: Path, check: Callable[[], None] = lambda: No
             recorded_end(run)
     if par.world > 1:
         torch.manual_seed(cfg.seed + par.rank)  # same initial weights everywhere, but each rank its own dropout
+    if cfg.compile and cfg.attn.window_warmup:  # each warmed window is a graph of its own, training's and eval's
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 8 + 2 * 8)
     run.model = par.wrap(raw_model, cfg.compile, cfg.compile_mode)
     check()  # the last point where a stop leaves nothing behind: W&B's run starts next
     if run.master:

@@ -245,7 +245,8 @@ def _windows_and_mods(cfg: DictConfig) -> None:
     the attention computes (model/attention.py's registry says which)."""
     pattern, a = list(cfg.model.window_pattern), cfg.attn
     if pattern and a.window:
-        _fail("model.window_pattern", pattern, f"sets every layer's window: drop attn.window={a.window}, or the pattern")
+        _fail("model.window_pattern", pattern,
+              f"sets every layer's window: drop attn.window={a.window}, or the pattern")
     if pattern and not 1 <= len(pattern) <= cfg.model.n_layer:
         _fail("model.window_pattern", pattern, f"needs 1 to model.n_layer = {cfg.model.n_layer} windows, repeating "
                                                "over the layers")

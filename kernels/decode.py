@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from kernels.runtime.launch import Launcher, on_device
-from kernels.score_mods import ScoreMods, alibi_slopes
+from kernels.score_mods import ScoreMods, kernel_slopes
 from kernels.triton.blocks import LOG2E, visible
 from kernels.triton.config import block_d, dot_precision
 
@@ -235,7 +235,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     scale = (D ** -0.5 if softmax_scale is None else softmax_scale) * LOG2E.value
     group = H // H_kv
     softcap = float(mods.softcap) if mods else 0.0
-    slopes = _alibi_slopes_log2(H, q.device) if mods and mods.alibi else None
+    slopes = kernel_slopes(H, q.device) if mods and mods.alibi else None
     sinks = None if sinks is None else sinks.float()  # a no-op for fp32 logits: nothing copied in a graph
     o_part = torch.empty((B, H, T, splits, D), dtype=torch.float32, device=q.device)
     lse_part = torch.empty((B, H, T, splits), dtype=torch.float32, device=q.device)
@@ -251,9 +251,3 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                SPLITS=splits, HEAD_DIM=D, BLOCK_S=max(2, triton.next_power_of_2(splits)))
     return o
 
-
-@functools.cache
-def _alibi_slopes_log2(n_heads: int, device: torch.device) -> torch.Tensor:
-    """(n_heads,) fp32 ALiBi slopes times log2(e), the split kernel's units, made once per device: a
-    decode step captured in a CUDA graph may not copy from the host."""
-    return (alibi_slopes(n_heads) * LOG2E.value).to(device=device, dtype=torch.float32)

@@ -137,10 +137,11 @@ def bounds(doc_ids: torch.Tensor | None, window: int, B: int, T: int, S: int, de
 
 
 def once_per_batch(build):
-    """build(doc_ids, *key), remembered for the last doc_ids tensor: every layer of a step passes the
-    same one. Holding it keeps the identity check sound; its version counter catches an in-place
-    change. Writes it does not count (through .data, numpy or DLPack, a CUDA graph replaying into
-    doc_ids) are not seen: pass each batch's doc_ids as a new tensor, as the trainer does.
+    """build(doc_ids, *key), remembered for the last doc_ids tensor, for each key it is asked with:
+    every layer of a step passes the same one (its window may differ: model.window_pattern).
+    Holding it keeps the identity check sound; its version counter catches an in-place change.
+    Writes it does not count (through .data, numpy or DLPack, a CUDA graph replaying into doc_ids)
+    are not seen: pass each batch's doc_ids as a new tensor, as the trainer does.
     Built every call for inference tensors (no version counter) and while a CUDA graph is being
     captured (what it builds then holds values only once the graph replays). Never traced by
     torch.compile: a caller that may be traced builds itself while compiling."""
@@ -152,10 +153,13 @@ def once_per_batch(build):
         if doc_ids.is_inference() or _capturing(doc_ids.device):
             return build(doc_ids, *key)
         entry = last  # one read: another thread may replace it
-        if entry is None or entry[0] is not doc_ids or entry[1] != doc_ids._version or entry[2] != key:
-            entry = (doc_ids, doc_ids._version, key, build(doc_ids, *key))
+        if entry is None or entry[0] is not doc_ids or entry[1] != doc_ids._version:
+            entry = (doc_ids, doc_ids._version, {})
             last = entry
-        return entry[3]
+        built = entry[2]
+        if key not in built:
+            built[key] = build(doc_ids, *key)
+        return built[key]
     return torch.compiler.disable(cached)
 
 

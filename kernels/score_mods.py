@@ -75,11 +75,11 @@ class ScoreMods:
         return s
 
     @staticmethod
-    def alibi_bias(H: int, T: int, S: int, device=None) -> torch.Tensor:
-        """(H, T, S) float64: ALiBi's -slope_h |j - i'|, i' = i + S - T the query's position."""
-        i = torch.arange(T, device=device, dtype=torch.float64)[:, None] + (S - T)
-        j = torch.arange(S, device=device, dtype=torch.float64)[None, :]
-        return -alibi_slopes(H).to(device)[:, None, None] * (j - i).abs()
+    def alibi_bias(H: int, T: int, S: int, device=None, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+        """(H, T, S) in dtype: ALiBi's -slope_h |j - i'|, i' = i + S - T the query's position."""
+        i = torch.arange(T, device=device, dtype=dtype)[:, None] + (S - T)
+        j = torch.arange(S, device=device, dtype=dtype)[None, :]
+        return -alibi_slopes(H).to(device, dtype)[:, None, None] * (j - i).abs()
 
     def derivative(self, s: torch.Tensor) -> torch.Tensor | float:
         """d(apply)/ds at the unmodified scaled scores s: what dS is multiplied by on its way back."""

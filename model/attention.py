@@ -143,13 +143,21 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: t
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
     bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
     if mods:  # ALiBi, the one modification that is a bias
-        bias = bias + ScoreMods.alibi_bias(q.size(1), T, S, q.device).to(q.dtype)
+        bias = bias + _alibi_bias(q.size(1), T, S, q.dtype, q.device)
     if sinks is not None:
         zero = k.new_zeros(*k.shape[:2], 1, k.size(-1))
         k, v = torch.cat([k, zero], dim=2), torch.cat([v, zero], dim=2)
         bias = bias.expand(bias.size(0), q.size(1), T, S)
         bias = torch.cat([bias, sinks.to(q.dtype)[None, :, None, None].expand(bias.size(0), -1, T, 1)], dim=-1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=gqa)
+
+
+@torch.compiler.disable
+@functools.lru_cache(maxsize=4)
+def _alibi_bias(H: int, T: int, S: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """(H, T, S) ALiBi biases in dtype, made once per shape (in fp32: every layer of every step reads
+    the same), not in each call."""
+    return ScoreMods.alibi_bias(H, T, S, device, torch.float32).to(dtype)
 
 
 SDPA_SOFTCAP = "SDPA takes a mask or a bias, not a function of each score"

@@ -118,7 +118,7 @@ class CausalSelfAttention(nn.Module):
                 y = self.attention(q, k, v, **options)
             else:  # decoded tokens attend causally: a prefix is what the prompt's prefill saw of it
                 y = self.decode(q, k_cache, v_cache, cache.end, cache.cache.filled + T, self.window,
-                                mods=on["mods"], sinks=self.sinks)
+                                mods=self.mods or None, sinks=self.sinks)
         y = y.transpose(1, 2).reshape(B, T, C)
         return self.dropout(self.proj(y))
 
@@ -277,7 +277,8 @@ class GPT(nn.Module):
         token after each of its first P - 1, so only from its last on does a token predict one it
         has not seen (a prefix-LM's loss is the rest's)."""
         B, T = targets.shape
-        shown = Mask(T, T, True, doc_ids, prefix=self.blocks[0].attn.prefix - 1).in_prefix(targets.device)  # (B or 1, T)
+        prefix = self.blocks[0].attn.prefix
+        shown = Mask(T, T, True, doc_ids, prefix=prefix - 1).in_prefix(targets.device)  # (B or 1, T)
         return targets.masked_fill(shown, IGNORE_INDEX)
 
     def _ac_context(self):

@@ -504,7 +504,8 @@ def run_mods(args, env):
                 rows.append(f"| {D} | {T} | {mod} | {cell('ours', mod)} | {cell('ours', mod, ('ours', 'off'))} | "
                             f"{cell('ours', mod, ('portable', 'off'))} | {cell('flex', mod)} | "
                             f"{cell('flex', mod, ('flex', 'off'))} | {cell('flex', mod, ('ours', mod))} | "
-                            f"{cell('fa4', mod)} | {cell('fa4', mod, ('fa4', 'off'))} | {cell('fa4', mod, ('ours', mod))} |")
+                            f"{cell('fa4', mod)} | {cell('fa4', mod, ('fa4', 'off'))} | "
+                            f"{cell('fa4', mod, ('ours', mod))} |")
                 print(rows[-1], flush=True)
             leaves = get_qkv = dout = None
             free_memory()

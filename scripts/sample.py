@@ -95,6 +95,10 @@ def load_model(ckpt: str, attention: str | None, device: torch.device) -> GPT:
     for key, value in mods.on().items():  # the weights were trained with them: an attention must compute them
         if why := get_attention(name).refusal(key):
             raise ConfigError(f"attention={name}: the checkpoint trained with attn.{key}={value}; {why}")
+    if name == "flex" and mods.sinks and device.type == "cpu":
+        raise ConfigError("attention=flex: the checkpoint trained with attn.sinks=True, which FlexAttention takes "
+                          "through its log-sum-exp, which torch does not return on the CPU: use attention=naive or "
+                          "sdpa")
     model = GPT(model_cfg, name, window=trained["attn"].get("window", 0), mods=mods)
     load_weights(model, state["model"], path)
     return model.to(device).eval()

@@ -17,7 +17,7 @@ import torch
 from configs.validate import ConfigError, validate
 from data.tokenizer import EOT, document_ids
 from kernels.cross_entropy import IGNORE_INDEX
-from kernels.masking import Mask
+from kernels.masking import Mask, once_per_batch
 from kernels.reference.flash_ref import attention_reference
 from kernels.score_mods import ScoreMods
 from model import ATTENTIONS, GPT
@@ -263,3 +263,20 @@ def test_gpu_fa4_matches_float64_with_softcap_and_sinks(case):
 @pytest.mark.parametrize("case", ["alibi-sinks-docs", "alibi-sinks-prefix"])
 def test_gpu_sdpa_matches_float64_with_alibi_sinks_and_a_prefix(case):
     _gpu_check(sdpa_attention, case, seed=3)
+
+
+def test_a_batch_builds_its_masks_once_for_each_window_of_its_layers():
+    # documents with model.window_pattern: the layers alternate windows, and each window's Bounds
+    # (or BlockMask) is built once per batch, not again at every change of window
+    calls = []
+
+    @once_per_batch
+    def build(doc_ids, window):
+        calls.append(window)
+        return window
+    doc_ids = torch.zeros(1, 8, dtype=torch.long)
+    for window in [8, 8, 8, 0] * 3:
+        assert build(doc_ids, window) == window
+    assert calls == [8, 0]
+    build(torch.zeros(1, 8, dtype=torch.long), 8)  # the next batch
+    assert calls == [8, 0, 8]

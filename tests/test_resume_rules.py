@@ -34,7 +34,8 @@ REFUSED = {"seq_len", "batch_size", "grad_accum", "seed", "data_seed", "dtype", 
            "model.pos_emb", "model.rope_theta", "model.dropout", "model.bias", "model.z_loss", "data.name",
            "data.source", "data.hf_path", "data.hf_name", "data.hf_split", "data.text_field", "data.max_docs",
            "data.val_fraction", "data.doc_mask", "optim.weight_decay", "optim.beta1", "optim.beta2", "optim.eps",
-           "parallel.dp"}
+           "parallel.dp", "attn.softcap", "attn.alibi", "attn.sinks", "attn.prefix", "attn.window_warmup",
+           "model.window_pattern"}
 
 
 def flat(d: dict, prefix: str = "") -> dict:

@@ -84,7 +84,8 @@ BAD = [
     case("host_overhead.py", "--bogus", "unrecognized arguments: --bogus; host_overhead.py takes -h, --help"),
     case("host_overhead.py", "", "host_overhead.py needs a CUDA GPU", what="(no CUDA)", marks=NO_CUDA),
     case("bench_attention.py", "--window 0", "argument --window: '0'"),
-    case("bench_attention.py", "--window 512 --documents synthetic", "--documents and --window are two modes"),
+    case("bench_attention.py", "--window 512 --documents synthetic",
+         "--documents, --window and --mods are three modes"),
     case("bench_attention.py", "--window 512 --seq-lens 1000", "bench_attention.py needs a CUDA GPU", marks=NO_CUDA),
     # bench_decode.py
     case("bench_decode.py", "--kv-heads 5", "--kv-heads 5: must divide the 12 query heads"),

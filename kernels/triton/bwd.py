@@ -259,11 +259,8 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, bounds
     strides = (q.stride(), k.stride(), v.stride(), do.stride())
     scalars = (H, H // H_kv, T, S, scale, scale * LOG2E.value)
     with on_device(q):
-        if launches[0]:  # bound where the others cannot be (ALiBi without bounds)
-            launches[0](*stats_args)
-        else:
-            PREPROCESS.bind(signature, lambda c: (triton.cdiv(T, c["BLOCK_M"]), H, B),
-                            (*stats_args, o.stride(), do.stride(), H, T), key, HEAD_DIM=D)
+        PREPROCESS.bind(signature, lambda c: (triton.cdiv(T, c["BLOCK_M"]), H, B),
+                        (*stats_args, o.stride(), do.stride(), H, T), key, HEAD_DIM=D)
         DKDV.bind(signature, lambda c: (triton.cdiv(S, c["BLOCK_N"]), H_kv, B),
                   (*dkdv_args, ((*strides, dk.stride(), dv.stride()), scalars)), key, **constexprs)
         DQ.bind(signature, lambda c: (triton.cdiv(T, c["BLOCK_M"]), H, B),
