@@ -9,7 +9,7 @@ in units of s, that joins every row's softmax and attends nothing; its gradient 
 dtype. Each direction runs the kernels kernels/backends.py chooses for the caller's backend
 ("auto", "triton" or "gluon"): kernels/triton/ (any GPU, and the CPU through Triton's
 interpreter, whose bf16 tl.dot is wrong: there bf16 is computed in fp32 and rounded) or
-kernels/hopper/ (sm_90; without modifications or sinks). The backward is deterministic: the same
+kernels/hopper/ (sm_90; with sinks, but no softcap or ALiBi). The backward is deterministic: the same
 bits every run.
 """
 

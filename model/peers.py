@@ -5,15 +5,17 @@ Python function of (batch, head, query, key) that torch.compile fuses into one T
 BlockMask (which 128 x 128 tiles the mask leaves empty, partial or full) lets that kernel skip
 tiles, as ours skip the tiles outside their Bounds. The causal and windowed BlockMasks depend on
 the shape alone and are built once per shape; with documents one is built from each batch's doc_ids,
-once for all the layers of a step. torch has no FlexAttention backward on the CPU: it runs
-inference there, and trains on CUDA.
+once for all the layers of a step. The ablations' softcap and ALiBi are its score_mod, a prefix
+part of its mask_mod, and a sink joins each row from the LSE it returns. torch has no
+FlexAttention backward on the CPU: it runs inference there, and trains on CUDA.
 
 FlashAttention-4 (flash_attn.cute: `pip install flash-attn-4`, CUDA 13) is FlashAttention-3's Hopper
 algorithm (sm_90) and its Blackwell one (sm_100) in CuTe DSL. It is optional: imported at its first
 call. It takes (B, T, H, D), the memory order the model's q, k, v views have already; a window is its
 window_size (W - 1, 0); documents go through its varlen entry, the B rows flattened to B·T tokens and
-cut at every document and row boundary (cu_seqlens). Its backward is FA4's default: dQ added
-atomically, not bit-identical from run to run (deterministic=True orders it).
+cut at every document and row boundary (cu_seqlens). A softcap and sinks are its own arguments;
+it has no ALiBi or prefix (FA4_REFUSES). Its backward is FA4's default: dQ added atomically, not
+bit-identical from run to run (deterministic=True orders it).
 
 Both run outside a compiled model's graph where Python must (a graph break): the BlockMask lookup or
 build, and FA4's launch, which Dynamo cannot trace.
