@@ -37,10 +37,10 @@ Grid = Callable[[dict], tuple[int, ...]]  # config kwargs -> launch grid
 def interprets(device: torch.device) -> bool:
     """Whether @triton.jit kernels launched on `device` run in Triton's interpreter: on the CPU, and
     anywhere when TRITON_INTERPRET=1 made every kernel an InterpretedFunction."""
-    return device.type == "cpu" or _INTERPRET_ALL
+    return device.type == "cpu" or INTERPRET_ALL
 
 
-_INTERPRET_ALL = bool(knobs.runtime.interpret)  # read as @triton.jit reads it, when the kernels are made
+INTERPRET_ALL = bool(knobs.runtime.interpret)  # read as @triton.jit reads it, when the kernels are made
 
 
 def autotuning() -> bool:

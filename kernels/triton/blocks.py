@@ -10,15 +10,16 @@ modifications and sinks (kernels/score_mods.py) do to a tile's scores and a row'
 """
 
 import math
-import os
 
 import triton
 import triton.language as tl
 
+from kernels.runtime.launch import INTERPRET_ALL
+
 LOG2E = tl.constexpr(math.log2(math.e))  # the kernels' softmax runs in base 2: exp(x) = exp2(x * LOG2E)
 # whether these functions run in Triton's interpreter, which runs no inline PTX: TRITON_INTERPRET=1
 # at import, or (kernels/runtime/internals.py) in the interpreted twins' copy of these globals
-INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
+INTERPRETED = tl.constexpr(INTERPRET_ALL)
 
 # --------------------------------------------------------------------------------------------
 # addressing
