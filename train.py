@@ -278,7 +278,7 @@ def run_info(cfg: DictConfig, par: Parallel, model: GPT) -> dict:
             queries = cfg.seq_len // (2 * cfg.parallel.cp) if cfg.parallel.cp > 1 else cfg.seq_len
             info["attention_kernels"] = attention_backends(cfg.model.d_model // cfg.model.n_head, dtype, device,
                                                            queries, cfg.attn.backend,
-                                                           bool(cfg.attn.softcap or cfg.attn.alibi))
+                                                           bool(cfg.attn.softcap or cfg.attn.alibi or cfg.attn.prefix))
         except ValueError as e:
             raise ConfigError(str(e)) from None
     if cfg.attn.name == "sdpa":

@@ -265,7 +265,7 @@ def _windows_and_mods(cfg: DictConfig) -> None:
     for name, value in Modifications.of(a).on().items():
         if why := attention.refusal(name):
             _fail(f"attn.{name}", value, why)
-        if a.backend == "gluon" and name in ("softcap", "alibi"):
+        if a.backend == "gluon" and name in ("softcap", "alibi", "prefix"):
             _fail(f"attn.{name}", value, "the Hopper kernels (attn.backend=gluon) do not compute it: use "
                                          "attn.backend=auto or triton, which run the portable kernels")
 

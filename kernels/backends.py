@@ -6,7 +6,8 @@ backend: "auto", by length, the faster kernels as measured on the H100 (the Hopp
 kernels/hopper/config.py's MIN_SEQ queries on, where they can run); "triton", the portable
 kernels only; "gluon", the Hopper kernels both ways, or a ValueError saying why not. The backward
 is deterministic either way: the same bits every run. The Hopper kernels take sinks but no score
-modification (kernels/score_mods.py: softcap, ALiBi): with one, "auto" runs the portable kernels.
+modification (kernels/score_mods.py: softcap, ALiBi) and no prefix: with one, "auto" runs the
+portable kernels.
 """
 
 import torch
@@ -74,13 +75,14 @@ def _gluon_wanted(seq_len: int, backend: str) -> bool:
 
 
 # why the Hopper kernels cannot run score modifications, after "the Hopper kernels" or "they"
-MODS_REFUSED = 'take no softcap or ALiBi: backend="auto" or "triton" runs them (the portable kernels)'
+MODS_REFUSED = 'take no softcap, ALiBi or prefix: backend="auto" or "triton" runs them (the portable kernels)'
 
 
 def kernels_for(direction: str, signature: tuple, streamed: tuple, backend: str, modified: bool = False) -> str:
     """"gluon" or "triton": the kernels that run this direction of these inputs (decided once per
     signature, which holds the backend and the modifications; streamed: the inputs read through
-    TMA, q first; modified: score modifications (softcap, ALiBi), which only the portable kernels take).
+    TMA, q first; modified: score modifications (softcap, ALiBi) or a prefix, which only the portable
+    kernels take).
     ValueError where backend="gluon" asks for the Hopper kernels and they cannot, or where the card
     cannot run the portable ones."""
     chosen = _CHOSEN.get((direction, signature))
@@ -108,7 +110,7 @@ def backends(head_dim: int, dtype: torch.dtype, device: torch.device, seq_len: i
              backend: str = "auto", modified: bool = False) -> dict[str, str]:
     """Which kernels run the forward and the backward of attention with this head dim, dtype,
     device and query length (with or without documents; modified: with score modifications,
-    softcap or ALiBi), for inputs laid out as the model lays them out (the run info logs it); ValueError for a
+    softcap or ALiBi, or a prefix), for inputs laid out as the model lays them out (the run info logs it); ValueError for a
     backend it does not know, or gluon where it cannot run."""
     check_backend(backend)
     why = f"they {MODS_REFUSED}" if modified else unsupported(head_dim, dtype, device, "gluon")

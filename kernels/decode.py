@@ -106,7 +106,7 @@ def _split_kernel(
     off_h = off_hkv * GROUP + rows // T
     t = rows % T
     pos = length - T + t  # each row's key position
-    key_lo = tl.where(window > 0, pos - window + 1, 0)  # each row's first key (kernels/masking.py's rule)
+    key_lo = tl.where(window > 0, pos - window + 1, 0)  # each row's band: its first key to its own (kernels/masking.py)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     q_ptrs = (Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64)[:, None] * stride_qh
@@ -137,7 +137,7 @@ def _split_kernel(
         k = tl.load(k_base + cols.to(tl.int64)[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_mask,
                     other=0.0)
         qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)  # (BLOCK_M, BLOCK_N)
-        seen = visible(t, cols, T, length, key_lo, True, True) & (cols[None, :] < end)
+        seen = visible(t, cols, T, length, (key_lo, pos), True, True) & (cols[None, :] < end)
         m_new, m_sub, p = _tile_probs(qk, seen, m_i, qk_scale, pos, cols, slope, SOFTCAP)
         alpha = tl.math.exp2(m_i - m_sub)
         l_i = l_i * alpha + tl.sum(p, 1)

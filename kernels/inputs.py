@@ -1,6 +1,6 @@
 """What the kernels accept, checked once per layout: q (B, H, T, D), k and v (B, H_kv, S, D) with
-H % H_kv == 0 (GQA), any strides, T and S, D <= MAX_HEAD_DIM, fp16, bf16 or fp32; doc_ids (B, T)
-and window (causal); score modifications (kernels/score_mods.py's ScoreMods) and sinks (H,).
+H % H_kv == 0 (GQA), any strides, T and S, D <= MAX_HEAD_DIM, fp16, bf16 or fp32; doc_ids (B, T),
+window and prefix (causal); score modifications (kernels/score_mods.py's ScoreMods) and sinks (H,).
 The outputs' layout, the softmax scale, autocast, and whether TMA reads them."""
 
 import torch
@@ -69,13 +69,13 @@ def layout(*tensors: torch.Tensor) -> tuple:
 _CHECKED: set[tuple] = set()  # the layouts (and causal flags) whose checks passed
 
 
-def checked_bounds(q, k, v, causal, doc_ids, window) -> Bounds | None:
-    """The Bounds of doc_ids and window, once q, k, v, doc_ids and window are known good (ValueError
+def checked_bounds(q, k, v, causal, doc_ids, window, prefix=0) -> Bounds | None:
+    """The Bounds of doc_ids, window and prefix, once q, k, v and they are known good (ValueError
     otherwise)."""
     tensors = (q, k, v) if doc_ids is None else (q, k, v, doc_ids)
     # traced by torch.compile, tensors have no addresses: checked every time (at trace time only)
     cacheable = not torch.compiler.is_compiling() and all(isinstance(t, torch.Tensor) for t in tensors)
-    key = (causal, window, *layout(*tensors)) if cacheable else None
+    key = (causal, window, prefix, *layout(*tensors)) if cacheable else None
     if key is None or key not in _CHECKED:
         check_inputs(q, k, v)
         if doc_ids is not None:
@@ -85,10 +85,14 @@ def checked_bounds(q, k, v, causal, doc_ids, window) -> Bounds | None:
         if window and not causal:
             raise ValueError("flash_attention: window needs causal=True (each query keeps the `window` keys up to "
                              "its own)")
+        if isinstance(prefix, bool) or not isinstance(prefix, int) or prefix < 0:
+            raise ValueError(f"flash_attention: prefix={prefix!r}: must be an int >= 0 (0: no prefix)")
+        if prefix and not causal:
+            raise ValueError("flash_attention: prefix needs causal=True (a prefix-LM is causal after its prefix)")
         if key is not None:
             _CHECKED.add(key)
     (B, _, T, _), S = q.shape, k.shape[2]
-    return kernel_bounds(doc_ids, window, B, T, S, q.device)  # Mask.bounds, without making a Mask per call
+    return kernel_bounds(doc_ids, window, B, T, S, q.device, prefix)  # Mask.bounds, without making a Mask per call
 
 
 OFF = ScoreMods()  # no modification

@@ -3,19 +3,25 @@
 Query i (of T) sees key j (of S) iff
     j < S                                   a real key
     j <= i + S - T                          causal, bottom-right aligned (SDPA's is_causal at T == S)
-    key_lo(i) <= j, equivalently i < row_hi(j)   bounded: packed documents and a sliding window
     or j is among its document's first P keys  a prefix-LM's prefix, seen whole by its document's
-                                            queries (bidirectional there), still within the window
+                                            queries (bidirectional there)
+    key_lo(i) <= j, equivalently i < row_hi(j)   bounded: packed documents and a sliding window
 Documents (T == S) bound query i's keys from below by its document's first token; a causal window
 of W keys by i + S - T - W + 1. Both bounds grow with i, so their maximum, key_lo, does too, and
-so does its inverse row_hi (one past the last query that sees key j): one comparison per score
-masks both, a query block needs keys only from its first row's key_lo on, a key block only
-queries up to its last key's row_hi, and tiles outside that band are skipped, not masked.
+so does its inverse row_hi (one past the last query that sees key j). From above, query i sees up
+to key_hi(i): its own position, or its document's prefix's last key where that lies later; and
+key j is seen from row_lo(j) on: the query at its position, or its document's first where j is in
+the prefix. Both grow too. So every query sees one band of keys [key_lo, key_hi] and every key is
+seen by one band of queries [row_lo, row_hi): two comparisons per score mask it all, a query
+block needs keys only from its first row's key_lo to its last row's key_hi, a key block only the
+queries from its first key's row_lo to its last key's row_hi, and tiles outside that band are
+skipped, not masked.
 Rows that see no key get O = 0, LSE = -inf and zero gradients. Each dialect computes the tile
 ranges and the element mask from these in one module: kernels/triton/blocks.py,
-kernels/hopper/blocks.py. Every other reader takes the rule from a Mask: the dense boolean mask
-(naive, SDPA, the references and the tests, which so check the Bounds independently),
-FlexAttention's mask_mod and FlashAttention-4's arguments.
+kernels/hopper/blocks.py (which reads key_lo and row_hi only: it takes no prefix). Every other
+reader takes the rule from a Mask: the dense boolean mask (naive, SDPA, the references and the
+tests, which so check the Bounds independently), FlexAttention's mask_mod and FlashAttention-4's
+arguments.
 """
 
 import dataclasses
@@ -26,10 +32,28 @@ import torch
 
 
 class Bounds(NamedTuple):
-    """The band of keys each query sees inside the causal mask, as the kernels read it: key_lo (B, T)
-    int32, every query's first key; row_hi (B, S) int32, one past every key's last query."""
-    key_lo: torch.Tensor
-    row_hi: torch.Tensor
+    """The band of keys each query sees and of queries each key is seen by, as the kernels read it:
+    keys (2, B, T) int32, every query's first key (key_lo) and last (key_hi, -1: none); rows (2, B, S)
+    int32, every key's first query (row_lo) and one past its last (row_hi). The portable kernels take
+    both halves from the first's address; the Hopper kernels take key_lo and row_hi."""
+    keys: torch.Tensor
+    rows: torch.Tensor
+
+    @property
+    def key_lo(self) -> torch.Tensor:
+        return self.keys[0]
+
+    @property
+    def key_hi(self) -> torch.Tensor:
+        return self.keys[1]
+
+    @property
+    def row_lo(self) -> torch.Tensor:
+        return self.rows[0]
+
+    @property
+    def row_hi(self) -> torch.Tensor:
+        return self.rows[1]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -94,9 +118,7 @@ class Mask:
 
     def bounds(self, B: int, device: torch.device) -> Bounds | None:
         """The Bounds our kernels read (None: the causal mask alone), made once per batch or shape."""
-        if self.prefix:
-            raise ValueError(f"Mask.bounds: prefix={self.prefix}: the kernels' Bounds have no prefix")
-        return kernel_bounds(self.doc_ids, self.window, B, self.T, self.S, device)
+        return kernel_bounds(self.doc_ids, self.window, B, self.T, self.S, device, self.prefix)
 
     def fa4(self) -> dict:
         """FlashAttention-4's arguments: its window_size (W - 1 keys before, none after); with
@@ -111,29 +133,42 @@ class Mask:
         return args
 
 
-def bounds(doc_ids: torch.Tensor | None, window: int, B: int, T: int, S: int, device: torch.device) -> Bounds | None:
+def bounds(doc_ids: torch.Tensor | None, window: int, B: int, T: int, S: int, device: torch.device,
+           prefix: int = 0) -> Bounds | None:
     """The Bounds of packed documents doc_ids (B, T) (a document is a run of equal ids, so any ids,
-    repeated further on or colliding in int32, mask as they skip) and of a causal window of W keys
-    (query i, at key position i + S - T, sees keys i + S - T - W + 1 .. i + S - T; 0: no window),
-    or None where neither bounds anything."""
+    repeated further on or colliding in int32, mask as they skip), of a causal window of W keys
+    (query i, at key position i + S - T, sees keys i + S - T - W + 1 .. i + S - T; 0: no window) and
+    of a prefix of P keys (each document's, or the sequence's, first P; 0: none), or None where
+    none bounds anything."""
     if window >= S:  # the window holds every key a query may see
         window = 0
-    if doc_ids is None and window == 0:
+    if doc_ids is None and window == 0 and prefix == 0:
         return None
     rows = torch.arange(T, dtype=torch.int32, device=device).expand(B, T)
     keys = torch.arange(S, dtype=torch.int32, device=device).expand(B, S)
-    key_lo, row_hi = torch.zeros_like(rows), torch.full_like(keys, T)
-    if doc_ids is not None:  # T == S
+    key_lo, key_hi = torch.zeros_like(rows), rows + (S - T)  # causal
+    row_lo, row_hi = keys - (S - T), torch.full_like(keys, T)
+    if doc_ids is not None:  # T == S: rows and keys share positions
         first = torch.ones_like(doc_ids, dtype=torch.bool)
         first[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
         last = torch.ones_like(first)
         last[:, :-1] = first[:, 1:]
-        key_lo = torch.cummax(torch.where(first, rows, 0), dim=1).values
-        row_hi = torch.cummin(torch.where(last, rows + 1, T).flip(1), dim=1).values.flip(1)
+        starts = torch.cummax(torch.where(first, rows, 0), dim=1).values  # each position's document's first
+        ends = torch.cummin(torch.where(last, rows + 1, T).flip(1), dim=1).values.flip(1)  # and one past its last
+        key_lo, row_hi = starts, ends
+    if prefix:  # a query sees its document's (the sequence's) prefix whole; a prefix key is seen from its start
+        if doc_ids is None:
+            key_hi = key_hi.clamp(min=min(prefix, S) - 1)
+            row_lo = torch.where(keys < prefix, 0, row_lo)
+        else:
+            prefix_end = torch.minimum(starts + prefix, ends)
+            key_hi = torch.maximum(key_hi, prefix_end - 1)
+            row_lo = torch.where(keys < prefix_end, starts, row_lo)
     if window:
         key_lo = torch.maximum(key_lo, rows + (S - T - window + 1))
         row_hi = torch.minimum(row_hi, keys + (window + T - S))
-    return Bounds(key_lo.clamp(0, S).contiguous(), row_hi.clamp(0, T).contiguous())
+    return Bounds(torch.stack([key_lo.clamp(0, S), key_hi.clamp(-1, S - 1)]).to(torch.int32),
+                  torch.stack([row_lo.clamp(0, T), row_hi.clamp(0, T)]).to(torch.int32))
 
 
 def once_per_batch(build):
@@ -178,38 +213,40 @@ def _made_now(device: torch.device) -> bool:
 _document_bounds = once_per_batch(bounds)
 
 
-def document_bounds(doc_ids: torch.Tensor, window: int, B: int, T: int, S: int, device: torch.device) -> Bounds:
-    """bounds(doc_ids, window, ...), made once per batch in eager calls: its scans (cummax, cummin)
-    cost a good part of a long sequence's forward kernel (docs/perf-notes.md)."""
+def document_bounds(doc_ids: torch.Tensor, window: int, B: int, T: int, S: int, device: torch.device,
+                    prefix: int = 0) -> Bounds:
+    """bounds(doc_ids, window, ..., prefix), made once per batch in eager calls: its scans (cummax,
+    cummin) cost a good part of a long sequence's forward kernel (docs/perf-notes.md)."""
     if torch.compiler.is_compiling():  # traced: the cache (not traced) would break the graph
-        return bounds(doc_ids, window, B, T, S, device)
-    return _document_bounds(doc_ids, window, B, T, S, device)
+        return bounds(doc_ids, window, B, T, S, device, prefix)
+    return _document_bounds(doc_ids, window, B, T, S, device, prefix)
 
 
-_WINDOWS: dict[tuple, Bounds | None] = {}  # (B, T, S, window, device) -> its Bounds, without documents
+_SHAPES: dict[tuple, Bounds | None] = {}  # (B, T, S, window, prefix, device) -> its Bounds, without documents
 
 
-def window_bounds(window: int, B: int, T: int, S: int, device: torch.device) -> Bounds | None:
-    """bounds(None, window, ...), made once per shape in eager calls (a few launches saved per call)."""
-    if not window or window >= S:  # no bounds: full causal calls skip the capture check below
+def shape_bounds(window: int, B: int, T: int, S: int, device: torch.device, prefix: int = 0) -> Bounds | None:
+    """bounds(None, window, ..., prefix), made once per shape in eager calls (a few launches saved
+    per call)."""
+    if (not window or window >= S) and not prefix:  # no bounds: full causal calls skip the capture check below
         return None
     if _made_now(device):
-        return bounds(None, window, B, T, S, device)
-    key = (B, T, S, window, device)
-    if key not in _WINDOWS:
-        if len(_WINDOWS) >= 64:  # shapes change rarely; bound the memory where they do
-            _WINDOWS.clear()
-        _WINDOWS[key] = bounds(None, window, B, T, S, device)
-    return _WINDOWS[key]
+        return bounds(None, window, B, T, S, device, prefix)
+    key = (B, T, S, window, prefix, device)
+    if key not in _SHAPES:
+        if len(_SHAPES) >= 64:  # shapes change rarely; bound the memory where they do
+            _SHAPES.clear()
+        _SHAPES[key] = bounds(None, window, B, T, S, device, prefix)
+    return _SHAPES[key]
 
 
-def kernel_bounds(doc_ids: torch.Tensor | None, window: int, B: int, T: int, S: int,
-                  device: torch.device) -> Bounds | None:
+def kernel_bounds(doc_ids: torch.Tensor | None, window: int, B: int, T: int, S: int, device: torch.device,
+                  prefix: int = 0) -> Bounds | None:
     """Mask.bounds without a Mask: what kernels/inputs.py calls on every flash_attention call, where
     making the object would be host time spent for nothing."""
     if doc_ids is None:
-        return window_bounds(window, B, T, S, device)
-    return document_bounds(doc_ids, window, B, T, S, device)
+        return shape_bounds(window, B, T, S, device, prefix)
+    return document_bounds(doc_ids, window, B, T, S, device, prefix)
 
 
 def sees(b, rows, cols, T: int, S: int, causal: bool, reach, doc_ids: torch.Tensor | None,

@@ -174,11 +174,9 @@ def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids:
                      window: int = 0, prefix: int = 0, mods: ScoreMods | None = None,
                      sinks: torch.Tensor | None = None, backend: str = "auto") -> torch.Tensor:
     """Our FlashAttention kernels (kernels/triton/, and kernels/hopper/ on sm_90: backend chooses);
-    with documents or a window, block-sparse."""
-    if prefix:
-        raise ValueError(f"triton_attention: prefix={prefix}: {TRITON_PREFIX}")
+    with documents, a window or a prefix, block-sparse."""
     return flash_attention(q, k, v, causal=True, doc_ids=doc_ids, window=window, backend=backend, mods=mods,
-                           sinks=sinks)
+                           sinks=sinks, prefix=prefix)
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **masks_and_mods) -> torch.Tensor:
@@ -186,9 +184,6 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **masks_a
     mods = masks_and_mods.get("mods")
     attend = naive_attention if mods and mods.softcap else sdpa_attention
     return attend(q, k, v, **masks_and_mods)
-
-
-TRITON_PREFIX = "our kernels' Bounds hold one lower bound per query, and a prefix raises the upper one"
 
 
 # -----------------------------------------------------------------------------
@@ -208,7 +203,7 @@ ATTENTIONS = {a.name: a for a in (
     Attention("triton", triton_attention, "our FlashAttention-2 forward and backward Triton kernels",
               max_head_dim=MAX_HEAD_DIM, unsupported=unsupported, context_parallel="ring",
               saved_ops=(torch.ops.kernels.flash_attn_fwd.default,), decode=triton_decode, graphable=True,
-              backend="auto", refuses={"prefix": TRITON_PREFIX}),
+              backend="auto"),
     # the peers ours is measured against (model/peers.py); flex decodes through SDPA (naive for a
     # softcap), where a BlockMask and a compile per cache length would cost more than the step
     Attention("flex", flex_attention, "torch.nn.attention.flex_attention, compiled, with BlockMasks (CUDA to train)",

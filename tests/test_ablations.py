@@ -200,7 +200,7 @@ def test_every_attention_gives_the_model_the_same_logits_and_loss():
 @pytest.mark.parametrize("overrides, message", [
     (["attn=sdpa", "attn.softcap=30"], "attn.softcap=30.0: attn=sdpa cannot compute it (SDPA takes a mask or a "
                                        "bias, not a function of each score): use attn=naive, triton, flex or fa4"),
-    (["attn=triton", "attn.prefix=4"], "attn.prefix=4: attn=triton cannot compute it"),
+    (["attn=triton", "attn.backend=gluon", "attn.prefix=4"], "attn.prefix=4: the Hopper kernels"),
     (["attn=fa4", "attn.alibi=true"], "attn.alibi=True: attn=fa4 cannot compute it (FlashAttention-4 has no ALiBi "
                                       "argument)"),
     (["attn=triton", "attn.backend=gluon", "attn.alibi=true"], "attn.alibi=True: the Hopper kernels"),
@@ -221,7 +221,7 @@ def test_what_cannot_run_is_refused_in_one_line(overrides, message):
 
 def test_each_attention_computes_what_it_does_not_refuse():
     refused = {name: sorted(a.refuses) for name, a in ATTENTIONS.items()}
-    assert refused == {"naive": [], "sdpa": ["softcap"], "triton": ["prefix"], "flex": [], "fa4": ["alibi", "prefix"]}
+    assert refused == {"naive": [], "sdpa": ["softcap"], "triton": [], "flex": [], "fa4": ["alibi", "prefix"]}
 
 
 # ---------------------------------------------------------------------------

@@ -56,7 +56,7 @@ def _store(out, values):
 
 
 @triton.jit
-def _kv_side(KEY_LO, OUT, T, S, CAUSAL: tl.constexpr, BOUNDED: tl.constexpr, CONSUMERS: tl.constexpr,
+def _kv_side(KEY_LO, KEY_BAND, OUT, T, S, CAUSAL: tl.constexpr, BOUNDED: tl.constexpr, CONSUMERS: tl.constexpr,
              ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
     """Per (program, consumer): the Gluon forward's key blocks, and the Triton kernels' key ranges
     of the same ROWS query rows."""
@@ -67,22 +67,22 @@ def _kv_side(KEY_LO, OUT, T, S, CAUSAL: tl.constexpr, BOUNDED: tl.constexpr, CON
     rows = first + tl.arange(0, ROWS)
     _, own_lo, full_lo, n_full = gluon_kv_runs(key_lo_row, rows, first, lo, n_blocks, T, S, CAUSAL, BOUNDED, ROWS,
                                                BLOCK_N)
-    _, lo_t, full_lo_t, full_end_t, end_t = kv_ranges(KEY_LO, tl.program_id(2), rows, first, T, S, CAUSAL, BOUNDED,
-                                                      ROWS, BLOCK_N)
+    _, lo_t, full_lo_t, full_end_t, end_t = kv_ranges(KEY_BAND, tl.program_id(2), rows, first, T, S, CAUSAL,
+                                                      BOUNDED, ROWS, BLOCK_N)
     _store(OUT + (tl.program_id(0) * CONSUMERS + tl.program_id(1)) * 9,
            (lo, n_blocks, own_lo, full_lo, n_full, lo_t, full_lo_t, full_end_t, end_t))
 
 
 @triton.jit
-def _q_side(ROW_HI, OUT, MASKED, T, S, CAUSAL: tl.constexpr, BOUNDED: tl.constexpr, BLOCK_M: tl.constexpr,
-            BLOCK_N: tl.constexpr, M_BLOCKS: tl.constexpr):
+def _q_side(ROW_HI, ROW_BAND, OUT, MASKED, T, S, CAUSAL: tl.constexpr, BOUNDED: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, M_BLOCKS: tl.constexpr):
     """Per key block: the Gluon backward's Q blocks and which it masks, and the Triton dK/dV
     kernel's query ranges."""
     n = tl.program_id(0)
     start_n = n * BLOCK_N
     cols = start_n + tl.arange(0, BLOCK_N)
-    _, start, full_start, full_hi_t, q_hi = q_ranges(ROW_HI, tl.program_id(1), cols, start_n, T, S, CAUSAL, BOUNDED,
-                                                     BLOCK_M, BLOCK_N)
+    _, start, full_start, full_hi_t, q_hi = q_ranges(ROW_BAND, tl.program_id(1), cols, start_n, T, S, CAUSAL,
+                                                     BOUNDED, BLOCK_M, BLOCK_N)
     m_lo, m_hi, _, full_hi = gluon_q_blocks(ROW_HI, tl.program_id(1), n, T, S, CAUSAL, BOUNDED, BLOCK_M, BLOCK_N)
     _store(OUT + n * 6, (m_lo, m_hi, start, full_start, full_hi_t, q_hi))
     for m in range(M_BLOCKS):
@@ -102,7 +102,7 @@ def _dq_turns(KEY_LO, OUT, T, S, CAUSAL: tl.constexpr, BOUNDED: tl.constexpr, LO
 
 
 @triton.jit
-def _masks(KEY_LO, ROW_HI, OUT, S_PAD, T, S, CAUSAL: tl.constexpr, BOUNDED: tl.constexpr, BLOCK_M: tl.constexpr,
+def _masks(KEY_BAND, ROW_BAND, OUT, S_PAD, T, S, CAUSAL: tl.constexpr, BOUNDED: tl.constexpr, BLOCK_M: tl.constexpr,
            BLOCK_N: tl.constexpr):
     """Both dialects' element masks of one (BLOCK_M, BLOCK_N) tile, query-major and key-major."""
     start_m = tl.program_id(0) * BLOCK_M
@@ -110,15 +110,17 @@ def _masks(KEY_LO, ROW_HI, OUT, S_PAD, T, S, CAUSAL: tl.constexpr, BOUNDED: tl.c
     offs_m = tl.arange(0, BLOCK_M)
     rows = start_m + offs_m
     cols = start_n + tl.arange(0, BLOCK_N)
-    key_lo = tl.load(KEY_LO + rows, mask=rows < T, other=0)
-    row_hi = tl.load(ROW_HI + cols, mask=cols < S, other=0)
+    key_lo = tl.load(KEY_BAND + rows, mask=rows < T, other=0)
+    key_hi = tl.load(KEY_BAND + T + rows, mask=rows < T, other=-1)
+    row_lo = tl.load(ROW_BAND + cols, mask=cols < S, other=T)
+    row_hi = tl.load(ROW_BAND + S + cols, mask=cols < S, other=0)
     at = rows[:, None] * S_PAD + cols[None, :]
     plane = (tl.num_programs(0) * BLOCK_M) * S_PAD
-    tl.store(OUT + at, visible(rows, cols, T, S, key_lo, CAUSAL, BOUNDED).to(tl.int32))
+    tl.store(OUT + at, visible(rows, cols, T, S, (key_lo, key_hi), CAUSAL, BOUNDED).to(tl.int32))
     tl.store(OUT + plane + at, gluon_visible(rows, cols, T, S, key_lo, CAUSAL, BOUNDED).to(tl.int32))
     if CAUSAL:  # the Triton dK/dV kernel masks only causal tiles
         at_t = cols[:, None] + rows[None, :] * S_PAD
-        tl.store(OUT + 2 * plane + at_t, visible_t(cols, rows, T, S, row_hi, BOUNDED).to(tl.int32))
+        tl.store(OUT + 2 * plane + at_t, visible_t(cols, rows, T, S, (row_lo, row_hi), BOUNDED).to(tl.int32))
         tl.store(OUT + 3 * plane + at_t,
                  gluon_visible_t(cols, start_m, offs_m, T, S, row_hi, CAUSAL, BOUNDED).to(tl.int32))
 
@@ -138,6 +140,12 @@ CASES = [
     (100, 100, "window", 31), (77, 130, "window", 40), (130, 77, "window", 1),
     (100, 100, "documents+window", ([40, 1, 59], 23)),
 ]
+# a prefix-LM's prefix raises each query's last key (the portable kernels only: the Hopper kernels take none)
+PREFIX_CASES = [
+    (100, 100, "prefix", 40), (77, 130, "prefix", 20), (130, 77, "prefix", 33),
+    (100, 100, "documents+prefix", ([1, 31, 32, 3, 33], 17)), (100, 100, "window+prefix", (23, 50)),
+    (100, 100, "documents+window+prefix", ([40, 1, 59], 23, 30)),
+]
 BLOCKS = [(16, 32), (32, 16), (32, 32)]
 
 
@@ -151,50 +159,61 @@ class Setting(NamedTuple):
     key_lo: torch.Tensor  # (T,) int32: each query's first key (zeros unbounded)
     row_hi: torch.Tensor  # (S,) int32: one past each key's last query (zeros unbounded)
     seen: torch.Tensor  # (T, S) bool: flash_ref's dense mask
+    keys: torch.Tensor  # (2 T,) int32: Bounds.keys of the one batch row, key_lo then key_hi (zeros unbounded)
+    rows: torch.Tensor  # (2 S,) int32: Bounds.rows, row_lo then row_hi (zeros unbounded)
+    prefix: int
 
 
-@pytest.fixture(params=[(c, b) for c in CASES for b in BLOCKS],
+def _parts(kind: str, extra) -> tuple:
+    """(document lengths or None, window, prefix) of a case's mask kind and extra."""
+    parts = kind.split("+")
+    values = dict(zip(parts, extra if len(parts) > 1 else (extra,), strict=True))
+    return values.get("documents"), values.get("window", 0), values.get("prefix", 0)
+
+
+@pytest.fixture(params=[(c, b) for c in CASES + PREFIX_CASES for b in BLOCKS],
                 ids=lambda p: f"T{p[0][0]}-S{p[0][1]}-{p[0][2]}-BM{p[1][0]}-BN{p[1][1]}")
 def setting(request) -> Setting:
     (T, S, mask, extra), (block_m, block_n) = request.param
     causal = mask != "full"
-    doc_ids = window = None
-    if mask == "documents":
-        doc_ids = extra
-    elif mask == "window":
-        window = extra
-    elif mask == "documents+window":
-        doc_ids, window = extra
-    doc_ids = None if doc_ids is None else torch.repeat_interleave(torch.arange(len(doc_ids)), torch.tensor(doc_ids))
-    doc_ids = None if doc_ids is None else doc_ids[None]
-    bnd = bounds(doc_ids, window or 0, 1, T, S, torch.device("cpu"))
+    lengths, window, prefix = _parts(mask, extra) if causal else (None, 0, 0)
+    doc_ids = None if lengths is None else torch.repeat_interleave(torch.arange(len(lengths)),
+                                                                   torch.tensor(lengths))[None]
+    bnd = bounds(doc_ids, window, 1, T, S, torch.device("cpu"), prefix)
     zeros_q, zeros_k = torch.zeros(1, 1, T, 8, dtype=torch.float64), torch.zeros(1, 1, S, 8, dtype=torch.float64)
-    probs, _ = attention_probs(zeros_q, zeros_k, causal, doc_ids=doc_ids, window=window or 0)
+    probs, _ = attention_probs(zeros_q, zeros_k, causal, doc_ids=doc_ids, window=window, prefix=prefix)
     key_lo = bnd.key_lo[0] if bnd else torch.zeros(T, dtype=torch.int32)
     row_hi = bnd.row_hi[0] if bnd else torch.zeros(S, dtype=torch.int32)
-    return Setting(T, S, block_m, block_n, causal, bnd is not None, key_lo, row_hi, probs[0, 0] > 0)
+    keys = bnd.keys.flatten() if bnd else torch.zeros(2 * T, dtype=torch.int32)
+    rows = bnd.rows.flatten() if bnd else torch.zeros(2 * S, dtype=torch.int32)
+    return Setting(T, S, block_m, block_n, causal, bnd is not None, key_lo, row_hi, probs[0, 0] > 0, keys, rows,
+                   prefix)
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"T{c[0]}-S{c[1]}-{c[2]}")
+@pytest.mark.parametrize("case", CASES + PREFIX_CASES, ids=lambda c: f"T{c[0]}-S{c[1]}-{c[2]}")
 def test_every_reader_of_a_mask_sees_the_same_keys(case):
     # the dense mask, FlexAttention's mask_mod, the kernels' Bounds and FlashAttention-4's
     # arguments, each from one Mask, against a walk over the keys written from the rule's words
     T, S, kind, extra = case
-    lengths = extra if kind == "documents" else extra[0] if kind == "documents+window" else None
-    window = extra if kind == "window" else extra[1] if kind == "documents+window" else 0
+    lengths, window, prefix = _parts(kind, extra) if kind != "full" else (None, 0, 0)
     doc_ids = None if lengths is None else \
         torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[None]
-    mask = masking.Mask(T, S, kind != "full", doc_ids, window)
-    want = torch.tensor([[j < S and (kind == "full" or j <= i + S - T) and (not window or i + S - T - j < window)
-                          and (doc_ids is None or doc_ids[0, i] == doc_ids[0, j]) for j in range(S)] for i in range(T)])
+    mask = masking.Mask(T, S, kind != "full", doc_ids, window, prefix)
+    same_doc = (lambda i, j: True) if doc_ids is None else (lambda i, j: bool(doc_ids[0, i] == doc_ids[0, j]))
+    in_prefix = (lambda j: j < prefix) if doc_ids is None else \
+        (lambda j: j - next(x for x in range(j + 1) if same_doc(x, j)) < prefix)  # from its document's first
+    want = torch.tensor([[j < S and (kind == "full" or j <= i + S - T or in_prefix(j))
+                          and (not window or i + S - T - j < window) and same_doc(i, j) for j in range(S)]
+                         for i in range(T)])
     assert torch.equal(mask.dense()[0, 0], want)
     rows, cols = torch.arange(T)[:, None], torch.arange(S)[None, :]
     assert torch.equal(mask.mask_mod(torch.device("cpu"))(torch.zeros((), dtype=torch.long), None, rows, cols), want)
     bnd = mask.bounds(1, torch.device("cpu"))
-    if bnd is not None:  # the band the kernels read, with the causal mask, is the same set of keys
-        band = (cols >= bnd.key_lo[0][:, None]) & (cols <= rows + S - T)
-        assert torch.equal(band, want)
-        assert torch.equal((rows < bnd.row_hi[0][None, :]) & (cols <= rows + S - T), want)
+    if bnd is not None:  # the bands the kernels read are the same set of keys
+        assert torch.equal((cols >= bnd.key_lo[0][:, None]) & (cols <= bnd.key_hi[0][:, None]), want)
+        assert torch.equal((rows >= bnd.row_lo[0][None, :]) & (rows < bnd.row_hi[0][None, :]), want)
+    if not prefix:  # the Hopper kernels read key_lo and row_hi, with the causal mask
+        assert bnd is None or torch.equal((cols >= bnd.key_lo[0][:, None]) & (cols <= rows + S - T), want)
 
 
 def test_flash_attention_4_gets_the_masks_window_and_document_offsets():
@@ -241,7 +260,7 @@ def test_nothing_is_remembered_while_a_cuda_graph_is_captured(monkeypatch):
     first = document_bounds(doc_ids, 0, 1, 16, 16, cpu)
     assert document_bounds(doc_ids, 0, 1, 16, 16, cpu) is not first
     assert torch.equal(first.key_lo, bounds(doc_ids, 0, 1, 16, 16, cpu).key_lo)
-    assert masking.window_bounds(4, 1, 16, 16, cpu) is not masking.window_bounds(4, 1, 16, 16, cpu)
+    assert masking.shape_bounds(4, 1, 16, 16, cpu) is not masking.shape_bounds(4, 1, 16, 16, cpu)
     monkeypatch.setattr(masking, "_capturing", lambda device: False)
     assert [mask(doc_ids, 3) for _ in range(2)] == [4, 4]
     assert document_bounds(doc_ids, 0, 1, 16, 16, cpu) is document_bounds(doc_ids, 0, 1, 16, 16, cpu)
@@ -265,19 +284,25 @@ def _tiles_whole(seen, rows, keys):
 
 @pytest.mark.parametrize("consumers", [1, 3])
 def test_forward_key_blocks_agree(setting, consumers):
-    T, S, rows, block_n, causal, bounded, key_lo, _, seen = setting
+    T, S, rows, block_n, causal, bounded, key_lo, _, seen, keys, _, prefix = setting
     programs = triton.cdiv(T, consumers * rows)
-    # past T the Triton helpers (never called there) would read past key_lo: pad it
-    padded = torch.cat([key_lo, torch.full((programs * consumers * rows,), S, dtype=torch.int32)])
+    # past T the helpers (never called there) would read past key_lo and key_hi: pad them
+    pad = torch.full((programs * consumers * rows,), S, dtype=torch.int32)
     out = torch.zeros(programs * consumers, 9, dtype=torch.int32)
-    _run(_kv_side, (programs, consumers, 1), padded, out, T, S, CAUSAL=causal, BOUNDED=bounded, CONSUMERS=consumers,
-         ROWS=rows, BLOCK_N=block_n)
+    _run(_kv_side, (programs, consumers, 1), torch.cat([key_lo, pad]), torch.cat([keys, pad]), out, T, S,
+         CAUSAL=causal, BOUNDED=bounded, CONSUMERS=consumers, ROWS=rows, BLOCK_N=block_n)
     n_blocks_all = triton.cdiv(S, block_n)
     for index, (lo, n_blocks, own_lo, full_lo, n_full, lo_t, full_lo_t, full_end_t, end_t) in enumerate(out.tolist()):
         first = index * rows
         if first >= T:  # a consumer of rows past T only (T < CONSUMERS * ROWS): its stores are masked
             continue
         row_range = range(first, min(first + rows, T))
+        for j in range(n_blocks_all):  # (2) and (3), Triton
+            keys_j = range(j * block_n, min((j + 1) * block_n, S))
+            assert (lo_t <= j * block_n < end_t) or not _tiles_seen(seen, row_range, keys_j), (index, j)
+            assert not full_lo_t <= j * block_n < full_end_t or _tiles_whole(seen, row_range, keys_j), (index, j)
+        if prefix:  # the Hopper kernels take none
+            continue
         # (1) the dialects agree: Gluon counts blocks, Triton keys
         assert (own_lo * block_n, full_lo * block_n, n_full * block_n) == (lo_t, full_lo_t, full_end_t), index
         assert triton.cdiv(end_t, block_n) <= n_blocks and (consumers > 1 or triton.cdiv(end_t, block_n) == n_blocks)
@@ -291,16 +316,15 @@ def test_forward_key_blocks_agree(setting, consumers):
             # (2) every tile with a score the rows see is visited; (3) a mask-free tile is seen whole
             assert visited or not _tiles_seen(seen, row_range, keys), (index, j)
             assert not mask_free or (visited and _tiles_whole(seen, row_range, keys)), (index, j)
-            assert (lo_t <= j * block_n < end_t) or not _tiles_seen(seen, row_range, keys), (index, j)
 
 
 def test_backward_query_blocks_agree(setting):
-    T, S, block_m, block_n, causal, bounded, _, row_hi, seen = setting
+    T, S, block_m, block_n, causal, bounded, _, row_hi, seen, _, band, prefix = setting
     key_blocks, m_blocks = triton.cdiv(S, block_n), triton.cdiv(T, block_m)
     out = torch.zeros(key_blocks, 6, dtype=torch.int32)
     masked = torch.zeros(key_blocks, m_blocks, dtype=torch.int32)
-    _run(_q_side, (key_blocks, 1, 1), row_hi, out, masked, T, S, CAUSAL=causal, BOUNDED=bounded, BLOCK_M=block_m,
-         BLOCK_N=block_n, M_BLOCKS=m_blocks)
+    _run(_q_side, (key_blocks, 1, 1), row_hi, band, out, masked, T, S, CAUSAL=causal, BOUNDED=bounded,
+         BLOCK_M=block_m, BLOCK_N=block_n, M_BLOCKS=m_blocks)
     for n, (m_lo, m_hi, start, full_start, full_hi_t, q_hi) in enumerate(out.tolist()):
         keys = range(n * block_n, min((n + 1) * block_n, S))
         # the Triton kernel's runs: masked [start, min(full_start, q_hi)), free [full_start, full_hi), masked
@@ -309,6 +333,12 @@ def test_backward_query_blocks_agree(setting):
         triton_visited = set(range(start, min(full_start, q_hi), block_m)) | triton_free
         if bounded:
             triton_visited |= set(range(full_hi_t, q_hi, block_m))
+        for m in range(m_blocks):  # (2) and (3), Triton
+            row_range = range(m * block_m, min((m + 1) * block_m, T))
+            assert m * block_m in triton_visited or not _tiles_seen(seen, row_range, keys), (n, m)
+            assert m * block_m not in triton_free or _tiles_whole(seen, row_range, keys), (n, m)
+        if prefix:  # the Hopper kernels take none
+            continue
         gluon_visited = {m * block_m for m in range(m_lo, m_hi)}
         assert gluon_visited == triton_visited, n  # (1)
         for m in range(m_blocks):
@@ -316,9 +346,7 @@ def test_backward_query_blocks_agree(setting):
             if m * block_m not in gluon_visited:
                 assert not _tiles_seen(seen, row_range, keys), (n, m)  # (2)
                 continue
-            whole = _tiles_whole(seen, row_range, keys)
-            assert masked[n, m] or whole, (n, m)  # (3), Gluon
-            assert m * block_m not in triton_free or whole, (n, m)  # (3), Triton
+            assert masked[n, m] or _tiles_whole(seen, row_range, keys), (n, m)  # (3), Gluon
 
 
 @pytest.mark.parametrize("longest_first", [False, True], ids=["shortest-first", "longest-first"])
@@ -327,10 +355,12 @@ def test_dq_turns_order_the_programs_of_each_q_block(setting, longest_first):
     # order: no writer waits for a share that never comes (a hang), none shares a turn (an order
     # that changes run to run). Launch order within a (batch, kv head), kernels/hopper/schedule.py's
     # bwd_tile: key block 0 first (longest first), or the last first (shortest first)
-    T, S, block_m, block_n, causal, bounded, key_lo, row_hi, _ = setting
+    T, S, block_m, block_n, causal, bounded, key_lo, row_hi, _, _, band, prefix = setting
+    if prefix:
+        pytest.skip("the Hopper kernels take no prefix")
     key_blocks, m_blocks = triton.cdiv(S, block_n), triton.cdiv(T, block_m)
     ranges = torch.zeros(key_blocks, 6, dtype=torch.int32)
-    _run(_q_side, (key_blocks, 1, 1), row_hi, ranges, torch.zeros(key_blocks, m_blocks, dtype=torch.int32), T, S,
+    _run(_q_side, (key_blocks, 1, 1), row_hi, band, ranges, torch.zeros(key_blocks, m_blocks, dtype=torch.int32), T, S,
          CAUSAL=causal, BOUNDED=bounded, BLOCK_M=block_m, BLOCK_N=block_n, M_BLOCKS=m_blocks)
     turns = torch.zeros(key_blocks, m_blocks, dtype=torch.int32)
     _run(_dq_turns, (key_blocks, m_blocks, 1), key_lo, turns, T, S, CAUSAL=causal, BOUNDED=bounded,
@@ -342,14 +372,13 @@ def test_dq_turns_order_the_programs_of_each_q_block(setting, longest_first):
 
 
 def test_element_masks_agree_with_flash_ref(setting):
-    T, S, block_m, block_n, causal, bounded, key_lo, row_hi, seen = setting
+    T, S, block_m, block_n, causal, bounded, key_lo, row_hi, seen, keys, rows, prefix = setting
     m_tiles, n_tiles = triton.cdiv(T, block_m), triton.cdiv(S, block_n)
     out = torch.zeros(4, m_tiles * block_m, n_tiles * block_n, dtype=torch.int32)
-    _run(_masks, (m_tiles, n_tiles, 1), key_lo, row_hi, out, n_tiles * block_n, T, S, CAUSAL=causal,
+    _run(_masks, (m_tiles, n_tiles, 1), keys, rows, out, n_tiles * block_n, T, S, CAUSAL=causal,
          BOUNDED=bounded, BLOCK_M=block_m, BLOCK_N=block_n)
-    triton_mask, gluon_mask, triton_t, gluon_t = (plane[:T, :S].bool() for plane in out)
-    assert torch.equal(triton_mask, seen) and torch.equal(gluon_mask, seen)  # (4)
     planes = out if causal else out[:2]
-    assert not planes[:, :T, S:].any()  # the last tile's keys past S: never visible
-    if causal:
-        assert torch.equal(triton_t, seen) and torch.equal(gluon_t, seen)
+    planes = planes[::2] if prefix else planes  # the Hopper kernels take no prefix
+    for plane in planes:  # (4)
+        assert torch.equal(plane[:T, :S].bool(), seen)
+        assert not plane[:T, S:].any()  # the last tile's keys past S: never visible

@@ -62,7 +62,7 @@ def _dense(q, k, v, do, sinks, dtype, **masks_and_mods):
     return (o.detach(), lse, *torch.autograd.grad(o, leaves + ([] if s is None else [s]), do.to(dtype)))
 
 
-def _error_scales(q, k, v, do, sinks, causal, doc_ids, window, mods):
+def _error_scales(q, k, v, do, sinks, causal, doc_ids, window, mods, prefix=0):
     """As tests/test_flash_attn.py's _error_scales (each output's sums with every factor's absolute
     value, whose size sets their rounding error), with the modifications, and the sinks' gradient
     sum_{b,i} P_sink |delta|. The cap's derivative (at most 1) is left out: a bound."""
@@ -70,7 +70,7 @@ def _error_scales(q, k, v, do, sinks, causal, doc_ids, window, mods):
     B, H, _, D = q.shape
     H_kv, S = k.shape[1], k.shape[2]
     s64 = None if sinks is None else sinks.detach().double()
-    p, lse = attention_probs(q, k, causal, doc_ids=doc_ids, window=window, mods=mods, sinks=s64)
+    p, lse = attention_probs(q, k, causal, doc_ids=doc_ids, window=window, mods=mods, sinks=s64, prefix=prefix)
     k_h, v_h = (t.repeat_interleave(H // H_kv, dim=1).abs() for t in (k, v))
     o = p @ v_h
     delta = (do.abs() * o).sum(-1)
@@ -84,13 +84,13 @@ def _error_scales(q, k, v, do, sinks, causal, doc_ids, window, mods):
 
 
 def _check(case_id, dtype, B, H, H_kv, T, S, D, causal, mods, sinks_on, layout="bthd", doc_ids=None, window=0,
-           device="cpu", backend="auto"):
+           device="cpu", backend="auto", prefix=0):
     """The two halves' O, LSE, dQ, dK, dV (and dsinks) against the float64 reference, each within
     its bound; returns them."""
     q, k, v, do = _make_inputs(case_id, B, H, H_kv, T, S, D, dtype, layout, device)
     q, k, v = (t.detach() for t in (q, k, v))
     sinks = _sinks(case_id, H, S, device) if sinks_on else None
-    masks_and_mods = dict(causal=causal, doc_ids=doc_ids, window=window, mods=mods)
+    masks_and_mods = dict(causal=causal, doc_ids=doc_ids, window=window, mods=mods, prefix=prefix)
     o, lse = flash_attn_forward(q, k, v, sinks=sinks, backend=backend, **masks_and_mods)
     grads = flash_attn_backward(do, q, k, v, o, lse, sinks=sinks, backend=backend, **masks_and_mods)
     got = (o, lse, *grads)
@@ -100,7 +100,7 @@ def _check(case_id, dtype, B, H, H_kv, T, S, D, causal, mods, sinks_on, layout="
         assert grads[3].dtype == sinks.dtype and grads[3].shape == sinks.shape
     ref64 = _dense(q, k, v, do, sinks, torch.float64, **masks_and_mods)
     ref_lowp = _dense(q, k, v, do, sinks, dtype, **masks_and_mods)
-    scales = _error_scales(q, k, v, do, sinks, causal, doc_ids, window, mods)
+    scales = _error_scales(q, k, v, do, sinks, causal, doc_ids, window, mods, prefix)
     # fp32 sums: over the keys for O, LSE and dQ; over the GQA group's queries for dK and dV; over
     # the batch's rows for dsinks
     n_terms = (S, S, S, T * H // H_kv, T * H // H_kv, B * T)
@@ -142,6 +142,49 @@ def test_matches_float64_reference(case):
     dtype, B, H, H_kv, T, S, D, causal, mods, sinks, layout, lengths, window = case
     doc_ids = None if lengths is None else _doc_ids(lengths)
     _check(_case_id(case), dtype, B, H, H_kv, T, S, D, causal, mods, sinks, layout, doc_ids, window)
+
+
+# a prefix-LM's prefix: (dtype, B, H, H_kv, T, S, D, mods, sinks, document lengths or None, window,
+# prefix); longer than a document, past a window, T != S both ways
+PREFIX_CPU_CASES = [
+    (F32, 1, 4, 2, 37, 37, 24, OFF, False, None, 0, 10),
+    (F16, 1, 4, 2, 37, 50, 24, CAP, False, None, 0, 12),
+    (F32, 1, 4, 1, 50, 37, 24, ALIBI, True, None, 0, 4),
+    (F16, 1, 4, 2, 50, 50, 24, ALL, True, [[17, 33]], 0, 5),
+    (F32, 2, 4, 2, 50, 50, 24, OFF, True, [[1, 20, 29], [50]], 9, 7),
+    (F32, 1, 4, 2, 50, 50, 16, ALL, False, [[1, 20, 29]], 6, 25),
+]
+
+
+def _prefix_case_id(case):
+    dtype, B, H, H_kv, T, S, D, mods, sinks, lengths, window, prefix = case
+    return f"P{prefix}-" + _case_id((dtype, B, H, H_kv, T, S, D, True, mods, sinks, "bthd", lengths, window))
+
+
+@pytest.mark.parametrize("case", PREFIX_CPU_CASES, ids=_prefix_case_id)
+def test_a_prefix_matches_float64_reference(case):
+    dtype, B, H, H_kv, T, S, D, mods, sinks, lengths, window, prefix = case
+    doc_ids = None if lengths is None else _doc_ids(lengths)
+    _check(_prefix_case_id(case), dtype, B, H, H_kv, T, S, D, True, mods, sinks, "bthd", doc_ids, window,
+           prefix=prefix)
+
+
+def test_a_prefix_is_deterministic_and_compiles_to_the_same_bits():
+    # the backward twice, bit for bit; torch.compile's custom op carries the prefix
+    doc_ids = _doc_ids([[20, 30]])
+    q, k, v, do = _make_inputs("prefix-bits", 1, 4, 2, 50, 50, 16, F32, "bthd")
+
+    def grads(attend):
+        o = attend(q, k, v)
+        return (o, *torch.autograd.grad(o, (q, k, v), do))
+
+    eager = functools.partial(flash_attention, doc_ids=doc_ids, prefix=6, mods=CAP)
+    first = grads(eager)
+    assert all(torch.equal(a, b) for a, b in zip(first, grads(eager), strict=True))
+    assert not torch.equal(first[0], grads(functools.partial(flash_attention, doc_ids=doc_ids, mods=CAP))[0])
+    torch._dynamo.reset()
+    compiled = torch.compile(eager, backend="aot_eager", fullgraph=True)
+    assert all(torch.equal(a, b) for a, b in zip(first, grads(compiled), strict=True))
 
 
 def test_a_row_that_sees_no_key_returns_zero_and_its_sink():
@@ -232,18 +275,18 @@ def test_bad_arguments_raise_one_line(call):
         assert "\n" not in str(raised.value)
 
 
-@pytest.mark.parametrize("extra", [{"mods": CAP}, {"mods": ALIBI, "sinks": torch.zeros(2)}],
-                         ids=["softcap", "alibi-sinks"])
+@pytest.mark.parametrize("extra", [{"mods": CAP}, {"mods": ALIBI, "sinks": torch.zeros(2)}, {"prefix": 3}],
+                         ids=["softcap", "alibi-sinks", "prefix"])
 def test_gluon_refuses_modifications_in_one_line(extra):
     # raised before anything asks for a GPU: the same line on any machine
     q = torch.randn(1, 2, 8, 16)
     for call in (lambda: kernels.flash_attention(q, q, q, backend="gluon", **extra),
                  lambda: kernels.flash_attn_forward(q, q, q, backend="gluon", **extra)):
-        with pytest.raises(ValueError, match='backend=gluon: the Hopper kernels take no softcap or ALiBi: '
+        with pytest.raises(ValueError, match='backend=gluon: the Hopper kernels take no softcap, ALiBi or prefix: '
                                              'backend="auto" or "triton" runs them') as raised:
             call()
         assert "\n" not in str(raised.value)
-    with pytest.raises(ValueError, match="take no softcap or ALiBi"):
+    with pytest.raises(ValueError, match="take no softcap, ALiBi or prefix"):
         backends.backends(64, BF16, torch.device("cpu"), 4096, "gluon", modified=True)
     assert backends.backends(64, BF16, torch.device("cpu"), 4096, "auto", modified=True) == {
         "forward": "triton", "backward": "triton"}
@@ -252,10 +295,10 @@ def test_gluon_refuses_modifications_in_one_line(extra):
 def test_each_modification_has_its_own_launch():
     # a launch is kept per signature: one bound without a modification is never reused with it
     q = torch.randn(1, 4, 8, 16)
-    signatures = {api._signature((q, q, q), True, 0.25, None, "auto", mods, sinks)
+    signatures = {api._signature((q, q, q), True, 0.25, None, "auto", mods, sinks, prefix)
                   for mods in (OFF, CAP, ScoreMods(softcap=3.0), ALIBI, ALL)
-                  for sinks in (None, torch.zeros(4))}
-    assert len(signatures) == 10
+                  for sinks in (None, torch.zeros(4)) for prefix in (0, 5)}
+    assert len(signatures) == 20
 
 
 @pytest.mark.gpu
@@ -310,6 +353,26 @@ def test_gpu_matches_float64_reference(case):
     _check("gpu-" + _case_id(case), dtype, B, H, H_kv, T, S, D, causal, mods, sinks, layout, doc_ids, window, "cuda")
 
 
+PREFIX_GPU_CASES = [
+    (BF16, 2, 4, 2, 2048, 2048, 64, OFF, False, None, 0, 300),
+    (F16, 1, 4, 2, 1537, 2048, 128, CAPPED_ALIBI, True, None, 0, 700),
+    (BF16, 1, 8, 2, 2048, 2048, 128, ScoreMods(softcap=3.0), True, LENGTHS, 500, 100),
+    (BF16, 1, 4, 1, 2048, 2048, 64, OFF, True, LENGTHS, 0, 1000),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", PREFIX_GPU_CASES, ids=_prefix_case_id)
+def test_gpu_a_prefix_matches_float64_reference(case):
+    dtype, B, H, H_kv, T, S, D, mods, sinks, lengths, window, prefix = case
+    doc_ids = None if lengths is None else _doc_ids(lengths, "cuda")
+    first = _check("gpu-" + _prefix_case_id(case), dtype, B, H, H_kv, T, S, D, True, mods, sinks, "bthd", doc_ids,
+                   window, "cuda", prefix=prefix)
+    again = _check("gpu-" + _prefix_case_id(case), dtype, B, H, H_kv, T, S, D, True, mods, sinks, "bthd", doc_ids,
+                   window, "cuda", prefix=prefix)
+    assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))  # deterministic, bit for bit
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("lengths", [None, LENGTHS], ids=["no-bounds", "documents"])
 def test_gpu_backward_is_deterministic_and_launches_are_kept_apart(lengths):
@@ -346,11 +409,13 @@ def test_gpu_the_hopper_kernels_take_sinks(D, lengths):
 
 @pytest.mark.gpu
 def test_gpu_auto_runs_the_portable_kernels_with_modifications():
-    # at lengths where "auto" picks the Hopper kernels on sm_90, modifications go to the portable ones
+    # at lengths where "auto" picks the Hopper kernels on sm_90, modifications and a prefix go to the
+    # portable ones
     q, k, v, do = _make_inputs("gpu-auto", 1, 4, 2, 4096, 4096, 64, BF16, "bthd", "cuda")
     sinks = _sinks("gpu-auto", 4, 4096, "cuda")
-    outs = []
-    for backend in ("auto", "triton"):
-        o = kernels.flash_attention(q, k, v, backend=backend, mods=ALL, sinks=sinks)
-        outs.append((o, *torch.autograd.grad(o, (q, k, v, sinks), do)))
-    assert all(torch.equal(a, b) for a, b in zip(*outs, strict=True))
+    for extra in ({"mods": ALL}, {"prefix": 1000}):
+        outs = []
+        for backend in ("auto", "triton"):
+            o = kernels.flash_attention(q, k, v, backend=backend, sinks=sinks, **extra)
+            outs.append((o, *torch.autograd.grad(o, (q, k, v, sinks), do)))
+        assert all(torch.equal(a, b) for a, b in zip(*outs, strict=True))

@@ -397,7 +397,7 @@ def _launch(do, q, k, v, o, lse, dq, dk, dv, bounds: Bounds | None, causal: bool
     if not warmup:
         aux_grid, aux_args = passes.lse_delta_launch(o, do, lse, aux, zeroed, tiles.block_m)
         aux_bound = launch_and_bind(passes.lse_delta_kernel, aux_grid, aux_args)
-    key_lo, row_hi = bounds or (None, None)
+    key_lo, row_hi = _lo_hi(bounds)
     args = (descriptor(q, [1, 1, tiles.block_m, D]), descriptor(k, [1, 1, tiles.block_n, D]),
             descriptor(v, [1, 1, tiles.block_n, D]), descriptor(do, [1, 1, tiles.block_m, D]),
             descriptor(aux, [1, 1, 1, tiles.block_m]),
@@ -416,6 +416,11 @@ def _launch(do, q, k, v, o, lse, dq, dk, dv, bounds: Bounds | None, causal: bool
                      tuple(view.data_ptr() - scratch.data_ptr() for view in views))
 
 
+def _lo_hi(bounds: Bounds | None) -> tuple:
+    """(key_lo, row_hi) of the Bounds, the halves these kernels read, or (None, None)."""
+    return (bounds.key_lo, bounds.row_hi) if bounds else (None, None)
+
+
 def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, bounds: Bounds | None,
              signature: tuple) -> None:
     """Writes dq, dk, dv (shaped like q, k, v; head dim contiguous) from the forward's o and lse
@@ -429,7 +434,7 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, bounds
         base = scratch.data_ptr()
         aux, dq_acc, counts, zeroed = (Address(base + offset) for offset in launches.offsets)
         launches.aux(o, do, lse, aux, zeroed)
-        launches.main(q, k, v, do, aux, dq_acc, counts, dk, dv, *(bounds or (None, None)))
+        launches.main(q, k, v, do, aux, dq_acc, counts, dk, dv, *_lo_hi(bounds))
         launches.dq(dq_acc, dq)
         return
     longest_first = config.bwd_longest_first(q.shape[3], causal, bounds is not None, k.shape[2])
@@ -441,7 +446,8 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, bounds
 def compile_only(do, q, k, v, causal: bool, bounded: bool = False):
     """The compiled kernel for these inputs' layout, without launching it (scripts/sm90.py)."""
     (B, H, T, D), S = q.shape, k.shape[2]
-    bounds = Bounds(torch.empty((B, T), dtype=torch.int32), torch.empty((B, S), dtype=torch.int32)) if bounded else None
+    bounds = Bounds(torch.empty((2, B, T), dtype=torch.int32), torch.empty((2, B, S), dtype=torch.int32)) \
+        if bounded else None
     o, dq, dk, dv, lse = (*map(torch.empty_like, (q, q, k, v)), torch.empty((B, H, T), dtype=torch.float32))
     return _launch(do, q, k, v, o, lse, dq, dk, dv, bounds, causal, D ** -0.5,
                    config.bwd_longest_first(D, causal, bounded, S), warmup=True)

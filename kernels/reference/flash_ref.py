@@ -137,11 +137,12 @@ def flash_attention_reference_backward(q, k, v, o, lse, do, causal=True, scale=N
 
 
 def attention_probs(q, k, causal=True, scale=None, dtype=torch.float64, doc_ids=None, window=0, mods=None,
-                    sinks=None):
+                    sinks=None, prefix=0):
     """Dense softmax probabilities P (B, H, T, S) with an explicit mask, every op in `dtype`,
     and the natural-log LSE (B, H, T). Differentiable. Rows that attend no key get P = 0 and
     LSE = -inf. doc_ids (B, T), with T == S: query i attends key j only if both ids match.
     window W > 0: query i attends only keys j > i + S - T - W (its last W, with causal).
+    prefix P > 0: every query attends its document's (the sequence's) first P keys too, within its window.
     mods: kernels/score_mods.py's ScoreMods, applied to the scaled scores before the mask. sinks
     (H,): each head's sink logit, in every row's denominator (LSE includes it; P's rows then sum
     to less than 1, and a row that sees no key has LSE = its sink)."""
@@ -151,7 +152,7 @@ def attention_probs(q, k, causal=True, scale=None, dtype=torch.float64, doc_ids=
     s = scale * q.to(dtype) @ _expand_kv(k, H).to(dtype).transpose(-1, -2)  # (B, H, T, S)
     if mods:
         s = mods.apply(s)
-    s = s.masked_fill(~Mask(T, S, causal, doc_ids, window).dense(q.device), float("-inf"))
+    s = s.masked_fill(~Mask(T, S, causal, doc_ids, window, prefix).dense(q.device), float("-inf"))
     if sinks is not None:  # one more logit per row, of a key with no value
         s = torch.cat([s, sinks.to(dtype)[None, :, None, None].expand(B, H, T, 1)], dim=-1)
     lse = torch.logsumexp(s.detach(), dim=-1)
@@ -161,9 +162,9 @@ def attention_probs(q, k, causal=True, scale=None, dtype=torch.float64, doc_ids=
 
 
 def attention_reference(q, k, v, causal=True, scale=None, dtype=torch.float64, doc_ids=None, window=0, mods=None,
-                        sinks=None):
+                        sinks=None, prefix=0):
     """Dense attention with an explicit mask, every op in `dtype`: (o, LSE in natural log).
     Differentiable; rows that attend no key give o = 0, LSE = -inf (or their sink) and zero
-    gradients. mods, sinks: as attention_probs'."""
-    p, lse = attention_probs(q, k, causal, scale, dtype, doc_ids, window, mods, sinks)
+    gradients. mods, sinks, prefix: as attention_probs'."""
+    p, lse = attention_probs(q, k, causal, scale, dtype, doc_ids, window, mods, sinks, prefix)
     return p @ _expand_kv(v, q.shape[1]).to(dtype), lse

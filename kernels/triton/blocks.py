@@ -108,26 +108,30 @@ def key_block(start_n, offs_n, d_mask, S, MASKED: tl.constexpr):
 
 
 @triton.jit
-def visible(rows, cols, T, S, key_lo, CAUSAL: tl.constexpr, BOUNDED: tl.constexpr):
-    """(len(rows), len(cols)) mask of the scores a query row may attend: real keys; under the
-    bottom-right causal mask only keys j <= i + S - T; bounded (documents, a window), only keys
-    from the row's first one on (key_lo: each row's)."""
-    visible = cols[None, :] < S
-    if CAUSAL:
-        visible = visible & (cols[None, :] <= rows[:, None] + (S - T))
+def visible(rows, cols, T, S, band, CAUSAL: tl.constexpr, BOUNDED: tl.constexpr):
+    """(len(rows), len(cols)) mask of the scores a query row may attend: bounded (documents, a
+    window, a prefix), the keys of each row's band (key_lo, key_hi); otherwise the real keys, under
+    the bottom-right causal mask only keys j <= i + S - T."""
     if BOUNDED:
-        visible = visible & (cols[None, :] >= key_lo[:, None])
+        key_lo, key_hi = band
+        visible = (cols[None, :] >= key_lo[:, None]) & (cols[None, :] <= key_hi[:, None])
+    else:
+        visible = cols[None, :] < S
+        if CAUSAL:
+            visible = visible & (cols[None, :] <= rows[:, None] + (S - T))
     return visible
 
 
 @triton.jit
-def visible_t(cols, rows, T, S, row_hi, BOUNDED: tl.constexpr):
+def visible_t(cols, rows, T, S, band, BOUNDED: tl.constexpr):
     """visible's transpose, (len(cols), len(rows)), for the dK/dV kernel's masked tiles, which
-    exist only under the causal mask: key j <= i + S - T; bounded, query i before the key's
-    row_hi. Keys past S are left in: their dK and dV rows are never stored."""
-    visible_t = cols[:, None] <= rows[None, :] + (S - T)
+    exist only under the causal mask: key j <= i + S - T; bounded, the queries of each key's band
+    (row_lo, row_hi). Keys past S are left in: their dK and dV rows are never stored."""
     if BOUNDED:
-        visible_t = visible_t & (rows[None, :] < row_hi[:, None])
+        row_lo, row_hi = band
+        visible_t = (rows[None, :] >= row_lo[:, None]) & (rows[None, :] < row_hi[:, None])
+    else:
+        visible_t = cols[:, None] <= rows[None, :] + (S - T)
     return visible_t
 
 
@@ -211,59 +215,73 @@ def q_block_range(start_n, T, S, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BL
 
 
 @triton.jit
-def bounded_kv_range(KEY_LO, start_m, T, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Bounded, query rows [start_m, start_m + BLOCK_M) attend keys from lo (the tile of the first
-    row's first key) on; keys from full_lo on are seen by every row (up to the diagonal): key_lo
-    grows with the row, so the last row's decides."""
-    lo = tl.load(KEY_LO + start_m) // BLOCK_N * BLOCK_N
-    full_lo = tl.cdiv(tl.load(KEY_LO + tl.minimum(start_m + BLOCK_M, T) - 1), BLOCK_N) * BLOCK_N
-    return lo, full_lo
+def bounded_kv_range(KEY_BAND, off_b, start_m, T, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Bounded (KEY_BAND: Bounds.keys, (2, B, T)), query rows [start_m, start_m + BLOCK_M) of batch
+    row off_b attend keys from lo (the tile of the first row's key_lo) to end (past the last row's
+    key_hi); keys from full_lo to full_end are seen by every row: both bounds grow with the row, so
+    the last row's key_lo and the first row's key_hi decide."""
+    key_lo = KEY_BAND + off_b.to(tl.int64) * T
+    key_hi = key_lo + tl.num_programs(2).to(tl.int64) * T  # the grid's third axis is the batch
+    last = tl.minimum(start_m + BLOCK_M, T) - 1
+    lo = tl.load(key_lo + start_m) // BLOCK_N * BLOCK_N
+    full_lo = tl.cdiv(tl.load(key_lo + last), BLOCK_N) * BLOCK_N
+    full_end = (tl.load(key_hi + start_m) + 1) // BLOCK_N * BLOCK_N
+    end = tl.load(key_hi + last) + 1
+    return key_lo, key_hi, lo, full_lo, full_end, end
 
 
 @triton.jit
-def bounded_q_range(ROW_HI, start_n, S, full_start, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Bounded, keys [start_n, start_n + BLOCK_N) are attended by query rows before q_hi (the last
-    key's row_hi); rows from full_start to full_hi see all of them: row_hi grows with the key, so
-    the first key's decides."""
-    q_hi = tl.load(ROW_HI + tl.minimum(start_n + BLOCK_N, S) - 1)
-    full_hi = tl.maximum(tl.load(ROW_HI + start_n) // BLOCK_M * BLOCK_M, full_start)
-    return full_hi, q_hi
+def bounded_q_range(ROW_BAND, off_b, start_n, T, S, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Bounded (ROW_BAND: Bounds.rows, (2, B, S)), keys [start_n, start_n + BLOCK_N) of batch row
+    off_b are attended by query rows from start (the block of the first key's row_lo) to q_hi (the
+    last key's row_hi); rows from full_start to full_hi see all of them: both bounds grow with the
+    key, so the last key's row_lo and the first key's row_hi decide."""
+    row_lo = ROW_BAND + off_b.to(tl.int64) * S
+    row_hi = row_lo + tl.num_programs(2).to(tl.int64) * S  # the grid's third axis is the batch
+    last = tl.minimum(start_n + BLOCK_N, S) - 1
+    start = tl.load(row_lo + start_n) // BLOCK_M * BLOCK_M
+    full_start = tl.minimum(tl.cdiv(tl.load(row_lo + last), BLOCK_M) * BLOCK_M, T)
+    q_hi = tl.load(row_hi + last)
+    full_hi = tl.maximum(tl.load(row_hi + start_n) // BLOCK_M * BLOCK_M, full_start)
+    return row_lo, row_hi, start, full_start, full_hi, q_hi
 
 
 @triton.jit
-def kv_ranges(KEY_LO, off_b, rows, start_m, T, S, CAUSAL: tl.constexpr, BOUNDED: tl.constexpr,
+def kv_ranges(KEY_BAND, off_b, rows, start_m, T, S, CAUSAL: tl.constexpr, BOUNDED: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """What the forward and dQ kernels need of query rows [start_m, start_m + BLOCK_M) of batch row
-    off_b (KEY_LO: Bounds.key_lo, (B, T); None unbounded): (key_lo, each row's first key, for
-    visible; lo, full_lo, full_end, end), the key blocks they visit in three runs: masked
+    off_b (KEY_BAND: Bounds.keys, (2, B, T); None unbounded): (band, each row's first and last key,
+    for visible; lo, full_lo, full_end, end), the key blocks they visit in three runs: masked
     [lo, min(full_lo, full_end)) where the rows' first keys lie (empty unbounded), mask-free
-    [full_lo, full_end), masked [max(lo, full_end), end) on the diagonal and past the keys' end."""
-    key_lo = rows
-    full_end, end = kv_block_range(start_m, T, S, CAUSAL, BLOCK_M, BLOCK_N)
+    [full_lo, full_end), masked [max(lo, full_end), end) on the diagonal (or past a prefix's end)
+    and past the keys' end."""
     if BOUNDED:
-        key_lo_row = KEY_LO + off_b.to(tl.int64) * T
-        key_lo = tl.load(key_lo_row + rows, mask=rows < T, other=0)
-        lo, full_lo = bounded_kv_range(key_lo_row, start_m, T, BLOCK_M, BLOCK_N)
+        key_lo, key_hi, lo, full_lo, full_end, end = bounded_kv_range(KEY_BAND, off_b, start_m, T, BLOCK_M, BLOCK_N)
+        band = (tl.load(key_lo + rows, mask=rows < T, other=0), tl.load(key_hi + rows, mask=rows < T, other=-1))
     else:
+        full_end, end = kv_block_range(start_m, T, S, CAUSAL, BLOCK_M, BLOCK_N)
         lo = 0
         full_lo = 0
-    return key_lo, lo, full_lo, full_end, end
+        band = (rows, rows)  # unread
+    return band, lo, full_lo, full_end, end
 
 
 @triton.jit
-def q_ranges(ROW_HI, off_b, cols, start_n, T, S, CAUSAL: tl.constexpr, BOUNDED: tl.constexpr,
+def q_ranges(ROW_BAND, off_b, cols, start_n, T, S, CAUSAL: tl.constexpr, BOUNDED: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """What the dK/dV kernel needs of keys cols = [start_n, start_n + BLOCK_N) of batch row off_b
-    (ROW_HI: Bounds.row_hi, (B, S); None unbounded): (row_hi, each key's, for visible_t; start,
-    full_start, full_hi, q_hi), the query blocks that see them in three runs: masked
-    [start, min(full_start, q_hi)) on the diagonal, mask-free [full_start, full_hi), masked
-    [full_hi, q_hi) where the keys' last queries lie (empty unbounded)."""
-    start, full_start = q_block_range(start_n, T, S, CAUSAL, BLOCK_M, BLOCK_N)
-    row_hi = cols
-    full_hi = T
-    q_hi = T
-    if BOUNDED:  # rows from the last key's row_hi on see none of the keys
-        row_hi_row = ROW_HI + off_b.to(tl.int64) * S
-        row_hi = tl.load(row_hi_row + cols, mask=cols < S, other=0)
-        full_hi, q_hi = bounded_q_range(row_hi_row, start_n, S, full_start, BLOCK_M, BLOCK_N)
-    return row_hi, start, full_start, full_hi, q_hi
+    (ROW_BAND: Bounds.rows, (2, B, S); None unbounded): (band, each key's first query and one past
+    its last, for visible_t; start, full_start, full_hi, q_hi), the query blocks that see them in
+    three runs: masked [start, min(full_start, q_hi)) on the diagonal (or from a prefix's first
+    query), mask-free [full_start, full_hi), masked [full_hi, q_hi) where the keys' last queries lie
+    (empty unbounded)."""
+    if BOUNDED:
+        row_lo, row_hi, start, full_start, full_hi, q_hi = bounded_q_range(ROW_BAND, off_b, start_n, T, S, BLOCK_M,
+                                                                           BLOCK_N)
+        band = (tl.load(row_lo + cols, mask=cols < S, other=T), tl.load(row_hi + cols, mask=cols < S, other=0))
+    else:
+        start, full_start = q_block_range(start_n, T, S, CAUSAL, BLOCK_M, BLOCK_N)
+        full_hi = T
+        q_hi = T
+        band = (cols, cols)  # unread
+    return band, start, full_start, full_hi, q_hi

@@ -51,14 +51,14 @@ def _bwd_preprocess_kernel(
 def _bwd_dkdv_inner(
     dk, dv, k, v,  # (BLOCK_N, BLOCK_D) fp32 accumulators; resident K and V tiles
     head,  # one query head's Q and dO tiles (as blocks.stream gives them), its STATS rows at row 0
-    block,  # the block's keys and their row_hi; query offsets; real head dims
+    block,  # the block's keys and their band (row_lo, row_hi); query offsets; real head dims
     m_start, m_end, sizes,  # the query blocks [m_start, m_end); (T, S, qk_scale)
     slope,  # the query head's ALiBi slope (log2 units), or None
     MASKED: tl.constexpr, BOUNDED: tl.constexpr, BLOCK_M: tl.constexpr, TMA: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     INPUT_PRECISION: tl.constexpr = config.dot_precision(k.dtype)
     q_tiles, do_tiles, stats = head
-    cols, row_hi, offs_m, d_mask = block
+    cols, band, offs_m, d_mask = block
     T, S, qk_scale = sizes
     MODIFIED: tl.constexpr = SOFTCAP > 0.0 or slope is not None
     s_scale = qk_scale  # as in the forward: the modified scores come in log2 units
@@ -81,7 +81,7 @@ def _bwd_dkdv_inner(
             s_t = scores(qk_t, qk_scale, rows[None, :] + (S - T), cols[:, None], slope, SOFTCAP, q.dtype)
         p_t = tl.math.exp2(tl.fma(s_t, s_scale, -lse[None, :]))
         if MASKED:  # selected after exp2: a row with LSE = -inf gives inf here and is dropped, never NaN
-            p_t = tl.where(visible_t(cols, rows, T, S, row_hi, BOUNDED), p_t, 0.0)
+            p_t = tl.where(visible_t(cols, rows, T, S, band, BOUNDED), p_t, 0.0)
         # -- dV += P^T dO; dK += dS^T Q --
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=INPUT_PRECISION)
         dp_t = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)  # (BLOCK_N, BLOCK_M)
@@ -96,14 +96,14 @@ def _bwd_dkdv_inner(
 @triton.jit
 def _bwd_dkdv_kernel(
     Q, K, V, DO, STATS, DK, DV,  # as in the forward; STATS: the preprocess's; dk, dv like k, v
-    ROW_HI,  # (B, S) int32, one past each key's last query (kernels/masking.py's Bounds), or None
+    ROW_BAND,  # (2, B, S) int32, each key's first query and one past its last (Bounds.rows), or None
     ALIBI,  # (H,) fp32, each query head's ALiBi slope times log2(e), or None
     dims,  # ((q, k, v, do, dk, dv) strides, scalars as the dQ kernel's): one pair, 16 parameters in all
     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, TMA: tl.constexpr, SOFTCAP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     BLOCK_D: tl.constexpr = config.block_d(HEAD_DIM)
-    BOUNDED: tl.constexpr = ROW_HI is not None
+    BOUNDED: tl.constexpr = ROW_BAND is not None
     strides, scalars = dims  # (Triton unpacks one level at a time)
     q_strides, k_strides, v_strides, do_strides, dk_strides, dv_strides = strides
     H, GROUP, T, S, sm_scale, qk_scale = scalars
@@ -122,9 +122,9 @@ def _bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
-    row_hi, m_start, full_start, full_hi, q_hi = q_ranges(ROW_HI, off_b, cols, start_n, T, S,
-                                                          CAUSAL, BOUNDED, BLOCK_M, BLOCK_N)
-    block, sizes = (cols, row_hi, offs_m, d_mask), (T, S, qk_scale)
+    band, m_start, full_start, full_hi, q_hi = q_ranges(ROW_BAND, off_b, cols, start_n, T, S, CAUSAL, BOUNDED,
+                                                        BLOCK_M, BLOCK_N)
+    block, sizes = (cols, band, offs_m, d_mask), (T, S, qk_scale)
     for g in range(GROUP):  # GQA: the kv head's query heads, summed in a fixed order
         off_h = off_hkv * GROUP + g
         q_tiles = stream(Q, q_strides, off_b, off_h, T, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
@@ -158,7 +158,7 @@ def _bwd_dq_inner(
     q, do, lse, delta = resident
     INPUT_PRECISION: tl.constexpr = config.dot_precision(q.dtype)
     k_tiles, v_tiles = kv_tiles
-    rows, key_lo, offs_n, d_mask = block
+    rows, band, offs_n, d_mask = block
     T, S, qk_scale = sizes
     MODIFIED: tl.constexpr = SOFTCAP > 0.0 or slope is not None
     s_scale = qk_scale  # as in the forward: the modified scores come in log2 units
@@ -175,7 +175,7 @@ def _bwd_dq_inner(
             s = scores(qk, qk_scale, rows[:, None] + (S - T), cols[None, :], slope, SOFTCAP, k.dtype)
         p = tl.math.exp2(tl.fma(s, s_scale, -lse[:, None]))
         if MASKED:  # selected after exp2, as in the dK/dV kernel
-            p = tl.where(visible(rows, cols, T, S, key_lo, CAUSAL, BOUNDED), p, 0.0)
+            p = tl.where(visible(rows, cols, T, S, band, CAUSAL, BOUNDED), p, 0.0)
         # -- dQ += dS K --
         dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)  # (BLOCK_M, BLOCK_N)
         ds = p * (dp - delta[:, None])
@@ -189,7 +189,7 @@ def _bwd_dq_inner(
 @triton.jit
 def _bwd_dq_kernel(
     Q, K, V, DO, STATS, DQ,  # as in the dK/dV kernel; dq like q
-    KEY_LO,  # (B, T) int32, each query's first key (kernels/masking.py's Bounds), or None
+    KEY_BAND,  # (2, B, T) int32, each query's first and last key (kernels/masking.py's Bounds.keys), or None
     ALIBI,  # (H,) fp32, each query head's ALiBi slope times log2(e), or None
     strides,  # (q, k, v, do, dq) strides, each (batch, head, sequence, head dim)
     scalars,  # (H, GROUP, T, S) as in the forward, softmax_scale, softmax_scale * log2(e)
@@ -197,7 +197,7 @@ def _bwd_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     BLOCK_D: tl.constexpr = config.block_d(HEAD_DIM)
-    BOUNDED: tl.constexpr = KEY_LO is not None
+    BOUNDED: tl.constexpr = KEY_BAND is not None
     q_strides, k_strides, v_strides, do_strides, dq_strides = strides
     H, GROUP, T, S, sm_scale, qk_scale = scalars
     start_m, off_h, off_b, off_hkv, rows, offs_n, offs_d, d_mask, row_mask = query_program(T, GROUP, HEAD_DIM, BLOCK_D,
@@ -214,10 +214,10 @@ def _bwd_dq_kernel(
         slope = tl.load(ALIBI + off_h)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    key_lo, lo, full_lo, full_end, end = kv_ranges(KEY_LO, off_b, rows, start_m, T, S, CAUSAL,
-                                                   BOUNDED, BLOCK_M, BLOCK_N)
+    band, lo, full_lo, full_end, end = kv_ranges(KEY_BAND, off_b, rows, start_m, T, S, CAUSAL, BOUNDED,
+                                                 BLOCK_M, BLOCK_N)
     resident, kv_tiles = (q, do, lse, delta), (k_tiles, v_tiles)
-    block, sizes = (rows, key_lo, offs_n, d_mask), (T, S, qk_scale)
+    block, sizes = (rows, band, offs_n, d_mask), (T, S, qk_scale)
     # -- the forward's three runs of key blocks --
     if BOUNDED:
         dq = _bwd_dq_inner(dq, resident, kv_tiles, block, lo, tl.minimum(full_lo, full_end), sizes, slope,
@@ -245,10 +245,10 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, bounds
     one's compiled launches."""
     (B, H, T, D), (H_kv, S) = q.shape, k.shape[1:3]
     stats = torch.empty((B, H, 2, T), dtype=torch.float32, device=q.device)
-    key_lo, row_hi = bounds or (None, None)
+    key_band, row_band = bounds or (None, None)
     stats_args = (o, do, lse, stats)
-    dkdv_args = (q, k, v, do, stats, dk, dv, row_hi, alibi)
-    dq_args = (q, k, v, do, stats, dq, key_lo, alibi)
+    dkdv_args = (q, k, v, do, stats, dk, dv, row_band, alibi)
+    dq_args = (q, k, v, do, stats, dq, key_band, alibi)
     launches = [launcher.bound_for(signature) for launcher in (PREPROCESS, DKDV, DQ)]
     if all(launches):
         for launch, tensors in zip(launches, (stats_args, dkdv_args, dq_args), strict=True):

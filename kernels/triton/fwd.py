@@ -34,7 +34,7 @@ def _fwd_inner(
 ):
     INPUT_PRECISION: tl.constexpr = config.dot_precision(q.dtype)
     k_tiles, v_tiles = kv_tiles
-    rows, key_lo, offs_n, d_mask = block
+    rows, band, offs_n, d_mask = block
     T, S, qk_scale = sizes
     MODIFIED: tl.constexpr = SOFTCAP > 0.0 or slope is not None
     s_scale = qk_scale  # what scores are multiplied by on their way into exp2: modified ones come in log2 units
@@ -48,7 +48,7 @@ def _fwd_inner(
         if MODIFIED:  # before the mask: a masked score stays -inf, not -C
             qk = scores(qk, qk_scale, rows[:, None] + (S - T), cols[None, :], slope, SOFTCAP, k.dtype)
         if MASKED:
-            qk = tl.where(visible(rows, cols, T, S, key_lo, CAUSAL, BOUNDED), qk, float("-inf"))
+            qk = tl.where(visible(rows, cols, T, S, band, CAUSAL, BOUNDED), qk, float("-inf"))
         # -- online softmax: new row max, rescale --
         m_new = tl.maximum(m_i, tl.max(qk, 1) * s_scale)
         m_sub = m_new
@@ -67,7 +67,7 @@ def _fwd_inner(
 @triton.jit
 def _fwd_kernel(
     Q, K, V, O, LSE,  # q (B, H, T, D); k, v (B, H_kv, S, D); o like q; LSE (B, H, T) fp32
-    KEY_LO,  # (B, T) int32, each query's first key (kernels/masking.py's Bounds), or None: no bounds
+    KEY_BAND,  # (2, B, T) int32, each query's first and last key (kernels/masking.py's Bounds.keys), or None
     ALIBI,  # (H,) fp32, each query head's ALiBi slope times log2(e), or None: no ALiBi
     SINKS,  # (H,) fp32, each query head's sink logit, or None: no sinks
     strides,  # (q, k, v, o) strides, each (batch, head, sequence, head dim)
@@ -77,7 +77,7 @@ def _fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     BLOCK_D: tl.constexpr = config.block_d(HEAD_DIM)
-    BOUNDED: tl.constexpr = KEY_LO is not None
+    BOUNDED: tl.constexpr = KEY_BAND is not None
     q_strides, k_strides, v_strides, o_strides = strides
     H, GROUP, T, S, qk_scale = scalars
     start_m, off_h, off_b, off_hkv, rows, offs_n, offs_d, d_mask, row_mask = query_program(T, GROUP, HEAD_DIM, BLOCK_D,
@@ -91,9 +91,9 @@ def _fwd_kernel(
     slope = None
     if ALIBI is not None:
         slope = tl.load(ALIBI + off_h)
-    key_lo, lo, full_lo, full_end, end = kv_ranges(KEY_LO, off_b, rows, start_m, T, S, CAUSAL,
-                                                   BOUNDED, BLOCK_M, BLOCK_N)
-    kv_tiles, block, sizes = (k_tiles, v_tiles), (rows, key_lo, offs_n, d_mask), (T, S, qk_scale)
+    band, lo, full_lo, full_end, end = kv_ranges(KEY_BAND, off_b, rows, start_m, T, S, CAUSAL, BOUNDED,
+                                                 BLOCK_M, BLOCK_N)
+    kv_tiles, block, sizes = (k_tiles, v_tiles), (rows, band, offs_n, d_mask), (T, S, qk_scale)
     # -- the key blocks: masked where the rows' first keys lie, mask-free, masked at the diagonal --
     if BOUNDED:
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, kv_tiles, block, lo, tl.minimum(full_lo, full_end), sizes, slope,
@@ -114,18 +114,18 @@ def _fwd_kernel(
 FWD = Launcher(_fwd_kernel, config.FWD, config.CPU_FWD, config.FWD_PRUNE)
 
 
-def forward(q, k, v, o, lse, causal: bool, scale: float, key_lo, signature: tuple, softcap: float = 0.0,
+def forward(q, k, v, o, lse, causal: bool, scale: float, key_band, signature: tuple, softcap: float = 0.0,
             alibi=None, sinks=None) -> None:
-    """Writes o and lse of checked inputs; key_lo: Bounds.key_lo, or None. softcap: C (0: none);
+    """Writes o and lse of checked inputs; key_band: Bounds.keys, or None. softcap: C (0: none);
     alibi: kernels/score_mods.py's kernel_slopes, or None; sinks: (H,) fp32 logits, or None (the LSE
     then includes them). Later calls of the same signature (kernels/inputs.py's layout, the flags and
     the modifications) reuse the first one's compiled launch."""
-    tensors = (q, k, v, o, lse, key_lo, alibi, sinks)
+    tensors = (q, k, v, o, lse, key_band, alibi, sinks)
     if bound := FWD.bound_for(signature):
         bound(*tensors)
         return
     (B, H, T, _), (H_kv, S) = q.shape, k.shape[1:3]
-    key, constexprs = config.tuning_key_and_constexprs(q, k, causal, key_lo is not None, inputs.uses_tma(k, v),
+    key, constexprs = config.tuning_key_and_constexprs(q, k, causal, key_band is not None, inputs.uses_tma(k, v),
                                                        softcap)
     with on_device(q):
         strides = (q.stride(), k.stride(), v.stride(), o.stride())
