@@ -17,8 +17,6 @@ import importlib.metadata
 import logging
 import math
 import os
-import re
-import shlex
 import signal
 import sys
 from collections.abc import Callable
@@ -36,7 +34,7 @@ from hydra.types import RunMode  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from configs.overrides import override, quoted_where_needed, shell_override  # noqa: E402
+from configs.overrides import quoted_where_needed  # noqa: E402
 from configs.runtime import (autocast, autocast_dtype, fsdp_param_dtype, grad_scaler, memory_cap,  # noqa: E402
                              out_of_memory, precision, precision_line, probe_sdpa_backend, resolve_device, sdpa_backend)
 from configs.schema import TrainConfig, plain  # noqa: E402
@@ -49,6 +47,8 @@ from data.files import WriteError, atomic_write  # noqa: E402
 from data.prepare import prepare_on_node  # noqa: E402
 from model import GPT, get_attention  # noqa: E402
 from model.attention import Modifications, sdpa_masked  # noqa: E402
+from trainer.commands import (continue_command, resume_hint, sample_command, shown, started_here,  # noqa: E402
+                              sweep_command, sweeping)
 from trainer.checkpoint import (CHECKPOINT_NAME, CheckpointError, load_checkpoint, load_weights,  # noqa: E402
                                 save_checkpoint)
 from trainer.metrics import json_line, read_metrics  # noqa: E402
@@ -395,57 +395,10 @@ def save(run: Run) -> None:
     run.saved_step = run.step
 
 
-def shown(path: Path) -> str:
-    """path as a command line shows it: relative to the working directory where it lies under it."""
-    path = Path(path).absolute()
-    return str(path.relative_to(Path.cwd())) if path.is_relative_to(Path.cwd()) else str(path)
-
-
 def last_checkpoint(run: Run) -> str:
     if run.saved_step is None:
         return "no checkpoint was written"
     return f"the last checkpoint (step {run.saved_step}) is {run.run_dir / CHECKPOINT_NAME}"
-
-
-def sweeping() -> bool:
-    """Whether this process runs a sweep's jobs (train.py -m)."""
-    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
-
-
-def resume_hint(run: Run) -> str:
-    """What continues this run, as the end of a line: the sweep's command; resume= added to
-    train.py's own command; or, where a script ran it, resume= alone."""
-    if sweeping():
-        return f"{sweep_command()} continues the sweep (each job in its own dir; finished jobs are skipped)"
-    if started_here():
-        return f"add {shell_override('resume', str(run.run_dir))} to the same command to continue"
-    return f"train.py {shell_override('resume', str(run.run_dir))} continues it"
-
-
-def same_command(drop: str, *added: str) -> str:
-    """This process's train.py command as a shell line, without the overrides whose key matches the
-    regex `drop` (those preflight added among them), with the overrides `added` at the end."""
-    args = [a for a in sys.argv[1:] if not re.match(rf"\+*({drop})=", a)]
-    return shlex.join(["python", sys.argv[0], *args, *added])
-
-
-def sweep_command() -> str:
-    """This sweep's command, into its sweep dir: what continues it (train.py -m, in a shell)."""
-    return same_command(r"hydra\.(sweep\.dir|output_subdir)", override("hydra.sweep.dir", HydraConfig.get().sweep.dir))
-
-
-def started_here() -> bool:
-    """Whether this process is train.py's own command (not a script that runs train() in it)."""
-    return Path(sys.argv[0]).resolve() == Path(__file__).resolve()
-
-
-def continue_command(run: Run, max_steps: int | None = None) -> str:
-    """What continues this run from its checkpoint (to max_steps, where given): train.py's own
-    command with resume= where that command started this process alone, else what to add to it."""
-    added = ([f"max_steps={max_steps}"] if max_steps else []) + [override("resume", shown(run.run_dir))]
-    if run.par.world == 1 and started_here():
-        return same_command(r"hydra\.(run\.dir|output_subdir)|resume" + ("|max_steps" if max_steps else ""), *added)
-    return f"add {shlex.join(added)} to the same command"
 
 
 # -----------------------------------------------------------------------------
@@ -496,7 +449,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
         summary["message"] = (f"stopped by {summary['signal']} as the run closed: "
                               + "the end-of-run sample was given up; " * given_up
                               + f"it finished at step {run.step} and its files are written"
-                              + (f": {resume_hint(run)}" if sweeping() else ""))
+                              + (f": {resume_hint(run.run_dir)}" if sweeping() else ""))
     return summary
 
 
@@ -506,7 +459,7 @@ def ended_early(run: Run, e: BaseException) -> tuple[str, str] | None:
     fails, and torchrun stops them)."""
     cfg, single = run.cfg, run.par.world == 1
     if isinstance(e, KeyboardInterrupt):
-        said = f"interrupted at step {run.step}; {last_checkpoint(run)}: {resume_hint(run)}"
+        said = f"interrupted at step {run.step}; {last_checkpoint(run)}: {resume_hint(run.run_dir)}"
         if single:
             run.info["signal"] = "SIGINT"
             return "stopped", said
@@ -520,7 +473,7 @@ def ended_early(run: Run, e: BaseException) -> tuple[str, str] | None:
     if isinstance(e, (Diverged, WriteError, CheckpointError)):
         return ("diverged" if isinstance(e, Diverged) else "failed"), f"{e}; {last_checkpoint(run)}"
     if isinstance(e, DatasetError):  # its files changed under the run: a resume checks them and prepares them again
-        then = resume_hint(run) if run.saved_step is not None else "the same command starts the run again"
+        then = resume_hint(run.run_dir) if run.saved_step is not None else "the same command starts the run again"
         return "failed", f"{e}; {last_checkpoint(run)}: {then}"
     return None
 
@@ -562,7 +515,7 @@ def stop_for(run: Run, signum: int) -> str:
     said = f"stopped by {signal.Signals(signum).name} after step {run.step}; {last_checkpoint(run)}"
     if run.saved_step is None:
         return f"{said} (ckpt_interval=-1): the run cannot continue"
-    return f"{said}: {resume_hint(run)}"
+    return f"{said}: {resume_hint(run.run_dir)}"
 
 
 def finish(run: Run, status: str, message: str | None, check: Callable[[], None] = lambda: None) -> dict:
@@ -590,7 +543,7 @@ def finish(run: Run, status: str, message: str | None, check: Callable[[], None]
         try:
             atomic_write(run.run_dir / "summary.json", json_line(summary).encode())
         except WriteError as e:  # not finished without it: resume= from its last checkpoint writes it
-            line = f"error: {e}" + (f"; {resume_hint(run)}" if run.saved_step == run.step else "")
+            line = f"error: {e}" + (f"; {resume_hint(run.run_dir)}" if run.saved_step == run.step else "")
             if status == "ok":  # now a failed run, whose message main() says
                 summary.update(status="failed", message=line)
             else:  # main() says the stop's or the failure's own message
@@ -615,18 +568,16 @@ def closing_lines(run: Run, summary: dict, curves: Path | None) -> list[str]:
                      f"checkpoint: none yet (ckpt_interval={every}: the first at step {every or run.cfg.max_steps})")
     else:
         lines += [f"checkpoint: {shown(run.run_dir / CHECKPOINT_NAME)} (step {run.saved_step})",
-                  "sample: " + shlex.join(["python", shown(Path(__file__).parent / "scripts" / "sample.py"),
-                                           override("ckpt", shown(run.run_dir)),
-                                           override("prompt", run.cfg.sample_prompt)])]
+                  f"sample: {sample_command(run.run_dir, run.cfg.sample_prompt)}"]
         if not started_here():
             pass  # a script's runs are its own business: the script says how to go on
         elif sweeping():
             if summary["status"] != "ok":
-                lines.append(f"resume: {resume_hint(run)}")
+                lines.append(f"resume: {resume_hint(run.run_dir)}")
         elif summary["status"] == "ok":
-            lines.append(f"train further: {continue_command(run, 2 * run.cfg.max_steps)}")
+            lines.append(f"train further: {continue_command(run.run_dir, run.par.world == 1, 2 * run.cfg.max_steps)}")
         else:
-            lines.append(f"resume: {continue_command(run)}")
+            lines.append(f"resume: {continue_command(run.run_dir, run.par.world == 1)}")
     if where := run.log.where():
         lines.append(f"W&B: {where}")
     return lines

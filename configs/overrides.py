@@ -132,7 +132,9 @@ def one_line(e: Exception) -> str:
         text = (f"{ambiguous.group(1)}: a comma separates the values of a sweep: add -m to run one job per "
                 f"value, or quote the value to keep its comma: {shell_override(key, value)}")
     elif lines and "Available options" in str(e):
-        text = f"{lines[0]}; choose one of: {', '.join(options)}"
+        missing = re.search(r"Could not find '[^']*?([^/']+)'", lines[0])
+        close = difflib.get_close_matches(missing.group(1), options, n=1) if missing else []
+        text = f"{lines[0]}; choose one of: {', '.join(options)}" + (f" (did you mean {close[0]}?)" if close else "")
     else:
         # Hydra's advice to append with +key= is refused here (configs/overrides.py): left out
         text = "; ".join(line for line in lines if not line.startswith(("See https://", "To append to your config")))
@@ -164,4 +166,30 @@ def compose_checked(config_dir: Path, config_name: str | None, overrides: list[s
         raise ConfigError(f"{', '.join(typed)}: {reason[:1].lower()}{reason[1:]}: an override's ${{...}} names a key "
                           "of the config or a resolver such as ${oc.env:HOME}; write a literal ${ as \\${") from None
     except (HydraException, OmegaConfBaseException) as e:
-        raise ConfigError(one_line(e)) from None
+        raise ConfigError(_unknown_key(e, config_dir, config_name, overrides) or one_line(e)) from None
+
+
+def _unknown_key(e: Exception, config_dir: Path, config_name: str | None, overrides: list[str]) -> str | None:
+    """For an override of a key the config does not have: one line naming it, the closest keys and
+    where every key is listed; None for any other error."""
+    typed = re.fullmatch(r"Could not override '(.+)'\.", str(e).splitlines()[0] if str(e) else "")
+    if typed is None:
+        return None
+    key = typed.group(1)
+    with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
+        keys = _dotted(OmegaConf.to_container(compose(config_name), resolve=False))
+    leaf = key.rsplit(".", 1)[-1]
+    near = [k for k in keys if k.rsplit(".", 1)[-1] == leaf] + difflib.get_close_matches(key, keys, n=3, cutoff=0.8)
+    near += [k for k in keys if difflib.get_close_matches(leaf, [k.rsplit(".", 1)[-1]], cutoff=0.8)]
+    near = list(dict.fromkeys(k for k in near if k != key))[:3]
+    given = next((o for o in overrides if o.lstrip("+").partition("=")[0] == key), key)
+    hint = f" (did you mean {' or '.join(near)}?)" if near else ""
+    return f"{given}: no such key{hint}; every key, with its default: configs/schema.py"
+
+
+def _dotted(tree: dict, prefix: str = "") -> list[str]:
+    """The dotted names of a nested dict's leaf keys."""
+    out = []
+    for k, v in tree.items():
+        out += _dotted(v, f"{prefix}{k}.") if isinstance(v, dict) and v else [f"{prefix}{k}"]
+    return out

@@ -25,8 +25,8 @@ def load_meta(dataset_dir: str | Path) -> dict:
     meta_path = d / "meta.json"
     if not meta_path.is_file():
         problem = "has no meta.json (never prepared, or prepare was interrupted)" if d.is_dir() else "not found"
-        raise DatasetError(f"dataset {d} {problem}: run `python scripts/prepare_data.py {d.name}` or let train.py "
-                           "prepare it")
+        raise DatasetError(f"dataset {d} {problem}: prepare it with scripts/prepare_data.py {d.name}, or let "
+                           "train.py prepare it")
     corrupt = f"corrupt or truncated: delete {d} and re-run prepare"
     try:
         meta = json.loads(meta_path.read_text())

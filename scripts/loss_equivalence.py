@@ -255,11 +255,13 @@ def plot(runs: dict, reference: str, result: dict, title: str, path: Path) -> No
 
 
 def log_wandb(cfg: DictConfig, out_dir: Path, runs: dict, result: dict, png: Path) -> None:
+    run = open_wandb(cfg, out_dir, group=cfg.wandb.group or "equivalence", job_type="equivalence",
+                     name=f"equivalence-{cfg.model.name}-T{cfg.seq_len}",
+                     config={**plain(cfg), **result["environment"], "mode": result["mode"]})
+    if run.disabled:  # wandb.mode=disabled: wandb is not imported
+        return
     import wandb  # slow to import; only needed here
 
-    run = open_wandb(cfg, out_dir, group=cfg.wandb.group or "equivalence", job_type="equivalence",
-                           name=f"equivalence-{cfg.model.name}-T{cfg.seq_len}",
-                           config={**plain(cfg), **result["environment"], "mode": result["mode"]})
     series = {f"loss/{n}": r["loss"] for n, r in runs.items()}
     series |= {f"abs_diff/{n}": d for n, d in result["abs_diff"].items()}
     if result["spread_abs_diff"]:

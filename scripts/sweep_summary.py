@@ -15,10 +15,11 @@ one directory named):
                (a setting: the attention, with its window and key/value heads where not the default,
                and the modifications that are on: softcap C, alibi, sinks, prefix P, per-layer
                windows W=[...], window warm-up; e.g. `triton W=[1024,1024,1024,0] warmup=40`);
-- sweep.png:   tokens/s and peak allocated GPU memory against seq_len, one line per setting,
-               out-of-memory jobs marked with an x on the axis;
-- losses.png:  every job's training (solid) and validation (dashed) loss against the step, each
-               labelled by the config keys in which the runs differ (attn=naive, attn=sdpa, ...);
+- sweep.png:   tokens/s (from zero) and peak allocated GPU memory (on the CPU, peak RSS) against
+               seq_len, one line per setting, out-of-memory jobs marked with an x on the axis;
+- losses.png:  every job's training (solid) and validation (dashed, dots) loss against the step, each
+               labelled by the config keys in which the runs differ (attn=naive, attn=sdpa, ...), and
+               beside them each job's loss minus the first job's, where curves on top of each other part;
 - ablation.png: per setting (and seq_len, where the jobs have several), side by side: its loss
                curves (training solid, validation dashed with dots), its tokens/s and its peak
                allocated GPU memory as bars (on the CPU, which records no GPU memory, peak RSS).
@@ -242,19 +243,41 @@ def read_sweep(*dirs: Path) -> list[dict]:
 
 
 def plot_losses(rows: list[dict], path: Path) -> None:
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    """Every job's losses against the step (validation points marked), and beside them each job's
+    loss minus the first job's at the steps both logged: curves that lie on top of each other on
+    the left part on the right. Earlier jobs draw thicker lines, so one is seen under a later one."""
+    fig, (ax, diff) = plt.subplots(1, 2, figsize=(13, 4.5))
+    first = next((r for r in rows if r["curve"]), None)
     for i, r in enumerate(rows):
+        style = {"color": f"C{i % 10}", "linewidth": max(1.0, 2.6 - 0.5 * i)}
         if r["curve"]:
-            ax.plot(*zip(*r["curve"]), color=f"C{i % 10}", label=r["label"])
+            ax.plot(*zip(*r["curve"]), **style, label=r["label"])
         if r["val_curve"]:
-            ax.plot(*zip(*r["val_curve"]), "--", color=f"C{i % 10}", label=f"{r['label']} (val)")
-    if not any(r["curve"] for r in rows):
+            ax.plot(*zip(*r["val_curve"]), "o--", **style, markersize=5, label=f"{r['label']} (val)")
+        if first is not None and r is not first:
+            for key, fmt in (("curve", "-"), ("val_curve", "o--")):
+                base = dict(first[key])
+                both = [(step, loss - base[step]) for step, loss in r[key] if step in base]
+                if both:
+                    diff.plot(*zip(*both), fmt, **style, markersize=5,
+                              label=f"{r['label']}{' (val)' if key == 'val_curve' else ''}")
+    if first is None:
         ax.text(0.5, 0.5, "no job logged a loss", ha="center", va="center", transform=ax.transAxes, color="gray")
     else:
         ax.legend(fontsize=8)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (dashed: validation)")
-    ax.grid(True, alpha=0.3)
+    if diff.get_legend_handles_labels()[0]:
+        diff.axhline(0.0, color="gray", linewidth=0.8)
+        diff.legend(fontsize=8)
+    else:
+        diff.text(0.5, 0.5, "one job: nothing to subtract", ha="center", va="center", transform=diff.transAxes,
+                  color="gray")
+    ax.set_ylabel("loss (dashed, dots: validation)")
+    diff.set_ylabel(f"loss − {first['label']}'s" if first else "loss difference")
+    for a in (ax, diff):
+        a.set_xlabel("step")
+        a.grid(True, alpha=0.3)
+    labels = [r["label"] for r in rows]
+    fig.suptitle("loss: " + ", ".join(labels) if len(", ".join(labels)) <= 110 else f"loss of {len(rows)} runs")
     fig.tight_layout()
     save_figure(fig, path)
     plt.close(fig)
@@ -300,9 +323,12 @@ def markdown(rows: list[dict], source: str) -> str:
 def plot(rows: list[dict], path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     # memory on a log2 axis: naive's T x T scores make it grow 4x per doubling of seq_len
-    panels = [("tokens_per_s", "tokens/s", {"value": "linear"}, "no job finished"),
-              ("peak_mem_alloc_gib", "peak allocated GPU memory (GiB)", {"value": "log", "base": 2},
-               "no GPU memory recorded\n(a CPU run has its peak RSS in summary.csv)")]
+    # on the CPU, which records no GPU memory, the process's peak resident set instead
+    gpu = any(r["peak_mem_alloc_gib"] is not None for r in rows)
+    memory = ("peak_mem_alloc_gib", "peak allocated GPU memory (GiB)") if gpu else \
+        ("peak_rss_gib", "peak RSS of the process (GiB), CPU")
+    panels = [("tokens_per_s", "tokens/s (from 0)", {"value": "linear"}, "no job finished"),
+              (*memory, {"value": "log", "base": 2}, "no memory recorded")]
     seq_lens = sorted({r["seq_len"] for r in rows})
     attns = list(dict.fromkeys(setting(r) for r in rows))
     for ax, (key, label, yscale, empty_note) in zip(axes, panels):
@@ -322,7 +348,7 @@ def plot(rows: list[dict], path: Path) -> None:
             if oom:
                 ax.plot(oom, [bottom] * len(oom), "x", color=f"C{i}", markersize=10, mew=2, clip_on=False,
                         label=f"{attn}: OOM")
-        ax.set_ylim(bottom=bottom)
+        ax.set_ylim(bottom=0 if key == "tokens_per_s" else bottom)
         ax.set_xscale("log", base=2)
         ax.set_xticks(seq_lens, [str(s) for s in seq_lens])
         ax.set_xlim(seq_lens[0] / 1.3, seq_lens[-1] * 1.3)

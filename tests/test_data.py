@@ -408,7 +408,7 @@ def test_a_cycled_window_longer_than_its_split_repeats_it(shakespeare):
 
 
 def test_loader_errors_say_what_to_do(shakespeare, tmp_path):
-    with pytest.raises(DatasetError, match=r"not found: run `python scripts/prepare_data.py nowhere` or let train.py"):
+    with pytest.raises(DatasetError, match=r"not found: prepare it with scripts/prepare_data.py nowhere, or let "):
         TokenWindows(tmp_path / "nowhere", "train", 8, 2)
     with pytest.raises(DatasetError, match=r"need at least seq_len\+1 = 151852: use a smaller seq_len, a bigger "
                                            r"dataset or data.cycle=true"):

@@ -250,12 +250,12 @@ def test_a_stopped_sweep_goes_on_by_the_command_its_stop_line_gives(data_root, u
     assert not jobs[2].exists() and load_checkpoint(jobs[1] / "ckpt.pt")["step"] == last_step(jobs[1]) >= 4
     finished = files(jobs[0])
     assert read_metrics(jobs[0] / "summary.json")[0]["steps"] == 6
-    command_ = re.fullmatch(r"stopped by SIGTERM after step \d+; .*: (python .*) continues the sweep \(.*\)",
+    command_ = re.fullmatch(r"stopped by SIGTERM after step \d+; .*: (\S*python\S* .*) continues the sweep \(.*\)",
                             stop_line(log, "SIGTERM"))
     assert command_, stop_line(log, "SIGTERM")
-    again = shlex.split(command_.group(1))
-    assert again[0] == "python" and f"hydra.sweep.dir={sweep.relative_to(tmp_path)}" in again
-    done = run([sys.executable, *again[1:]], tmp_path)
+    again = shlex.split(command_.group(1))  # run as printed: this interpreter, by its path
+    assert again[0] == sys.executable and f"hydra.sweep.dir={sweep.relative_to(tmp_path)}" in again
+    done = run(again, tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "0_sdpa_T32: skipped: its run finished at step 6" in done.stderr
     assert files(jobs[0]) == finished  # not retrained, not rewritten
@@ -662,7 +662,9 @@ BAD_VALUES = [
     ("seq_len=abc", "seq_len"), ("model.pos_emb=alibi", "model.pos_emb"), ("dtype=fp16", "dtype"),
     ("wandb.mode=on", "wandb.mode"), ("attn.sdpa_backend=fast", "attn.sdpa_backend"),
     ("compile_mode=reduce-overhead", "compile_mode"), ("compile_mode=fast", "compile_mode"),
-    ("model.n_layers=4", "model.n_layers"), ("data=nosuchdata", "nosuchdata"), ("attn=flash", "attn/flash"),
+    ("model.n_layers=4", "model.n_layers=4: no such key (did you mean model.n_layer?)"),
+    ("lr=3e-4", "lr=3e-4: no such key (did you mean optim.lr?); every key, with its default: configs/schema.py"),
+    ("data=nosuchdata", "nosuchdata"), ("attn=flash", "attn/flash"), ("attn=trition", "(did you mean triton?)"),
     ("seq_len", "seq_len"), ("model.loss_chunk=0", "model.loss_chunk"), ("model.z_loss=-1", "model.z_loss"),
     ("model.loss=fused", "model.loss"), ("ac=some", "ac"), ("resume=nowhere/run", "resume=nowhere/run"),
     ("+model.n_layers=12", "model.n_layers"), ("++model.n_layers=12", "did you mean model.n_layer"),

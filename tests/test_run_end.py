@@ -43,11 +43,11 @@ def said(block: list[str], key: str) -> str:
     return line.removeprefix(f"{key}: ")
 
 
-def as_run(command: str) -> list[str]:
-    """A printed `python ...` command, run by this interpreter."""
-    args = shlex.split(command)
-    assert args[0] == "python", command
-    return [sys.executable, *args[1:]]
+def in_shell(command: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+    """A printed command pasted into a shell in the directory the run ran in. It names the
+    interpreter that ran the run (from elsewhere than the repository, by its absolute path)."""
+    assert Path(cwd, shlex.split(command)[0]).absolute() == Path(sys.executable).absolute(), command
+    return subprocess.run(command, shell=True, cwd=cwd, capture_output=True, text=True, timeout=timeout)
 
 
 def assert_png(path: Path) -> None:
@@ -89,8 +89,7 @@ def test_a_finished_run_ends_with_curves_and_eight_short_lines(outputs):
     assert summary["peak_rss_gib"] == max(r["peak_rss_gib"] for r in rows) and summary["peak_mem_alloc_gib"] is None
     assert summary["final_loss"] == rows[-1]["loss"]
     # the sample command samples from the checkpoint as printed; train further resumes to max_steps=8
-    done = subprocess.run(as_run(commands[0]) + ["max_new_tokens=3", "device=cpu"], cwd=outputs, capture_output=True,
-                          text=True, timeout=300)
+    done = in_shell(commands[0] + " max_new_tokens=3 device=cpu", outputs, timeout=300)
     assert done.returncode == 0 and done.stdout.startswith("ROMEO:"), done.stderr[-2000:]
     assert "max_steps=8 resume=" + str(shown) in commands[1]
 
@@ -116,7 +115,7 @@ def test_a_stopped_run_ends_with_curves_and_its_resume_command_finishes_it(data_
     assert said(block, "checkpoint") == f"run/ckpt.pt (step {step})"  # relative to the working dir
     stopped_curves = (run_dir / "curves.png").read_bytes()
     assert_png(run_dir / "curves.png")
-    done = subprocess.run(as_run(said(block, "resume")), cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    done = in_shell(said(block, "resume"), tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     assert summary_block(done.stdout)[0].startswith("ok: 60 steps")
     assert [r["step"] for r in metrics(run_dir) if "loss" in r] == list(range(1, 61))

@@ -241,3 +241,38 @@ def test_summary_marks_oom_and_failed_jobs(tmp_path):
     sweep_summary.plot_ablation(list(rows.values()), tmp_path / "ablation.png")  # no bars for oom and failed
     assert (tmp_path / "ablation.png").stat().st_size > 0
 
+
+def _figures(monkeypatch) -> list:
+    """The figures sweep_summary saves, kept for a look at what they draw."""
+    figures = []
+    monkeypatch.setattr(sweep_summary, "save_figure", lambda fig, path: figures.append(fig))
+    return figures
+
+
+def test_the_losses_plot_shows_what_differs(monkeypatch, tmp_path):
+    # two curves on top of each other part in the second panel, each run's loss minus the first's;
+    # a single validation point is a marker, and the figure says what it compares
+    figures = _figures(monkeypatch)
+    rows = [{"label": "attn=naive", "curve": [(1, 3.0), (2, 2.5), (3, 2.2)], "val_curve": [(3, 2.6)]},
+            {"label": "attn=sdpa", "curve": [(1, 3.0), (2, 2.4), (3, 2.2)], "val_curve": [(3, 2.7)]}]
+    sweep_summary.plot_losses(rows, tmp_path / "losses.png")
+    (fig,) = figures
+    losses, diff = fig.axes
+    assert fig._suptitle.get_text() == "loss: attn=naive, attn=sdpa"
+    assert all(line.get_marker() == "o" for line in losses.lines if line.get_label().endswith("(val)"))
+    drawn = {line.get_label(): list(line.get_ydata()) for line in diff.lines if not line.get_label().startswith("_")}
+    assert drawn == {"attn=sdpa": pytest.approx([0.0, -0.1, 0.0]), "attn=sdpa (val)": pytest.approx([0.1])}
+    assert diff.get_ylabel() == "loss − attn=naive's"
+
+
+def test_the_sweep_plot_starts_tokens_at_zero_and_draws_peak_rss_on_the_cpu(monkeypatch, tmp_path):
+    figures = _figures(monkeypatch)
+    rows = [{"attn": attn, "window": 0, "n_kv_head": 0, "mods": "", "seq_len": T, "status": "ok",
+             "tokens_per_s": 2000.0 + T, "peak_mem_alloc_gib": None, "peak_rss_gib": rss}
+            for attn, rss in (("naive", 1.5), ("sdpa", 1.2)) for T in (64, 128)]
+    sweep_summary.plot(rows, tmp_path / "sweep.png")
+    tokens, memory = figures[0].axes
+    assert tokens.get_ylim()[0] == 0
+    assert memory.get_ylabel() == "peak RSS of the process (GiB), CPU"
+    assert sorted(y for line in memory.lines for y in line.get_ydata()) == [1.2, 1.2, 1.5, 1.5]
+

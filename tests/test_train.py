@@ -7,6 +7,7 @@ real offline runs, read back from their .wandb files; the multirun test launches
 
 import http.server
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -151,6 +152,22 @@ def test_wandb_mode_comes_from_the_command_line_then_the_environment(env, overri
     extra = [f"wandb.mode={override}"] if override else []
     train_module.train(compose(TINY + [f"data.root={data_root}", "max_steps=2", *extra]), tmp_path)
     assert bool(list(tmp_path.glob("wandb/offline-run-*"))) == offline_files
+
+
+@pytest.mark.parametrize("how", [["wandb.mode=disabled"], ["WANDB_MODE=disabled"]], ids=["override", "environment"])
+def test_wandb_disabled_is_never_imported(how, data_root, tmp_path):
+    # a machine without wandb trains with W&B disabled: here a wandb that fails when imported stands in
+    stub = tmp_path / "stub" / "wandb"
+    stub.mkdir(parents=True)
+    (stub / "__init__.py").write_text('raise RuntimeError("wandb was imported")\n')
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(stub.parent), str(REPO)])}
+    overrides = [o for o in how if "=" in o and not o.startswith("WANDB_")]
+    env |= dict(o.split("=", 1) for o in how if o.startswith("WANDB_"))
+    proc = subprocess.run([sys.executable, "train.py", *TINY, f"data.root={data_root}", "max_steps=2", *overrides,
+                           f"hydra.run.dir={tmp_path / 'run'}"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "ok"
 
 
 def test_profile_writes_a_trace_of_the_training_steps(data_root, tmp_path):

@@ -179,12 +179,37 @@ class RunLog:
                   "records may be missing", file=sys.stderr)
 
 
+class DisabledRun:
+    """What is read of a W&B run where W&B is disabled: nothing is logged, and wandb is not imported
+    (a machine without it trains with wandb.mode=disabled)."""
+    disabled, offline, id, url = True, False, None, None
+
+    def __init__(self):
+        self.summary = {}
+        self.config = self  # run.config.update(values, allow_val_change=True): kept nowhere
+
+    def update(self, values: dict, allow_val_change: bool = False) -> None:
+        pass
+
+    def log(self, record: dict, step: int | None = None) -> None:
+        pass
+
+    def mark_preempting(self) -> None:
+        pass
+
+    def finish(self, exit_code: int = 0) -> None:
+        pass
+
+
 def open_wandb(cfg: DictConfig, run_dir: Path, **kwargs):
     """wandb.init in the mode cfg resolves to (configs/runtime.py): online where W&B can be reached
-    with a key, else offline with one line saying why and how to upload the run later."""
+    with a key, else offline with one line saying why and how to upload the run later; disabled, a
+    DisabledRun."""
+    mode = wandb_mode(cfg.wandb.mode)
+    if mode == "disabled":
+        return DisabledRun()
     import wandb  # slow to import: only the processes that log pay for it
 
-    mode = wandb_mode(cfg.wandb.mode)
     if mode == "online" and (problem := wandb_online_problem()):
         print(f"wandb: {problem}; logging offline instead (upload it later: wandb sync "
               f"{shlex.quote(str(run_dir / 'wandb'))}/offline-run-*)", file=sys.stderr)
