@@ -11,9 +11,10 @@ import sys
 import torch
 from torch.distributed.tensor import DTensor
 
-import train as train_module
 from tests.helpers import TINY, compose
+from trainer.optim import make_optimizer
 from trainer.parallel import Parallel, ShardedAdamW
+from trainer.run import build_model
 
 
 def main(out: str, max_norm: float, unit_params: int) -> None:
@@ -24,10 +25,10 @@ def main(out: str, max_norm: float, unit_params: int) -> None:
     models, optimizers = [], []
     for sharded_adamw in (False, True):
         torch.manual_seed(0)
-        model = train_module.build_model(cfg, par)
+        model = build_model(cfg, par)
         par.shard(model, None, True, unit_params)
         models.append(model)
-        optimizers.append(train_module.make_optimizer(model, cfg, sharded=sharded_adamw))
+        optimizers.append(make_optimizer(model, cfg, sharded=sharded_adamw))
     assert type(optimizers[1]) is ShardedAdamW
     norms = [[], []]
     gen = torch.Generator().manual_seed(1 + par.rank)

@@ -18,6 +18,7 @@ import torch
 import train as train_module
 from configs.runtime import autocast_dtype, grad_scaler, precision_line
 from configs.validate import ConfigError, validate
+from data import TokenWindows
 from tests.helpers import TINY, compose, metrics
 from trainer import checkpoint
 
@@ -104,13 +105,13 @@ def test_an_fp16_resume_reproduces_the_uninterrupted_run_exactly(data_root, tmp_
     # a scale that overflows at first and grows back every 2 clean steps: the scale and the growth
     # tracker at the checkpoint both differ from a fresh scaler's, so a resume that lost them would
     # skip other steps than the uninterrupted run
-    monkeypatch.setattr(train_module, "grad_scaler", scaler_from(2.0**24, growth_interval=2))
+    monkeypatch.setattr("trainer.run.grad_scaler", scaler_from(2.0**24, growth_interval=2))
     common = FP16 + [f"data.root={data_root}", "max_steps=8", "eval_interval=4", "ckpt_interval=4",
                      "model.dropout=0.1"]
     train_module.train(compose(common), tmp_path / "straight")
 
     interrupted = tmp_path / "interrupted"
-    real_next_batch = train_module.TokenWindows.next_batch
+    real_next_batch = TokenWindows.next_batch
     calls = {"n": 0}
 
     def next_batch_then_interrupt(self):  # Ctrl-C during step 6, after the checkpoint at step 4
@@ -121,7 +122,7 @@ def test_an_fp16_resume_reproduces_the_uninterrupted_run_exactly(data_root, tmp_
         return real_next_batch(self)
 
     with monkeypatch.context() as m:
-        m.setattr(train_module.TokenWindows, "next_batch", next_batch_then_interrupt)
+        m.setattr(TokenWindows, "next_batch", next_batch_then_interrupt)
         stopped = train_module.train(compose(common), interrupted)
     assert (stopped["status"], stopped["signal"], stopped["steps"]) == ("stopped", "SIGINT", 5)
     saved = torch.load(interrupted / "ckpt.pt", weights_only=True)
@@ -138,7 +139,7 @@ def test_an_fp16_resume_reproduces_the_uninterrupted_run_exactly(data_root, tmp_
 
 
 def test_an_fp16_overflow_skips_the_step_and_is_not_divergence(data_root, tmp_path, monkeypatch):
-    monkeypatch.setattr(train_module, "grad_scaler", scaler_from(2.0**24))  # the tiny model's overflow from 2**21
+    monkeypatch.setattr("trainer.run.grad_scaler", scaler_from(2.0**24))  # the tiny model's overflow from 2**21
     summary = train_module.train(compose(FP16 + [f"data.root={data_root}", "max_steps=8"]), tmp_path)
     rows = [r for r in metrics(tmp_path) if "loss" in r]
     assert summary["status"] == "ok" and all(math.isfinite(r["loss"]) for r in rows)

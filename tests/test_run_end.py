@@ -27,6 +27,7 @@ import pytest
 import train as train_module
 from scripts.sweep_summary import read_sweep
 from tests.helpers import REPO, TINY, compose, metrics
+from trainer.checkpoint import load_checkpoint
 
 BASE = [*TINY, "log_interval=1", "eval_interval=2", "wandb.mode=disabled"]
 
@@ -138,7 +139,7 @@ def test_curves_that_cannot_be_written_lose_neither_summary_nor_checkpoint(data_
     out, err = capsys.readouterr()
     assert summary["status"] == "ok"
     assert json.loads((tmp_path / "summary.json").read_text())["status"] == "ok"
-    assert train_module.load_checkpoint(tmp_path / "ckpt.pt")["step"] == 2
+    assert load_checkpoint(tmp_path / "ckpt.pt")["step"] == 2
     (line,) = [line for line in err.splitlines() if "curves.png" in line]
     assert line.startswith(f"error: {tmp_path / 'curves.png'} cannot be written: Is a directory ("), line
     block = summary_block(out)

@@ -18,6 +18,8 @@ import torch
 
 import train as train_module
 from configs.validate import ConfigError
+from data import TokenWindows
+from model import GPT
 from tests.helpers import REPO, TINY, compose, metrics, wandb_file
 from tests.wandb_records import history, run_info
 
@@ -191,7 +193,7 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(data_root, tmp_path, mo
 
     # interrupt a second run like Ctrl-C during step 8, after its checkpoint at step 5
     interrupted = tmp_path / "interrupted"
-    real_next_batch = train_module.TokenWindows.next_batch
+    real_next_batch = TokenWindows.next_batch
     calls = {"n": 0}
 
     def next_batch_then_interrupt(self):
@@ -201,7 +203,7 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(data_root, tmp_path, mo
                 raise KeyboardInterrupt
         return real_next_batch(self)
 
-    monkeypatch.setattr(train_module.TokenWindows, "next_batch", next_batch_then_interrupt)
+    monkeypatch.setattr(TokenWindows, "next_batch", next_batch_then_interrupt)
     stopped = train_module.train(compose(common), interrupted)
     monkeypatch.undo()
     assert (stopped["status"], stopped["signal"], stopped["steps"]) == ("stopped", "SIGINT", 7)
@@ -225,7 +227,7 @@ def test_cuda_oom_is_recorded_and_does_not_raise(data_root, tmp_path, monkeypatc
     def forward_out_of_memory(self, *args, **kwargs):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 45.00 GiB")
 
-    monkeypatch.setattr(train_module.GPT, "forward", forward_out_of_memory)
+    monkeypatch.setattr(GPT, "forward", forward_out_of_memory)
     cfg = compose(TINY + [f"data.root={data_root}", "max_steps=3", "wandb.mode=offline"])
     summary = train_module.train(cfg, tmp_path)
     assert summary["status"] == "oom"

@@ -1,7 +1,7 @@
 """Checkpoint files: written atomically with a checksum of everything they hold, verified on load.
 
 A checkpoint is one torch.save'd dict (load it with torch.load(path, weights_only=True)) holding
-KEYS (train.py's state_dict), "format_version" and a "sha256" entry: the digest of every other
+KEYS (state_dict below), "format_version" and a "sha256" entry: the digest of every other
 entry, tensors by their bytes, other values by their repr, in key order. A crash or kill -9
 mid-save leaves the previous file (data/files.py); a block zeroed or flipped afterwards (what a
 power loss or a bad disk leaves) fails the digest or the unpickling, and a file of another format
@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from configs.schema import plain
 from data.files import atomic_write
 
 CHECKPOINT_NAME = "ckpt.pt"
@@ -141,3 +142,27 @@ def load_weights(model: torch.nn.Module, weights: dict, path: Path) -> None:
         detail = " ".join(str(e).split())
         raise CheckpointError(f"checkpoint {path} does not fit this model ({detail[:300]}): it was written by "
                               "another version of the model code") from None
+
+
+def state_dict(run) -> dict:
+    """Everything a checkpoint of a run (trainer/run.py's Run) holds; load_state_dict below restores
+    exactly this. Sharded, every rank must call it, and rank 0's holds the weights and optimizer state."""
+    model, optimizer = run.par.state_dict(run.raw_model, run.optimizer)
+    return {"step": run.step, "model": model, "optimizer": optimizer,
+            "loader": run.train_loader.state_dict(), "best_val_loss": run.best_val,
+            "rng": {"cpu": torch.get_rng_state(),
+                    "cuda": torch.cuda.get_rng_state(run.device) if run.device.type == "cuda" else None},
+            "config": plain(run.cfg), "world_size": run.par.world, "data_parallel": run.par.dp,
+            "wandb_id": run.log.run.id if run.log else None, "grad_scaler": run.scaler.state_dict()}
+
+
+def load_state_dict(run, state: dict) -> None:
+    run.step, run.best_val = state["step"], state["best_val_loss"]
+    run.par.load_state_dict(run.raw_model, run.optimizer, state["model"], state["optimizer"],
+                            lambda model, weights: load_weights(model, weights, run.cfg.resume))
+    run.train_loader.load_state_dict(state["loader"])
+    if state["grad_scaler"]:  # {} from a run without fp16 (dtype=auto on another GPU): a fresh scale
+        run.scaler.load_state_dict(state["grad_scaler"])
+    torch.set_rng_state(state["rng"]["cpu"])
+    if run.device.type == "cuda" and state["rng"]["cuda"] is not None:
+        torch.cuda.set_rng_state(state["rng"]["cuda"], run.device)

@@ -20,13 +20,15 @@ import shutil
 import sys
 from pathlib import Path
 
+import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from configs.overrides import override
-from configs.validate import ConfigError
+from configs.schema import plain
+from configs.validate import ConfigError, check_resume
 from data.files import atomic_write, free_bytes
 from data.lifetime import FileLock
-from trainer.checkpoint import CHECKPOINT_NAME, CheckpointError, checkpoint_path, require_checkpoint
+from trainer.checkpoint import CHECKPOINT_NAME, CheckpointError, checkpoint_path, load_checkpoint, require_checkpoint
 from trainer.metrics import MetricsError, read_metrics
 
 RUN_FILES = ("metrics.jsonl", CHECKPOINT_NAME, "summary.json")  # what makes a dir a run's
@@ -195,3 +197,25 @@ def abandon_run_dir(run_dir: Path) -> None:
     bookkeeping = {".lock", ".hydra", "train.log"}
     if run_dir in _created and run_dir.is_dir() and all(p.name in bookkeeping for p in run_dir.iterdir()):
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def resume_point(cfg: DictConfig, par, run_dir: Path) -> tuple[dict | None, Path]:
+    """(the checkpoint to continue from, the run dir), or (None, run_dir) for a fresh run (par: the
+    job's trainer/parallel.py Parallel). Metrics, W&B and checkpoints continue in the original run's
+    dir; a run that stopped before its first checkpoint starts again there (claim_run_dir says so)."""
+    if not cfg.resume:
+        return None, run_dir
+    path, run_dir = resume_target(hydra.utils.to_absolute_path(cfg.resume))
+    if path is None:
+        return None, run_dir
+    ckpt = load_checkpoint(path)
+    changes = check_resume(ckpt, plain(cfg), par.dp, path)
+    step = ckpt["step"]
+    if step > cfg.max_steps or (step == cfg.max_steps and finished_summary(run_dir) is not None):
+        raise ConfigError(f"resume={cfg.resume}: that run already finished at step {step}; "
+                          f"raise max_steps above {step} to train it further")
+    if par.master:
+        doing = (f"finishing {run_dir}: it trained to step {step} but did not finish (no summary)"
+                 if step == cfg.max_steps else f"resuming {run_dir} at step {step}")
+        print(doing + (f"; changed: {changes}" if changes else ""))
+    return ckpt, run_dir
