@@ -1,6 +1,6 @@
 """Helpers the test files share: composing configs as train.py does, a CPU-sized model, reading a run's
-outputs, starting a program and stopping it with real signals, and the error bound of a
-low-precision result against its float64 reference."""
+outputs, starting a program and stopping it with real signals, the error bound of a low-precision
+result against its float64 reference, and the attention kernels' inputs and float64 checks."""
 
 import os
 import shutil
@@ -8,13 +8,17 @@ import signal
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import torch
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 
+import kernels
 from configs.store import register_configs
+from kernels.reference.flash_ref import attention_probs, attention_reference
+from model.config import ModelConfig
 from trainer.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
@@ -104,3 +108,139 @@ def assert_within_own_error(name: str, got: torch.Tensor, ref64: torch.Tensor, o
     own_err = (own.double() - own_ref64).abs().max().item()
     floor = n_terms**0.5 * torch.finfo(dtype).eps * ref64.abs().max().item()
     assert err <= 2 * own_err + floor, f"{name}: error {err:.3g} > 2 x own error {own_err:.3g} + {floor:.3g}"
+
+
+def tiny_config(**overrides) -> ModelConfig:
+    """A two-layer GPT's ModelConfig, these fields overridden."""
+    base = dict(name="test", n_layer=2, n_head=4, d_model=64, max_seq_len=64, vocab_size=50257)
+    return ModelConfig(**{**base, **overrides})
+
+
+# --------------------------------------------------------------------------------------------
+# the attention kernels against float64
+
+
+def make_inputs(case_id, B, H, H_kv, T, S, D, dtype, layout, device="cpu"):
+    """q (B, H, T, D), k, v (B, H_kv, S, D) and dO, seeded from the case id, as views of
+    gradient-carrying leaves:
+      contiguous: (B, H, T, D) tensors;
+      bthd:       (B, T, H, D) tensors viewed as (B, H, T, D), dO too;
+      packed:     slices of one (B, T, H + 2 H_kv, D) tensor, as a fused qkv projection gives.
+    """
+    gen = torch.Generator(device=device).manual_seed(zlib.crc32(case_id.encode()))
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
+
+    if layout == "contiguous":
+        q, k, v = (randn(*shape).requires_grad_() for shape in ((B, H, T, D), (B, H_kv, S, D), (B, H_kv, S, D)))
+        return q, k, v, randn(B, H, T, D)
+    if layout == "bthd":
+        leaves = [randn(B, T, H, D), randn(B, S, H_kv, D), randn(B, S, H_kv, D)]
+        q, k, v = (t.requires_grad_().transpose(1, 2) for t in leaves)
+        return q, k, v, randn(B, T, H, D).transpose(1, 2)
+    assert layout == "packed" and T == S, layout
+    qkv = randn(B, T, H + 2 * H_kv, D).requires_grad_()
+    q, k, v = qkv.split([H, H_kv, H_kv], dim=2)
+    return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), randn(B, T, H, D).transpose(1, 2)
+
+
+def dense_reference(q, k, v, do, causal, dtype, doc_ids=None, window=0):
+    """(o, lse, dq, dk, dv) of the dense reference with every op in `dtype`."""
+    q, k, v = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
+    o, lse = attention_reference(q, k, v, causal, dtype=dtype, doc_ids=doc_ids, window=window)
+    return (o.detach(), lse, *torch.autograd.grad(o, (q, k, v), do.to(dtype)))
+
+
+def error_scales(q, k, v, do, causal, doc_ids=None, window=0):
+    """(o, lse, dq, dk, dv) maxima with every factor replaced by its absolute value (P |V| for
+    P V, ...), in float64: the size of the sums each output is made of, which sets the scale of
+    their rounding error even where they cancel (dQ is exactly 0 when S = 1)."""
+    q, k, v, do = (t.detach().double() for t in (q, k, v, do))
+    B, H, _, D = q.shape
+    H_kv, S = k.shape[1], k.shape[2]
+    p, lse = attention_probs(q, k, causal, doc_ids=doc_ids, window=window)  # (B, H, T, S)
+    k_h, v_h = (t.repeat_interleave(H // H_kv, dim=1).abs() for t in (k, v))
+    o = p @ v_h
+    ds = p * (do.abs() @ v_h.transpose(-1, -2) + (do.abs() * o).sum(-1, keepdim=True))  # |P| (|dP| + |delta|)
+    dq = D**-0.5 * ds @ k_h
+    dk = D**-0.5 * (ds.transpose(-1, -2) @ q.abs()).view(B, H_kv, H // H_kv, S, D).sum(2)
+    dv = (p.transpose(-1, -2) @ do.abs()).view(B, H_kv, H // H_kv, S, D).sum(2)
+    lse = lse[torch.isfinite(lse)].abs()
+    return tuple(t.max().item() if t.numel() else 0.0 for t in (o, lse, dq, dk, dv))
+
+
+def assert_within_reference_error(name, got, ref64, ref_lowp, dtype, n_terms, error_scale):
+    """max |got - ref64| <= 2 max |ref_lowp - ref64| + (eps(dtype) + sqrt(n_terms) eps(fp32)) error_scale.
+
+    ref_lowp is PyTorch's own dense attention with every op in the input dtype: its error is
+    what that dtype costs. The floor covers what that measure can miss: rounding the result to
+    `dtype` costs up to half an ulp even where the reference is exact (a row that attends one
+    key returns v); and the kernels add n_terms products one tile after another in fp32, whose
+    rounding error grows like sqrt(n) eps(fp32) relative (Higham & Mary 2019), a little more
+    than BLAS's blocked sums in the fp32 reference. error_scale is from error_scales.
+    """
+    assert got.shape == ref64.shape, name
+    finite = torch.isfinite(ref64)  # only the LSE of rows that see no key is -inf
+    assert torch.equal(got[~finite], ref64[~finite].to(got.dtype)), f"{name}: rows that see no key differ"
+    if not finite.any():
+        return
+    got, ref64, ref_lowp = got[finite].double(), ref64[finite], ref_lowp[finite].double()
+    assert torch.isfinite(got).all(), f"{name}: non-finite values"
+    err = (got - ref64).abs().max().item()
+    ref_err = (ref_lowp - ref64).abs().max().item()
+    floor = (torch.finfo(dtype).eps + n_terms**0.5 * torch.finfo(torch.float32).eps) * error_scale
+    assert err <= 2 * ref_err + floor, f"{name}: error {err:.3g} > 2 * reference error {ref_err:.3g} + {floor:.3g}"
+
+
+def check_against_float64(case_id, B, H, H_kv, T, S, D, causal, dtype, layout, device="cpu", doc_ids=None,
+                           window=0, backend="triton"):
+    q, k, v, do = make_inputs(case_id, B, H, H_kv, T, S, D, dtype, layout, device)
+    o = kernels.flash_attention(q, k, v, causal=causal, doc_ids=doc_ids, window=window, backend=backend)
+    grads = torch.autograd.grad(o, (q, k, v), do)
+    _, lse = kernels.flash_attn_forward(q.detach(), k.detach(), v.detach(), causal, doc_ids=doc_ids,
+                                        window=window, backend=backend)
+
+    assert o.dtype == dtype and all(g.dtype == dtype for g in grads)
+    ref64 = dense_reference(q, k, v, do, causal, torch.float64, doc_ids, window)
+    ref_lowp = dense_reference(q, k, v, do, causal, dtype, doc_ids, window)
+    # fp32 sums in the kernels: over the keys for O, LSE and dQ; over the queries of the whole
+    # GQA group for dK and dV
+    n_terms = (S, S, S, T * H // H_kv, T * H // H_kv)
+    scales = error_scales(q, k, v, do, causal, doc_ids, window)
+    outputs = zip(("o", "lse", "dq", "dk", "dv"), (o, lse, *grads), ref64, ref_lowp, n_terms, scales, strict=True)
+    for name, got, want, lowp, n, scale in outputs:
+        assert_within_reference_error(name, got, want, lowp, dtype, n, scale)
+
+
+def case_id(dtype, B, H, H_kv, T, S, D, causal, layout):
+    mask = "causal" if causal else "full"
+    return f"{str(dtype)[6:]}-B{B}H{H}kv{H_kv}-T{T}S{S}-D{D}-{mask}-{layout}"
+
+
+def doc_ids_of(lengths_per_batch, device="cpu"):
+    """(B, T) document ids of consecutive documents of the given lengths."""
+    return torch.stack([torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+                        for lengths in lengths_per_batch]).to(device)
+
+
+def poisoned(*tensors: torch.Tensor, where: slice) -> list[torch.Tensor]:
+    """Copies of (B, H, T, D) tensors holding NaN at the sequence positions `where`, leaves that take
+    gradients: a kernel that loads a tile it should skip, and only masks it, multiplies NaN into its
+    sums (0 * NaN)."""
+    copies = []
+    for t in tensors:
+        with torch.no_grad():
+            copy = t.detach().clone()
+            copy[:, :, where] = float("nan")
+        copies.append(copy.requires_grad_())
+    return copies
+
+
+def assert_right_where_seen(got, want, rows: slice, atol: float | None = 1e-5) -> None:
+    """Each of got, at the sequence positions `rows` (those that see no poisoned tile), finite and
+    within atol of the reference (None: the same bits as it)."""
+    for g, w in zip(got, want, strict=True):
+        g, w = g[:, :, rows], w[:, :, rows]
+        assert torch.isfinite(g).all(), "NaN leaked through a tile that should have been skipped"
+        assert torch.equal(g, w) if atol is None else torch.allclose(g.double(), w.double(), atol=atol)

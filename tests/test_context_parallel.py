@@ -1,7 +1,7 @@
 """Context parallelism on the CPU: gloo, Triton's interpreter, fp32, real processes under torchrun.
 
 Ring attention over zigzag shards must give what attention over the whole sequence gives (the
-float64 reference, with test_flash_attn.py's error bound), and a training run that splits every
+float64 reference, with tests/helpers.py's error bound), and a training run that splits every
 sequence over 2 or 4 processes must log the losses and gradient norms of one process that trains
 on the same batches, to fp32 rounding. Torch's context parallelism (attn=sdpa) runs SDPA's CUDA
 kernels only: on the CPU its split (the same zigzag) and its config rules are checked; its
@@ -17,9 +17,9 @@ import torch
 import train as train_module
 from configs.validate import ConfigError, batch_size_per_process, validate
 from trainer.parallel import ContextParallel, unshard
-from tests.helpers import REPO, TINY, compose, metrics, torchrun
+from tests.helpers import (REPO, TINY, assert_within_reference_error, compose, dense_reference, error_scales, metrics,
+                           torchrun)
 from tests.ring_worker import inputs
-from tests.test_flash_attn import _assert_within_reference_error, _dense, _error_scales
 
 
 def test_shard_and_unshard_are_inverse_and_positions_are_global():
@@ -39,13 +39,13 @@ def _check_ring(tmp_path, n, T, H, H_kv, D, device="cpu"):
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(n)]
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     q, k, v, do = inputs(T, H, H_kv, D, dtype)
-    ref64 = _dense(q, k, v, do, True, torch.float64)
-    ref_lowp = _dense(q, k, v, do, True, dtype)
-    scales = _error_scales(q, k, v, do, True)
+    ref64 = dense_reference(q, k, v, do, True, torch.float64)
+    ref_lowp = dense_reference(q, k, v, do, True, dtype)
+    scales = error_scales(q, k, v, do, True)
     n_terms = (T, T, T, T * H // H_kv, T * H // H_kv)
     for i, name in enumerate(("o", "lse", "dq", "dk", "dv")):
         got = unshard([r[name] for r in ranks], dim=2)
-        _assert_within_reference_error(name, got, ref64[i], ref_lowp[i], dtype, n_terms[i], scales[i])
+        assert_within_reference_error(name, got, ref64[i], ref_lowp[i], dtype, n_terms[i], scales[i])
         if name != "lse":  # autograd runs the same calls
             assert torch.equal(unshard([r[f"{name}_autograd"] for r in ranks], dim=2), got), name
     assert all(r["deterministic"] for r in ranks)

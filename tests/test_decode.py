@@ -16,7 +16,7 @@ from kernels.reference.flash_ref import attention_reference
 from kernels.score_mods import ScoreMods
 from model import GPT
 from model.kv_cache import dense_decode, triton_decode
-from tests.test_model import tiny_config
+from tests.helpers import tiny_config
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 

@@ -3,7 +3,7 @@
 Proves, for every element of O, LSE, dQ, dK and dV, against dense float64 attention with an
 explicit mask (kernels/reference/flash_ref.py), that the kernels' error is at most twice the error of
 PyTorch's own dense attention in the input dtype, plus a floor for rounding to that dtype and
-for fp32 accumulation (see _assert_within_reference_error); NaN or inf never passes. Shapes
+for fp32 accumulation (tests/helpers.py: assert_within_reference_error); NaN or inf never passes. Shapes
 cover T and S in {1, 17, 64, 100, 129} (T < S, T == S, and T > S, whose first rows see no
 key), head dims 8 to 256 including non-powers of two, causal and not, H_kv = H, H / 2 and 1,
 contiguous inputs, transposed (B, T, H, D) views and slices of one packed qkv tensor. Also:
@@ -29,7 +29,6 @@ import functools
 import os
 import subprocess
 import sys
-import zlib
 
 import pytest
 import torch
@@ -37,10 +36,11 @@ import triton
 
 import kernels
 from kernels import LAUNCHERS, backends, inputs
-from kernels.reference.flash_ref import attention_probs, attention_reference
+from kernels.reference.flash_ref import attention_reference
 from kernels.runtime import chips
 from kernels.runtime.launch import PREPARED
-from tests.helpers import REPO
+from tests.helpers import (REPO, assert_right_where_seen, assert_within_reference_error, case_id, check_against_float64,
+                           dense_reference, doc_ids_of, error_scales, make_inputs, poisoned)
 
 
 # These are the portable Triton kernels' tests, on every GPU: tests/test_hopper.py checks the Hopper
@@ -66,99 +66,6 @@ def pointer_loads(monkeypatch):
 
 # --------------------------------------------------------------------------------------------
 # helpers
-
-
-def _make_inputs(case_id, B, H, H_kv, T, S, D, dtype, layout, device="cpu"):
-    """q (B, H, T, D), k, v (B, H_kv, S, D) and dO, seeded from the case id, as views of
-    gradient-carrying leaves:
-      contiguous: (B, H, T, D) tensors;
-      bthd:       (B, T, H, D) tensors viewed as (B, H, T, D), dO too;
-      packed:     slices of one (B, T, H + 2 H_kv, D) tensor, as a fused qkv projection gives.
-    """
-    gen = torch.Generator(device=device).manual_seed(zlib.crc32(case_id.encode()))
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
-
-    if layout == "contiguous":
-        q, k, v = (randn(*shape).requires_grad_() for shape in ((B, H, T, D), (B, H_kv, S, D), (B, H_kv, S, D)))
-        return q, k, v, randn(B, H, T, D)
-    if layout == "bthd":
-        leaves = [randn(B, T, H, D), randn(B, S, H_kv, D), randn(B, S, H_kv, D)]
-        q, k, v = (t.requires_grad_().transpose(1, 2) for t in leaves)
-        return q, k, v, randn(B, T, H, D).transpose(1, 2)
-    assert layout == "packed" and T == S, layout
-    qkv = randn(B, T, H + 2 * H_kv, D).requires_grad_()
-    q, k, v = qkv.split([H, H_kv, H_kv], dim=2)
-    return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), randn(B, T, H, D).transpose(1, 2)
-
-
-def _dense(q, k, v, do, causal, dtype, doc_ids=None, window=0):
-    """(o, lse, dq, dk, dv) of the dense reference with every op in `dtype`."""
-    q, k, v = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
-    o, lse = attention_reference(q, k, v, causal, dtype=dtype, doc_ids=doc_ids, window=window)
-    return (o.detach(), lse, *torch.autograd.grad(o, (q, k, v), do.to(dtype)))
-
-
-def _error_scales(q, k, v, do, causal, doc_ids=None, window=0):
-    """(o, lse, dq, dk, dv) maxima with every factor replaced by its absolute value (P |V| for
-    P V, ...), in float64: the size of the sums each output is made of, which sets the scale of
-    their rounding error even where they cancel (dQ is exactly 0 when S = 1)."""
-    q, k, v, do = (t.detach().double() for t in (q, k, v, do))
-    B, H, _, D = q.shape
-    H_kv, S = k.shape[1], k.shape[2]
-    p, lse = attention_probs(q, k, causal, doc_ids=doc_ids, window=window)  # (B, H, T, S)
-    k_h, v_h = (t.repeat_interleave(H // H_kv, dim=1).abs() for t in (k, v))
-    o = p @ v_h
-    ds = p * (do.abs() @ v_h.transpose(-1, -2) + (do.abs() * o).sum(-1, keepdim=True))  # |P| (|dP| + |delta|)
-    dq = D**-0.5 * ds @ k_h
-    dk = D**-0.5 * (ds.transpose(-1, -2) @ q.abs()).view(B, H_kv, H // H_kv, S, D).sum(2)
-    dv = (p.transpose(-1, -2) @ do.abs()).view(B, H_kv, H // H_kv, S, D).sum(2)
-    lse = lse[torch.isfinite(lse)].abs()
-    return tuple(t.max().item() if t.numel() else 0.0 for t in (o, lse, dq, dk, dv))
-
-
-def _assert_within_reference_error(name, got, ref64, ref_lowp, dtype, n_terms, error_scale):
-    """max |got - ref64| <= 2 max |ref_lowp - ref64| + (eps(dtype) + sqrt(n_terms) eps(fp32)) error_scale.
-
-    ref_lowp is PyTorch's own dense attention with every op in the input dtype: its error is
-    what that dtype costs. The floor covers what that measure can miss: rounding the result to
-    `dtype` costs up to half an ulp even where the reference is exact (a row that attends one
-    key returns v); and the kernels add n_terms products one tile after another in fp32, whose
-    rounding error grows like sqrt(n) eps(fp32) relative (Higham & Mary 2019), a little more
-    than BLAS's blocked sums in the fp32 reference. error_scale is from _error_scales.
-    """
-    assert got.shape == ref64.shape, name
-    finite = torch.isfinite(ref64)  # only the LSE of rows that see no key is -inf
-    assert torch.equal(got[~finite], ref64[~finite].to(got.dtype)), f"{name}: rows that see no key differ"
-    if not finite.any():
-        return
-    got, ref64, ref_lowp = got[finite].double(), ref64[finite], ref_lowp[finite].double()
-    assert torch.isfinite(got).all(), f"{name}: non-finite values"
-    err = (got - ref64).abs().max().item()
-    ref_err = (ref_lowp - ref64).abs().max().item()
-    floor = (torch.finfo(dtype).eps + n_terms**0.5 * torch.finfo(torch.float32).eps) * error_scale
-    assert err <= 2 * ref_err + floor, f"{name}: error {err:.3g} > 2 * reference error {ref_err:.3g} + {floor:.3g}"
-
-
-def _check_against_float64(case_id, B, H, H_kv, T, S, D, causal, dtype, layout, device="cpu", doc_ids=None,
-                           window=0, backend="triton"):
-    q, k, v, do = _make_inputs(case_id, B, H, H_kv, T, S, D, dtype, layout, device)
-    o = flash_attention(q, k, v, causal=causal, doc_ids=doc_ids, window=window, backend=backend)
-    grads = torch.autograd.grad(o, (q, k, v), do)
-    _, lse = flash_attn_forward(q.detach(), k.detach(), v.detach(), causal, doc_ids=doc_ids, window=window,
-                                backend=backend)
-
-    assert o.dtype == dtype and all(g.dtype == dtype for g in grads)
-    ref64 = _dense(q, k, v, do, causal, torch.float64, doc_ids, window)
-    ref_lowp = _dense(q, k, v, do, causal, dtype, doc_ids, window)
-    # fp32 sums in the kernels: over the keys for O, LSE and dQ; over the queries of the whole
-    # GQA group for dK and dV
-    n_terms = (S, S, S, T * H // H_kv, T * H // H_kv)
-    scales = _error_scales(q, k, v, do, causal, doc_ids, window)
-    outputs = zip(("o", "lse", "dq", "dk", "dv"), (o, lse, *grads), ref64, ref_lowp, n_terms, scales, strict=True)
-    for name, got, want, lowp, n, scale in outputs:
-        _assert_within_reference_error(name, got, want, lowp, dtype, n, scale)
 
 
 # --------------------------------------------------------------------------------------------
@@ -205,31 +112,20 @@ CPU_CASES = [
 ]
 
 
-def _case_id(dtype, B, H, H_kv, T, S, D, causal, layout):
-    mask = "causal" if causal else "full"
-    return f"{str(dtype)[6:]}-B{B}H{H}kv{H_kv}-T{T}S{S}-D{D}-{mask}-{layout}"
-
-
-@pytest.mark.parametrize("case", [pytest.param(c, id=_case_id(*c)) for c in CPU_CASES])
+@pytest.mark.parametrize("case", [pytest.param(c, id=case_id(*c)) for c in CPU_CASES])
 def test_matches_float64_reference(case):
     dtype, B, H, H_kv, T, S, D, causal, layout = case
-    _check_against_float64(_case_id(*case), B, H, H_kv, T, S, D, causal, dtype, layout)
+    check_against_float64(case_id(*case), B, H, H_kv, T, S, D, causal, dtype, layout)
 
 
-@pytest.mark.parametrize("case", [CPU_CASES[2], CPU_CASES[8], CPU_CASES[16]], ids=lambda c: _case_id(*c))
+@pytest.mark.parametrize("case", [CPU_CASES[2], CPU_CASES[8], CPU_CASES[16]], ids=lambda c: case_id(*c))
 def test_tma_path_in_the_interpreter(case, monkeypatch):
     # On Hopper the kernels stream tiles through TMA descriptors; forcing that path here runs the
     # same code in the interpreter (descriptor offsets, zero fill past the ends, GQA heads)
 
     monkeypatch.setattr(inputs, "uses_tma", lambda *tensors: True)
     dtype, B, H, H_kv, T, S, D, causal, layout = case
-    _check_against_float64("tma-" + _case_id(*case), B, H, H_kv, T, S, D, causal, dtype, layout)
-
-
-def _doc_ids(lengths_per_batch, device="cpu"):
-    """(B, T) document ids of consecutive documents of the given lengths."""
-    return torch.stack([torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
-                        for lengths in lengths_per_batch]).to(device)
+    check_against_float64("tma-" + case_id(*case), B, H, H_kv, T, S, D, causal, dtype, layout)
 
 
 # (dtype, B, H, H_kv, D, layout, document lengths per batch row): one-token documents, documents
@@ -247,11 +143,11 @@ DOC_CASES = [
 def test_document_mask_matches_float64_reference(case):
     dtype, B, H, H_kv, D, layout, lengths = case
     T = sum(lengths[0])
-    _check_against_float64(f"docs-{lengths}", B, H, H_kv, T, T, D, True, dtype, layout, doc_ids=_doc_ids(lengths))
+    check_against_float64(f"docs-{lengths}", B, H, H_kv, T, T, D, True, dtype, layout, doc_ids=doc_ids_of(lengths))
 
 
 def test_one_document_is_plain_causal_bit_for_bit():
-    q, k, v, do = _make_inputs("one-doc", 2, 4, 2, 77, 77, 32, F32, "bthd")
+    q, k, v, do = make_inputs("one-doc", 2, 4, 2, 77, 77, 32, F32, "bthd")
     plain = flash_attention(q, k, v)
     one = flash_attention(q, k, v, doc_ids=torch.zeros(2, 77, dtype=torch.long))
     assert torch.equal(one, plain)
@@ -263,34 +159,24 @@ def test_tiles_of_other_documents_are_skipped_not_masked():
     # NaN in one document: a tile of it that another document's rows or keys only masked would
     # still multiply NaN into their sums; a skipped tile is never loaded. Document 0 fills two
     # whole tiles of every kernel on the CPU.
-    doc_ids = _doc_ids([[64, 64]])
-    q, k, v, do = _make_inputs("skip", 1, 2, 2, 128, 128, 16, F32, "bthd")
-    ref = _dense(q, k, v, do, True, torch.float64, doc_ids)  # neither document depends on the other
+    doc_ids = doc_ids_of([[64, 64]])
+    q, k, v, do = make_inputs("skip", 1, 2, 2, 128, 128, 16, F32, "bthd")
+    ref = dense_reference(q, k, v, do, True, torch.float64, doc_ids)  # neither document depends on the other
     ref = (ref[0], *ref[2:])  # o, dq, dk, dv
     # the forward and dQ kernels skip the key tiles of document 0 for the rows of document 1
-    with torch.no_grad():
-        v_nan = v.detach().clone()
-        v_nan[:, :, :64] = float("nan")
-    v_nan.requires_grad_()
+    (v_nan,) = poisoned(v, where=slice(0, 64))
     o = flash_attention(q, k, v_nan, doc_ids=doc_ids)
-    for got, want in zip((o, *torch.autograd.grad(o, (q, k, v_nan), do)[:1]), ref[:2], strict=True):
-        assert torch.isfinite(got[:, :, 64:]).all() and torch.allclose(got[:, :, 64:].double(), want[:, :, 64:], atol=1e-5)
+    assert_right_where_seen((o, *torch.autograd.grad(o, (q,), do)), ref[:2], slice(64, None))
     # the dK/dV kernel skips the query tiles of document 1 for the keys of document 0
-    with torch.no_grad():
-        q_nan, do_nan = q.detach().clone(), do.clone()
-        q_nan[:, :, 64:] = float("nan")
-        do_nan[:, :, 64:] = float("nan")
-    q_nan.requires_grad_()
+    q_nan, do_nan = poisoned(q, do, where=slice(64, None))
     o = flash_attention(q_nan, k, v, doc_ids=doc_ids)
-    _, dk, dv = torch.autograd.grad(o, (q_nan, k, v), do_nan)
-    for got, want in zip((dk, dv), ref[2:], strict=True):
-        assert torch.isfinite(got[:, :, :64]).all() and torch.allclose(got[:, :, :64].double(), want[:, :, :64], atol=1e-5)
+    assert_right_where_seen(torch.autograd.grad(o, (k, v), do_nan), ref[2:], slice(0, 64))
 
 
 def test_a_document_is_a_run_of_equal_ids():
     # ids that come back later, or that collide once cast to int32, still mean consecutive runs
-    q, k, v, _ = _make_inputs("runs", 1, 2, 2, 96, 96, 16, F32, "bthd")
-    runs = _doc_ids([[40, 30, 26]])
+    q, k, v, _ = make_inputs("runs", 1, 2, 2, 96, 96, 16, F32, "bthd")
+    runs = doc_ids_of([[40, 30, 26]])
     expected = flash_attention(q, k, v, doc_ids=runs)
     for ids in (torch.tensor([[0] * 40 + [1] * 30 + [0] * 26]), runs * 2**32 + 3 * 10**9):
         assert torch.equal(flash_attention(q, k, v, doc_ids=ids), expected)
@@ -323,14 +209,14 @@ WINDOW_CASES = [
 @pytest.mark.parametrize("case", WINDOW_CASES, ids=lambda c: f"{str(c[0])[6:]}-T{c[4]}-S{c[5]}-W{c[8]}-docs{c[9]}")
 def test_sliding_window_matches_float64_reference(case):
     dtype, B, H, H_kv, T, S, D, layout, window, lengths = case
-    doc_ids = None if lengths is None else _doc_ids(lengths)
-    _check_against_float64(f"window-{case}", B, H, H_kv, T, S, D, True, dtype, layout, doc_ids=doc_ids,
+    doc_ids = None if lengths is None else doc_ids_of(lengths)
+    check_against_float64(f"window-{case}", B, H, H_kv, T, S, D, True, dtype, layout, doc_ids=doc_ids,
                            window=window)
 
 
 @pytest.mark.parametrize("T, S", [(77, 77), (50, 77), (77, 50)])
 def test_a_window_as_long_as_the_keys_is_plain_causal_bit_for_bit(T, S):
-    q, k, v, do = _make_inputs("long-window", 1, 4, 2, T, S, 32, F32, "bthd")
+    q, k, v, do = make_inputs("long-window", 1, 4, 2, T, S, 32, F32, "bthd")
     plain = flash_attention(q, k, v)
     plain_grads = torch.autograd.grad(plain, (q, k, v), do)
     for window in (S, S + 9):
@@ -347,29 +233,14 @@ def test_tiles_outside_the_window_are_skipped_not_masked():
     # key tile [0, 32) for them; keys below 64 are seen by queries up to 83 only, so no kernel
     # loads the query tile [96, 128) for them.
     window = 20
-    q, k, v, do = _make_inputs("window-skip", 1, 2, 2, 128, 128, 16, F32, "bthd")
-    ref = _dense(q, k, v, do, True, torch.float64, window=window)
-    with torch.no_grad():
-        k_nan, v_nan = k.detach().clone(), v.detach().clone()
-        k_nan[:, :, :32] = float("nan")
-        v_nan[:, :, :32] = float("nan")
-    k_nan.requires_grad_()
-    v_nan.requires_grad_()
+    q, k, v, do = make_inputs("window-skip", 1, 2, 2, 128, 128, 16, F32, "bthd")
+    ref = dense_reference(q, k, v, do, True, torch.float64, window=window)
+    k_nan, v_nan = poisoned(k, v, where=slice(0, 32))
     o = flash_attention(q, k_nan, v_nan, window=window)
-    (dq,) = torch.autograd.grad(o, (q,), do)
-    for got, want in ((o, ref[0]), (dq, ref[2])):
-        assert torch.isfinite(got[:, :, 64:]).all()
-        assert torch.allclose(got[:, :, 64:].double(), want[:, :, 64:], atol=1e-5)
-    with torch.no_grad():
-        q_nan, do_nan = q.detach().clone(), do.clone()
-        q_nan[:, :, 96:] = float("nan")
-        do_nan[:, :, 96:] = float("nan")
-    q_nan.requires_grad_()
+    assert_right_where_seen((o, *torch.autograd.grad(o, (q,), do)), (ref[0], ref[2]), slice(64, None))
+    q_nan, do_nan = poisoned(q, do, where=slice(96, None))
     o = flash_attention(q_nan, k, v, window=window)
-    _, dk, dv = torch.autograd.grad(o, (q_nan, k, v), do_nan)
-    for got, want in zip((dk, dv), ref[3:], strict=True):
-        assert torch.isfinite(got[:, :, :64]).all()
-        assert torch.allclose(got[:, :, :64].double(), want[:, :, :64], atol=1e-5)
+    assert_right_where_seen(torch.autograd.grad(o, (k, v), do_nan), ref[3:], slice(0, 64))
 
 
 def test_a_bad_window_says_what_is_allowed():
@@ -387,7 +258,7 @@ def _check_config(launcher, config, D, dtype, device):
     with launcher.pinned(config):
         for T, S in ((117, 75), (75, 117)) if device == "cpu" else ((517, 333), (333, 517)):
             case_id = f"config-{launcher.name}-{config}-{T}-{S}"
-            _check_against_float64(case_id, 1, 4, 2, T, S, D, True, dtype, "bthd", device)
+            check_against_float64(case_id, 1, 4, 2, T, S, D, True, dtype, "bthd", device)
 
 
 @pytest.mark.parametrize("kernel", sorted(LAUNCHERS))
@@ -402,15 +273,16 @@ def test_other_block_sizes(kernel, blocks):
 def test_bf16_on_cpu_runs_in_fp32():
     # the interpreter's bf16 tl.dot is wrong, so the launchers compute bf16 in fp32 there
     B, H, T, D = 1, 2, 40, 32
-    q, k, v, do = _make_inputs("bf16-cpu", B, H, H, T, T, D, torch.bfloat16, "bthd")
+    q, k, v, do = make_inputs("bf16-cpu", B, H, H, T, T, D, torch.bfloat16, "bthd")
     o = flash_attention(q, k, v, causal=True)
     grads = torch.autograd.grad(o, (q, k, v), do)
-    ref64, ref_lowp = _dense(q, k, v, do, True, torch.float64), _dense(q, k, v, do, True, torch.bfloat16)
-    scales = _error_scales(q, k, v, do, True)
+    ref64 = dense_reference(q, k, v, do, True, torch.float64)
+    ref_lowp = dense_reference(q, k, v, do, True, torch.bfloat16)
+    scales = error_scales(q, k, v, do, True)
     for name, got, want, lowp, scale in zip(("o", "dq", "dk", "dv"), (o, *grads), ref64[:1] + ref64[2:],
                                             ref_lowp[:1] + ref_lowp[2:], scales[:1] + scales[2:], strict=True):
         assert got.dtype == torch.bfloat16, name
-        _assert_within_reference_error(name, got, want, lowp, torch.bfloat16, T, scale)
+        assert_within_reference_error(name, got, want, lowp, torch.bfloat16, T, scale)
 
 
 # --------------------------------------------------------------------------------------------
@@ -419,7 +291,7 @@ def test_bf16_on_cpu_runs_in_fp32():
 
 def test_backward_is_deterministic():
     # GQA and causal: the dK/dV kernel sums four query heads per kv head, dQ sums over key blocks
-    q, k, v, do = _make_inputs("determinism", 2, 4, 1, 100, 100, 32, F32, "bthd")
+    q, k, v, do = make_inputs("determinism", 2, 4, 1, 100, 100, 32, F32, "bthd")
 
     def grads():
         o = flash_attention(q, k, v, causal=True)
@@ -431,7 +303,7 @@ def test_backward_is_deterministic():
 
 def test_gradient_views_are_read_in_place():
     # o.sum() hands the backward an expanded dO (all strides 0); dO also arrives transposed
-    q, k, v, _ = _make_inputs("grad-views", 1, 2, 2, 33, 33, 16, F32, "bthd")
+    q, k, v, _ = make_inputs("grad-views", 1, 2, 2, 33, 33, 16, F32, "bthd")
     o = flash_attention(q, k, v, causal=True)
     ones_bthd = torch.ones(1, 33, 2, 16).transpose(1, 2)
     expanded = torch.autograd.grad(o.sum(), (q, k, v), retain_graph=True)
@@ -443,13 +315,13 @@ def test_gradient_views_are_read_in_place():
 
 def test_output_layout_is_bthd():
     # (B, H, T, D) values in (B, T, H, D) memory: the caller's transpose back is free
-    q, k, v, _ = _make_inputs("layout", 2, 3, 3, 20, 20, 16, F32, "contiguous")
+    q, k, v, _ = make_inputs("layout", 2, 3, 3, 20, 20, 16, F32, "contiguous")
     o = flash_attention(q, k, v)
     assert o.shape == (2, 3, 20, 16) and o.transpose(1, 2).is_contiguous()
 
 
 def test_softmax_scale_is_used():
-    q, k, v, _ = _make_inputs("scale", 1, 2, 2, 24, 24, 16, F32, "contiguous")
+    q, k, v, _ = make_inputs("scale", 1, 2, 2, 24, 24, 16, F32, "contiguous")
     o = flash_attention(q, k, v, causal=False, softmax_scale=0.3)
     ref, _ = attention_reference(q.detach(), k.detach(), v.detach(), causal=False, scale=0.3)
     assert (o.double() - ref).abs().max() < 1e-5
@@ -487,7 +359,7 @@ def test_a_cpu_call_leaves_triton_language_as_it_found_it():
         return {(id(o), name): value for o in owners for name, value in vars(o).items() if callable(value)}
 
     before = state()
-    q, k, v, do = _make_inputs("state", 1, 2, 2, 40, 40, 16, F32, "bthd")
+    q, k, v, do = make_inputs("state", 1, 2, 2, 40, 40, 16, F32, "bthd")
     torch.autograd.grad(flash_attention(q, k, v), (q, k, v), do)
     after = state()
     assert [key for key, value in before.items() if after.get(key) is not value] == []
@@ -593,7 +465,7 @@ def test_torch_compile_fullgraph():
 
 
 def test_autocast_casts_inputs():
-    q, k, v, do = _make_inputs("autocast", 1, 2, 2, 24, 24, 16, F32, "bthd")
+    q, k, v, do = make_inputs("autocast", 1, 2, 2, 24, 24, 16, F32, "bthd")
     with torch.autocast("cpu", dtype=torch.bfloat16):
         o = flash_attention(q, k, v, causal=True)
     assert o.dtype == torch.bfloat16
@@ -625,17 +497,17 @@ GPU_CASES = [
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", [pytest.param(c, id=_case_id(*c)) for c in GPU_CASES])
+@pytest.mark.parametrize("case", [pytest.param(c, id=case_id(*c)) for c in GPU_CASES])
 def test_gpu_matches_float64_reference(case):
     dtype, B, H, H_kv, T, S, D, causal, layout = case
-    _check_against_float64(_case_id(*case), B, H, H_kv, T, S, D, causal, dtype, layout, device="cuda")
+    check_against_float64(case_id(*case), B, H, H_kv, T, S, D, causal, dtype, layout, device="cuda")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", [(BF16, 2, 4, 2, 1000, 1000, 64, True, "packed", True),
                                   (F16, 1, 3, 3, 777, 777, 20, True, "bthd", False),
                                   (BF16, 1, 4, 2, 1500, 777, 128, True, "bthd", True)],
-                         ids=lambda c: _case_id(*c[:-1]) + ("-pointers" if c[-1] else ""))
+                         ids=lambda c: case_id(*c[:-1]) + ("-pointers" if c[-1] else ""))
 def test_gpu_pointer_path_matches_float64_reference(case, request):
     # the GPU runs the pointer loads where TMA cannot read the inputs (here 3 heads of D = 20 in
     # fp16: a 120-byte row stride), and on GPUs before sm_90 (here forced: pointer_loads)
@@ -643,10 +515,10 @@ def test_gpu_pointer_path_matches_float64_reference(case, request):
     if forced:
         request.getfixturevalue("pointer_loads")
     dtype, B, H, H_kv, T, S, D, causal, layout = case
-    q, k, v, _ = _make_inputs(_case_id(*case), B, H, H_kv, T, S, D, dtype, layout, device="cuda")
+    q, k, v, _ = make_inputs(case_id(*case), B, H, H_kv, T, S, D, dtype, layout, device="cuda")
     if not forced:
         assert not inputs.uses_tma(q, k, v)
-    _check_against_float64("pointers-" + _case_id(*case), B, H, H_kv, T, S, D, causal, dtype, layout, "cuda")
+    check_against_float64("pointers-" + case_id(*case), B, H, H_kv, T, S, D, causal, dtype, layout, "cuda")
 
 
 @pytest.mark.gpu
@@ -654,7 +526,7 @@ def test_gpu_pointer_path_matches_float64_reference(case, request):
 def test_gpu_tma_where_it_can_read_the_inputs_and_the_same_bits_as_the_pointers():
 
     for layout in ("contiguous", "bthd", "packed"):
-        q, k, v, do = _make_inputs(f"tma-{layout}", 2, 4, 2, 300, 300, 64, BF16, layout, device="cuda")
+        q, k, v, do = make_inputs(f"tma-{layout}", 2, 4, 2, 300, 300, 64, BF16, layout, device="cuda")
         assert inputs.uses_tma(q, k, v, do), layout
     # a gradient expanded along T (the backward of a sum over positions) has row stride 0: pointers
     do = torch.randn(2, 1, 4, 64, device="cuda", dtype=BF16).expand(2, 300, 4, 64).transpose(1, 2)
@@ -670,8 +542,8 @@ def test_gpu_tma_where_it_can_read_the_inputs_and_the_same_bits_as_the_pointers(
 @pytest.mark.parametrize("D, dtype", [(64, BF16), (128, F16)])
 def test_gpu_document_mask_matches_float64_reference(D, dtype):
     lengths = [[1, 700, 1300, 64, 33, 1950], [4048]]  # 4048 tokens, tiles of 64 and 128 rows
-    _check_against_float64(f"gpu-docs-{D}", 2, 4, 2, 4048, 4048, D, True, dtype, "packed", "cuda",
-                           doc_ids=_doc_ids(lengths, "cuda"))
+    check_against_float64(f"gpu-docs-{D}", 2, 4, 2, 4048, 4048, D, True, dtype, "packed", "cuda",
+                           doc_ids=doc_ids_of(lengths, "cuda"))
 
 
 @pytest.mark.gpu
@@ -679,8 +551,8 @@ def test_gpu_document_mask_matches_float64_reference(D, dtype):
                                                      (96, BF16, 1, False), (64, BF16, 300, True)])
 def test_gpu_window_matches_float64_reference(D, dtype, window, docs):
     lengths = [[1, 700, 1300, 64, 33, 1950], [4048]]
-    doc_ids = _doc_ids(lengths, "cuda") if docs else None
-    _check_against_float64(f"gpu-window-{D}-{window}-{docs}", 2, 4, 2, 4048, 4048, D, True, dtype, "packed", "cuda",
+    doc_ids = doc_ids_of(lengths, "cuda") if docs else None
+    check_against_float64(f"gpu-window-{D}-{window}-{docs}", 2, 4, 2, 4048, 4048, D, True, dtype, "packed", "cuda",
                            doc_ids=doc_ids, window=window)
 
 
@@ -696,7 +568,7 @@ def test_gpu_every_tuning_config_is_correct(D):
 
 @pytest.mark.gpu
 def test_gpu_backward_is_deterministic():
-    q, k, v, do = _make_inputs("gpu-determinism", 2, 8, 2, 2048, 2048, 128, BF16, "packed", device="cuda")
+    q, k, v, do = make_inputs("gpu-determinism", 2, 8, 2, 2048, 2048, 128, BF16, "packed", device="cuda")
 
     def grads():
         o = flash_attention(q, k, v, causal=True)
@@ -709,7 +581,7 @@ def test_gpu_backward_is_deterministic():
 @pytest.mark.gpu
 def test_gpu_autocast_and_inductor():
     # fp32 q, k, v under bf16 autocast, eager and compiled by inductor with fullgraph=True
-    q, k, v, do = _make_inputs("gpu-compile", 2, 4, 2, 512, 512, 64, F32, "bthd", device="cuda")
+    q, k, v, do = make_inputs("gpu-compile", 2, 4, 2, 512, 512, 64, F32, "bthd", device="cuda")
 
     def attend(q, k, v):
         return flash_attention(q, k, v, causal=True)

@@ -18,8 +18,10 @@ from kernels.hopper import bwd_passes
 from kernels.hopper import config as hopper
 from kernels.runtime.internals import interpreted, interpreting
 from kernels.runtime.launch import PREPARED
-from tests.helpers import REPO
-from tests.test_flash_attn import BF16, F16, _case_id, _check_against_float64, _doc_ids, _make_inputs
+from tests.helpers import (REPO, assert_right_where_seen, case_id, check_against_float64, doc_ids_of, make_inputs,
+                           poisoned)
+
+BF16, F16 = torch.bfloat16, torch.float16
 
 GLUON = triton.__version__.startswith(hopper.TRITON)
 # where the installed triton is another release, `make test` puts triton 3.6 here for the compile check
@@ -207,10 +209,10 @@ GPU_CASES = [
 
 @pytest.mark.gpu
 @sm90
-@pytest.mark.parametrize("case", [pytest.param(c, id=_case_id(*c)) for c in GPU_CASES])
+@pytest.mark.parametrize("case", [pytest.param(c, id=case_id(*c)) for c in GPU_CASES])
 def test_gluon_matches_float64_reference(case, backend):
     dtype, B, H, H_kv, T, S, D, causal, layout = case
-    _check_against_float64(f"gluon-{backend}-" + _case_id(*case), B, H, H_kv, T, S, D, causal, dtype, layout,
+    check_against_float64(f"gluon-{backend}-" + case_id(*case), B, H, H_kv, T, S, D, causal, dtype, layout,
                            device="cuda", backend=backend)
 
 
@@ -231,8 +233,8 @@ GPU_DOC_CASES = [
 def test_gluon_document_mask_matches_float64_reference(case, backend):
     dtype, B, H, H_kv, D, layout, lengths = case
     T = sum(lengths[0])
-    _check_against_float64(f"gluon-{backend}-docs-{lengths}", B, H, H_kv, T, T, D, True, dtype, layout, "cuda",
-                           doc_ids=_doc_ids(lengths, "cuda"), backend=backend)
+    check_against_float64(f"gluon-{backend}-docs-{lengths}", B, H, H_kv, T, T, D, True, dtype, layout, "cuda",
+                           doc_ids=doc_ids_of(lengths, "cuda"), backend=backend)
 
 
 @pytest.mark.gpu
@@ -243,8 +245,8 @@ def test_gluon_tiles_of_other_documents_are_skipped_not_masked(D):
     # still multiply NaN into their sums (0 * NaN); a skipped tile is never loaded, so the other
     # document's results stay bit for bit those of clean inputs. The boundary, 1536, is an edge
     # of every tile (64, 128 and 192 rows).
-    doc_ids = _doc_ids([[1536, 1536]], "cuda")
-    q, k, v, do = _make_inputs(f"gluon-doc-skip-{D}", 1, 4, 2, 3072, 3072, D, BF16, "bthd", "cuda")
+    doc_ids = doc_ids_of([[1536, 1536]], "cuda")
+    q, k, v, do = make_inputs(f"gluon-doc-skip-{D}", 1, 4, 2, 3072, 3072, D, BF16, "bthd", "cuda")
 
     def run(q, k, v, do):
         q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
@@ -253,18 +255,13 @@ def test_gluon_tiles_of_other_documents_are_skipped_not_masked(D):
 
     clean = run(q, k, v, do)
     # the forward and the dQ shares skip document 0's key tiles for document 1's rows
-    v_nan = v.detach().clone()
-    v_nan[:, :, :1536] = float("nan")
+    (v_nan,) = poisoned(v, where=slice(0, 1536))
     o, dq, _, _ = run(q, k, v_nan, do)
-    for got, want in ((o, clean[0]), (dq, clean[1])):
-        assert torch.isfinite(got[:, :, 1536:]).all() and torch.equal(got[:, :, 1536:], want[:, :, 1536:])
+    assert_right_where_seen((o, dq), clean[:2], slice(1536, None), atol=None)
     # the dK/dV of document 0's keys skip document 1's query tiles
-    q_nan, do_nan = q.detach().clone(), do.clone()
-    q_nan[:, :, 1536:] = float("nan")
-    do_nan[:, :, 1536:] = float("nan")
-    _, _, dk, dv = run(q_nan, k, v, do_nan)
-    for got, want in ((dk, clean[2]), (dv, clean[3])):
-        assert torch.isfinite(got[:, :, :1536]).all() and torch.equal(got[:, :, :1536], want[:, :, :1536])
+    q_nan, do_nan = poisoned(q, do, where=slice(1536, None))
+    _, _, dk, dv = run(q_nan, k, v, do_nan.detach())
+    assert_right_where_seen((dk, dv), clean[2:], slice(0, 1536), atol=None)
 
 
 # (dtype, B, H, H_kv, T, S, D, layout, window, document lengths or None): a window of 1024 keys
@@ -283,8 +280,8 @@ GPU_WINDOW_CASES = [
 @pytest.mark.parametrize("case", GPU_WINDOW_CASES, ids=lambda c: f"{str(c[0])[6:]}-T{c[4]}-S{c[5]}-D{c[6]}-W{c[8]}")
 def test_gluon_window_matches_float64_reference(case, backend):
     dtype, B, H, H_kv, T, S, D, layout, window, lengths = case
-    doc_ids = None if lengths is None else _doc_ids(lengths, "cuda")
-    _check_against_float64(f"gluon-{backend}-window-{case}", B, H, H_kv, T, S, D, True, dtype, layout, "cuda",
+    doc_ids = None if lengths is None else doc_ids_of(lengths, "cuda")
+    check_against_float64(f"gluon-{backend}-window-{case}", B, H, H_kv, T, S, D, True, dtype, layout, "cuda",
                            doc_ids=doc_ids, window=window, backend=backend)
 
 
@@ -297,7 +294,7 @@ def test_gluon_tiles_outside_the_window_are_skipped_not_masked(D, backend):
     # 2046, so no program of theirs loads a query from 2112 on. NaN there leaves the other side's
     # results bit for bit those of clean inputs.
     window = 1024
-    q, k, v, do = _make_inputs(f"gluon-window-skip-{D}", 1, 4, 2, 4096, 4096, D, BF16, "bthd", "cuda")
+    q, k, v, do = make_inputs(f"gluon-window-skip-{D}", 1, 4, 2, 4096, 4096, D, BF16, "bthd", "cuda")
 
     def run(q, k, v, do):
         q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
@@ -325,7 +322,7 @@ def test_gluon_tiles_outside_the_window_are_skipped_not_masked(D, backend):
 def test_gluon_forward_never_reads_keys_past_its_rows(D):
     # causal: the program of the first 192 rows (at most: 3 warpgroups of 64) loads no key block
     # past key 255; NaN there must not reach its rows, whose output stays bit for bit the same
-    q, k, v, _ = _make_inputs(f"gluon-skip-{D}", 1, 4, 2, 4096, 4096, D, BF16, "bthd", "cuda")
+    q, k, v, _ = make_inputs(f"gluon-skip-{D}", 1, 4, 2, 4096, 4096, D, BF16, "bthd", "cuda")
     clean = flash_attn_forward(q, k, v)
     k2, v2 = k.detach().clone(), v.detach().clone()
     k2[:, :, 256:] = float("nan")
@@ -344,9 +341,9 @@ def test_gluon_backward_is_bit_identical_over_100_runs(D, T, mask):
     # the dQ shares are added in a fixed order, either launch order (at D = 128, causal, from 8192
     # keys: longest first); unordered atomics would differ within a few runs
     B = 2 if T == 2048 else 1
-    q, k, v, do = _make_inputs(f"gluon-determinism-{mask}-{D}-{T}", B, 1024 // D, 2, T, T, D, BF16, "packed", "cuda")
+    q, k, v, do = make_inputs(f"gluon-determinism-{mask}-{D}-{T}", B, 1024 // D, 2, T, T, D, BF16, "packed", "cuda")
     lengths = [[300, 1, 900, 847], [2048]] if T == 2048 else [[300, 1, 900, 6991]]
-    doc_ids = _doc_ids(lengths, "cuda") if mask == "documents" else None
+    doc_ids = doc_ids_of(lengths, "cuda") if mask == "documents" else None
     o = flash_attention(q, k, v, causal=mask != "full", doc_ids=doc_ids, window=700 if mask == "window" else 0,
                         backend="gluon")
     first = torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
@@ -358,7 +355,7 @@ def test_gluon_backward_is_bit_identical_over_100_runs(D, T, mask):
 @pytest.mark.gpu
 @sm90
 def test_gluon_refuses_what_it_cannot_run():
-    q, k, v, do = _make_inputs("gluon-d80", 1, 2, 2, 256, 256, 80, BF16, "bthd", "cuda")
+    q, k, v, do = make_inputs("gluon-d80", 1, 2, 2, 256, 256, 80, BF16, "bthd", "cuda")
     with pytest.raises(ValueError, match="backend=gluon: the Hopper forward .*head_dim 64 and 128, not 80"):
         torch.autograd.grad(flash_attention(q, k, v, backend="gluon"), (q, k, v), do)
 
@@ -366,7 +363,7 @@ def test_gluon_refuses_what_it_cannot_run():
 @pytest.mark.gpu
 @sm90
 def test_gluon_under_inductor_fullgraph(backend):
-    q, k, v, do = _make_inputs(f"gluon-{backend}-compile", 2, 4, 2, 1024, 1024, 128, BF16, "packed", "cuda")
+    q, k, v, do = make_inputs(f"gluon-{backend}-compile", 2, 4, 2, 1024, 1024, 128, BF16, "packed", "cuda")
 
     def attend(q, k, v):
         return flash_attention(q, k, v, causal=True, backend=backend)
@@ -387,8 +384,8 @@ def test_gluon_under_inductor_fullgraph(backend):
 def test_gluon_later_launches_use_the_new_tensors(D, documents):
     # the first call per layout goes through Triton's front door; later calls launch the compiled
     # kernels with descriptors rebuilt from the new tensors' addresses (and the new documents')
-    a, b = (_make_inputs(f"gluon-rebind-{name}-{D}", 1, 4, 2, 1000, 1000, D, BF16, "bthd", "cuda") for name in "ab")
-    doc_ids = _doc_ids([[300, 1, 699]], "cuda") if documents else None
+    a, b = (make_inputs(f"gluon-rebind-{name}-{D}", 1, 4, 2, 1000, 1000, D, BF16, "bthd", "cuda") for name in "ab")
+    doc_ids = doc_ids_of([[300, 1, 699]], "cuda") if documents else None
 
     def run(q, k, v, do):
         o = flash_attention(q, k, v, doc_ids=doc_ids, backend="gluon")
@@ -433,8 +430,8 @@ def test_persistent_kernels_take_every_tile_once(D):
              (4, 8, 4, 4048, [docs, [4048], docs[::-1], [2024, 2024]], 0), (1, 8, 8, 8192, None, 0),
              (1, 8, 8, 8192, [[3000, 5192]], 1024)]
     for B, H, H_kv, T, lengths, window in cases:
-        q, k, v, do = _make_inputs(f"gluon-persistent-{D}-{T}", B, H, H_kv, T, T, D, BF16, "packed", "cuda")
-        doc_ids = _doc_ids(lengths, "cuda") if lengths else None
+        q, k, v, do = make_inputs(f"gluon-persistent-{D}-{T}", B, H, H_kv, T, T, D, BF16, "packed", "cuda")
+        doc_ids = doc_ids_of(lengths, "cuda") if lengths else None
         first = _poisoned_grads(q, k, v, do, doc_ids, window)
         portable = _poisoned_grads(q, k, v, do, doc_ids, window, backend="triton")
         for name, x, y in zip(("o", "lse", "dq", "dk", "dv"), first, portable, strict=True):
@@ -522,7 +519,7 @@ def test_backward_finishes_while_another_kernel_holds_most_sms():
     # that running programs hold, whatever else runs: a program takes every tile from the counter
     # once it runs. With every SM but 4 held by another kernel until this backward is done, it ends
     # on the 4, and the flag set after it releases the holders, not their poll limit
-    q, k, v, do = _make_inputs("gluon-held-sms", 2, 8, 8, 4096, 4096, 128, BF16, "packed", "cuda")
+    q, k, v, do = make_inputs("gluon-held-sms", 2, 8, 8, 4096, 4096, 128, BF16, "packed", "cuda")
     o, lse = flash_attn_forward(q, k, v, backend="gluon")
     expected = flash_attn_backward(do, q, k, v, o, lse, backend="gluon")
     holders, started, released, grads = held_backward(q, k, v, do, o, lse)

@@ -113,3 +113,10 @@ def test_kernels_functions_are_short_and_kernels_take_few_parameters():
             jit = any("jit" in ast.unparse(decorator) for decorator in node.decorator_list)
             params = len(node.args.posonlyargs) + len(node.args.args) + len(node.args.kwonlyargs)
             assert not jit or params <= 16, f"{where} takes {params} parameters"
+
+
+def test_no_test_module_imports_another():
+    # what the test files share lives in tests/helpers.py (and the workers they start)
+    for path in sorted((REPO / "tests").glob("test_*.py")):
+        imported = {m for m in imported_modules(path) if m.startswith("tests.test_")}
+        assert not imported, f"{path.name} imports {sorted(imported)}: move what it shares to tests/helpers.py"

@@ -20,12 +20,7 @@ from configs.schema import ModelConfig
 from data.tokenizer import EOT, document_ids
 from model import ATTENTIONS, GPT, get_attention
 from model.gpt import Rotary
-from tests.helpers import assert_within_own_error
-
-
-def tiny_config(**overrides) -> ModelConfig:
-    base = dict(name="test", n_layer=2, n_head=4, d_model=64, max_seq_len=64, vocab_size=50257)
-    return ModelConfig(**{**base, **overrides})
+from tests.helpers import assert_within_own_error, tiny_config
 
 
 def twin_models(cfg: ModelConfig, attns: tuple[str, ...], dtype: torch.dtype, window: int = 0) -> list[GPT]:

@@ -3,7 +3,7 @@ gradient, dsinks included: the portable kernels take them all, the Hopper kernel
 
 Proves, for O, LSE, dQ, dK, dV and the sinks' gradient, against the dense float64 reference
 (kernels/reference/flash_ref.py's attention_reference, which takes the same ScoreMods and sinks),
-that the kernels' error is within tests/test_flash_attn.py's bound: twice PyTorch's own dense
+that the kernels' error is within tests/helpers.py's bound: twice PyTorch's own dense
 attention in the input dtype, plus a floor for rounding and fp32 sums. A softcap, ALiBi and sinks,
 alone and together, causal with T == S, T < S and T > S (rows that see no key: with a sink, O = 0
 and LSE = the sink), not causal, packed documents, a sliding window, GQA. Also: off (None, or a
@@ -32,7 +32,7 @@ from kernels import api, backends
 from kernels.reference.flash_ref import attention_probs, attention_reference
 from kernels.score_mods import ScoreMods
 from kernels.triton import fwd
-from tests.test_flash_attn import _assert_within_reference_error, _doc_ids, _make_inputs
+from tests.helpers import assert_within_reference_error, doc_ids_of, make_inputs
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 OFF, CAP, ALIBI, ALL = ScoreMods(), ScoreMods(softcap=2.0), ScoreMods(alibi=True), ScoreMods(softcap=1.5, alibi=True)
@@ -63,7 +63,7 @@ def _dense(q, k, v, do, sinks, dtype, **masks_and_mods):
 
 
 def _error_scales(q, k, v, do, sinks, causal, doc_ids, window, mods, prefix=0):
-    """As tests/test_flash_attn.py's _error_scales (each output's sums with every factor's absolute
+    """As tests/helpers.py's error_scales (each output's sums with every factor's absolute
     value, whose size sets their rounding error), with the modifications, and the sinks' gradient
     sum_{b,i} P_sink |delta|. The cap's derivative (at most 1) is left out: a bound."""
     q, k, v, do = (t.detach().double() for t in (q, k, v, do))
@@ -87,7 +87,7 @@ def _check(case_id, dtype, B, H, H_kv, T, S, D, causal, mods, sinks_on, layout="
            device="cpu", backend="auto", prefix=0):
     """The two halves' O, LSE, dQ, dK, dV (and dsinks) against the float64 reference, each within
     its bound; returns them."""
-    q, k, v, do = _make_inputs(case_id, B, H, H_kv, T, S, D, dtype, layout, device)
+    q, k, v, do = make_inputs(case_id, B, H, H_kv, T, S, D, dtype, layout, device)
     q, k, v = (t.detach() for t in (q, k, v))
     sinks = _sinks(case_id, H, S, device) if sinks_on else None
     masks_and_mods = dict(causal=causal, doc_ids=doc_ids, window=window, mods=mods, prefix=prefix)
@@ -105,7 +105,7 @@ def _check(case_id, dtype, B, H, H_kv, T, S, D, causal, mods, sinks_on, layout="
     # the batch's rows for dsinks
     n_terms = (S, S, S, T * H // H_kv, T * H // H_kv, B * T)
     for name, g, want, lowp, n, scale in zip(NAMES, got, ref64, ref_lowp, n_terms, scales):
-        _assert_within_reference_error(name, g, want, lowp, dtype, n, scale)
+        assert_within_reference_error(name, g, want, lowp, dtype, n, scale)
     return got
 
 
@@ -140,7 +140,7 @@ def _case_id(case):
 @pytest.mark.parametrize("case", CPU_CASES, ids=_case_id)
 def test_matches_float64_reference(case):
     dtype, B, H, H_kv, T, S, D, causal, mods, sinks, layout, lengths, window = case
-    doc_ids = None if lengths is None else _doc_ids(lengths)
+    doc_ids = None if lengths is None else doc_ids_of(lengths)
     _check(_case_id(case), dtype, B, H, H_kv, T, S, D, causal, mods, sinks, layout, doc_ids, window)
 
 
@@ -164,15 +164,15 @@ def _prefix_case_id(case):
 @pytest.mark.parametrize("case", PREFIX_CPU_CASES, ids=_prefix_case_id)
 def test_a_prefix_matches_float64_reference(case):
     dtype, B, H, H_kv, T, S, D, mods, sinks, lengths, window, prefix = case
-    doc_ids = None if lengths is None else _doc_ids(lengths)
+    doc_ids = None if lengths is None else doc_ids_of(lengths)
     _check(_prefix_case_id(case), dtype, B, H, H_kv, T, S, D, True, mods, sinks, "bthd", doc_ids, window,
            prefix=prefix)
 
 
 def test_a_prefix_is_deterministic_and_compiles_to_the_same_bits():
     # the backward twice, bit for bit; torch.compile's custom op carries the prefix
-    doc_ids = _doc_ids([[20, 30]])
-    q, k, v, do = _make_inputs("prefix-bits", 1, 4, 2, 50, 50, 16, F32, "bthd")
+    doc_ids = doc_ids_of([[20, 30]])
+    q, k, v, do = make_inputs("prefix-bits", 1, 4, 2, 50, 50, 16, F32, "bthd")
 
     def grads(attend):
         o = attend(q, k, v)
@@ -191,7 +191,7 @@ def test_a_row_that_sees_no_key_returns_zero_and_its_sink():
     # T > S, causal: the first T - S rows see no key. With a sink O = 0, LSE = the sink (through
     # log2 units: to an ulp or two) and dQ = 0 exactly; no NaN anywhere
     T, S, H = 50, 30, 4
-    q, k, v, do = (t.detach() for t in _make_inputs("no-key", 1, H, 2, T, S, 16, F32, "bthd"))
+    q, k, v, do = (t.detach() for t in make_inputs("no-key", 1, H, 2, T, S, 16, F32, "bthd"))
     sinks = _sinks("no-key", H, S)
     o, lse = flash_attn_forward(q, k, v, mods=ALL, sinks=sinks)
     dq, dk, dv, dsinks = flash_attn_backward(do, q, k, v, o, lse, mods=ALL, sinks=sinks)
@@ -202,7 +202,7 @@ def test_a_row_that_sees_no_key_returns_zero_and_its_sink():
 
 
 def test_off_is_the_same_bits_as_no_argument():
-    q, k, v, do = _make_inputs("off", 1, 4, 2, 37, 50, 24, F32, "bthd")
+    q, k, v, do = make_inputs("off", 1, 4, 2, 37, 50, 24, F32, "bthd")
     runs = []
     for extra in ({}, {"mods": None, "sinks": None}, {"mods": ScoreMods(softcap=0.0, alibi=False)}):
         o = flash_attention(q, k, v, **extra)
@@ -213,8 +213,8 @@ def test_off_is_the_same_bits_as_no_argument():
 
 def test_autograd_is_the_two_halves_bit_for_bit_and_deterministic():
     # GQA, causal with documents, every modification; sinks in bf16 get their gradient in bf16
-    doc_ids = _doc_ids([[20, 30]])
-    q, k, v, do = _make_inputs("autograd", 1, 4, 2, 50, 50, 24, F32, "bthd")
+    doc_ids = doc_ids_of([[20, 30]])
+    q, k, v, do = make_inputs("autograd", 1, 4, 2, 50, 50, 24, F32, "bthd")
     sinks = _sinks("autograd", 4, 50).detach().to(BF16).requires_grad_()
 
     def grads():
@@ -349,7 +349,7 @@ GPU_CASES = [
 @pytest.mark.parametrize("case", GPU_CASES, ids=_case_id)
 def test_gpu_matches_float64_reference(case):
     dtype, B, H, H_kv, T, S, D, causal, mods, sinks, layout, lengths, window = case
-    doc_ids = None if lengths is None else _doc_ids(lengths, "cuda")
+    doc_ids = None if lengths is None else doc_ids_of(lengths, "cuda")
     _check("gpu-" + _case_id(case), dtype, B, H, H_kv, T, S, D, causal, mods, sinks, layout, doc_ids, window, "cuda")
 
 
@@ -365,7 +365,7 @@ PREFIX_GPU_CASES = [
 @pytest.mark.parametrize("case", PREFIX_GPU_CASES, ids=_prefix_case_id)
 def test_gpu_a_prefix_matches_float64_reference(case):
     dtype, B, H, H_kv, T, S, D, mods, sinks, lengths, window, prefix = case
-    doc_ids = None if lengths is None else _doc_ids(lengths, "cuda")
+    doc_ids = None if lengths is None else doc_ids_of(lengths, "cuda")
     first = _check("gpu-" + _prefix_case_id(case), dtype, B, H, H_kv, T, S, D, True, mods, sinks, "bthd", doc_ids,
                    window, "cuda", prefix=prefix)
     again = _check("gpu-" + _prefix_case_id(case), dtype, B, H, H_kv, T, S, D, True, mods, sinks, "bthd", doc_ids,
@@ -378,8 +378,8 @@ def test_gpu_a_prefix_matches_float64_reference(case):
 def test_gpu_backward_is_deterministic_and_launches_are_kept_apart(lengths):
     # GQA, every modification, twice (without bounds each call launches anew; with documents the
     # second call is a bound launch); then the plain call, bound before and after, is unchanged
-    doc_ids = None if lengths is None else _doc_ids(lengths * 2, "cuda")
-    q, k, v, do = _make_inputs(f"gpu-determinism-{lengths}", 2, 8, 2, 2048, 2048, 128, BF16, "packed", "cuda")
+    doc_ids = None if lengths is None else doc_ids_of(lengths * 2, "cuda")
+    q, k, v, do = make_inputs(f"gpu-determinism-{lengths}", 2, 8, 2, 2048, 2048, 128, BF16, "packed", "cuda")
     sinks = _sinks("gpu-determinism", 8, 2048, "cuda")
 
     def grads(**extra):
@@ -400,7 +400,7 @@ def test_gpu_the_hopper_kernels_take_sinks(D, lengths):
     # a sink starts each row's softmax in the Gluon forward; their backward reads it in the LSE
     if why := backends.unsupported(D, BF16, torch.device("cuda"), "gluon"):
         pytest.skip(why)
-    doc_ids = None if lengths is None else _doc_ids(lengths, "cuda")
+    doc_ids = None if lengths is None else doc_ids_of(lengths, "cuda")
     case = f"gpu-hopper-sinks-D{D}"
     first = _check(case, BF16, 1, 8, 2, 2048, 2048, D, True, OFF, True, "bthd", doc_ids, 0, "cuda", "gluon")
     again = _check(case, BF16, 1, 8, 2, 2048, 2048, D, True, OFF, True, "bthd", doc_ids, 0, "cuda", "gluon")
@@ -411,7 +411,7 @@ def test_gpu_the_hopper_kernels_take_sinks(D, lengths):
 def test_gpu_auto_runs_the_portable_kernels_with_modifications():
     # at lengths where "auto" picks the Hopper kernels on sm_90, modifications and a prefix go to the
     # portable ones
-    q, k, v, do = _make_inputs("gpu-auto", 1, 4, 2, 4096, 4096, 64, BF16, "bthd", "cuda")
+    q, k, v, do = make_inputs("gpu-auto", 1, 4, 2, 4096, 4096, 64, BF16, "bthd", "cuda")
     sinks = _sinks("gpu-auto", 4, 4096, "cuda")
     for extra in ({"mods": ALL}, {"prefix": 1000}):
         outs = []

@@ -85,7 +85,7 @@ def fsdp_units(blocks: list[nn.Module], min_params: int) -> list[list[nn.Module]
 
 def local(t: torch.Tensor) -> torch.Tensor:
     """This process's shard of a DTensor (FSDP's parameters, gradients and AdamW state); t itself otherwise."""
-    return t._local_tensor if isinstance(t, DTensor) else t
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class ShardedAdamW(torch.optim.AdamW):
