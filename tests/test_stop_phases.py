@@ -20,6 +20,7 @@ import json
 import re
 import shlex
 import signal
+import sys
 from pathlib import Path
 
 import pytest
@@ -87,7 +88,8 @@ def test_sigterm_between_sweep_jobs_stops_the_sweep_and_its_command_finishes_it(
     # as the first job closed, or before the second's first step: no dir is left holding only bookkeeping
     assert [p.name for p in sweep.iterdir() if p.is_dir()] == ["0_sdpa_T16"]
     assert summary(sweep / "0_sdpa_T16")["status"] == "ok"
-    command = shlex.split(re.search(r": (python .*) continues the sweep", lines[0])[1])
+    command = shlex.split(re.search(r": (\S*python\S* .*) continues the sweep", lines[0])[1])
+    assert command[0] == sys.executable, command  # run as printed: this interpreter, by its path
     again = start(command[1:], tmp_path)
     assert any(line.startswith("0_sdpa_T16: skipped: its run finished at step 2") for line in ended(again, tmp_path, 0))
     assert summary(sweep / "1_sdpa_T32")["status"] == "ok"
