@@ -110,8 +110,8 @@ def backends(head_dim: int, dtype: torch.dtype, device: torch.device, seq_len: i
              backend: str = "auto", modified: bool = False) -> dict[str, str]:
     """Which kernels run the forward and the backward of attention with this head dim, dtype,
     device and query length (with or without documents; modified: with score modifications,
-    softcap or ALiBi, or a prefix), for inputs laid out as the model lays them out (the run info logs it); ValueError for a
-    backend it does not know, or gluon where it cannot run."""
+    softcap or ALiBi, or a prefix), for inputs laid out as the model lays them out (the run info
+    logs it); ValueError for a backend it does not know, or gluon where it cannot run."""
     check_backend(backend)
     why = f"they {MODS_REFUSED}" if modified else unsupported(head_dim, dtype, device, "gluon")
     if why and backend == "gluon":
