@@ -90,9 +90,7 @@ class Mask:
         if self.doc_ids is None:
             return (torch.arange(self.S, device=device) < self.prefix)[None]
         keys = torch.arange(self.S, device=self.doc_ids.device).expand_as(self.doc_ids)
-        first = torch.ones_like(self.doc_ids, dtype=torch.bool)
-        first[:, 1:] = self.doc_ids[:, 1:] != self.doc_ids[:, :-1]
-        starts = torch.cummax(torch.where(first, keys, 0), dim=1).values  # each key's document's first
+        starts = torch.cummax(torch.where(firsts(self.doc_ids), keys, 0), dim=1).values  # each key's document's first
         return keys - starts < self.prefix
 
     def dense(self, device: torch.device | None = None) -> torch.Tensor:
@@ -149,8 +147,7 @@ def bounds(doc_ids: torch.Tensor | None, window: int, B: int, T: int, S: int, de
     key_lo, key_hi = torch.zeros_like(rows), rows + (S - T)  # causal
     row_lo, row_hi = keys - (S - T), torch.full_like(keys, T)
     if doc_ids is not None:  # T == S: rows and keys share positions
-        first = torch.ones_like(doc_ids, dtype=torch.bool)
-        first[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+        first = firsts(doc_ids)
         last = torch.ones_like(first)
         last[:, :-1] = first[:, 1:]
         starts = torch.cummax(torch.where(first, rows, 0), dim=1).values  # each position's document's first
@@ -267,13 +264,19 @@ def sees(b, rows, cols, T: int, S: int, causal: bool, reach, doc_ids: torch.Tens
     return seen
 
 
+def firsts(doc_ids: torch.Tensor) -> torch.Tensor:
+    """(B, T) bool, True where a document starts: a document is a run of equal ids, and every row's
+    first token starts one."""
+    first = torch.ones_like(doc_ids, dtype=torch.bool)
+    first[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    return first
+
+
 def cu_seqlens(doc_ids: torch.Tensor) -> torch.Tensor:
     """(B, T) document ids -> (N + 1,) int32: where each of the N documents of the B rows, flattened
     to B·T tokens, starts, then B·T. A document is a run of equal ids, and every row's first token
     starts one."""
-    starts = torch.ones_like(doc_ids, dtype=torch.bool)
-    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
-    offsets = starts.flatten().nonzero().flatten()  # the number of documents: one host sync per batch
+    offsets = firsts(doc_ids).flatten().nonzero().flatten()  # the number of documents: one host sync per batch
     return torch.cat([offsets, offsets.new_tensor([doc_ids.numel()])]).to(torch.int32)
 
 
