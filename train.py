@@ -39,7 +39,7 @@ from configs.store import register_configs  # noqa: E402
 from configs.validate import ConfigError, launch_env  # noqa: E402
 from data import DatasetError, TokenizerError, TokenWindows, document_ids  # noqa: E402
 from data.files import WriteError  # noqa: E402
-from trainer.checkpoint import CHECKPOINT_NAME, CheckpointError, save_checkpoint, state_dict  # noqa: E402
+from trainer.checkpoint import CHECKPOINT_NAME, CheckpointError, write_checkpoint  # noqa: E402
 from trainer.commands import resume_hint, sweep_command, sweeping  # noqa: E402
 from trainer.finish import finish  # noqa: E402
 from trainer.optim import Diverged, check_finite, lr_at, set_lr, update  # noqa: E402
@@ -205,13 +205,11 @@ def evaluate(run: Run, bar: tqdm) -> None:
 
 
 def save(run: Run) -> None:
-    """Checkpoints the run, outside the throughput's clock (rank 0 writes; every rank's loader holds
-    the same state, so rank 0's serves all; sharded, every rank gathers)."""
+    """Checkpoints the run, outside the throughput's clock (rank 0 writes ckpt.pt; every rank's loader
+    holds the same state, so rank 0's serves all; sharded, every rank writes its shards first)."""
     with run.meter.paused():
         diverged(run)
-        state = state_dict(run) if run.master or run.par.sharded else None
-        if run.master:
-            save_checkpoint(run.run_dir / CHECKPOINT_NAME, state)
+        write_checkpoint(run)
         run.saved_step = run.step
 
 

@@ -39,6 +39,9 @@ class WriteError(OSError):
     def __str__(self) -> str:
         return self.said
 
+    def __reduce__(self):  # whole through pickle (a sharded save hands one process's failure to the others)
+        return type(self), (self.errno, self.filename, self.said)
+
 
 class DiskFullError(WriteError):
     """No space left for a write (or over a quota); the target was left as it was."""

@@ -28,6 +28,7 @@ from configs.schema import AttnName, ModelConfig  # noqa: E402
 from configs.validate import ConfigError  # noqa: E402
 from data import TokenizerError, get_encoding  # noqa: E402
 from trainer.checkpoint import CheckpointError, checkpoint_path, load_checkpoint, load_weights  # noqa: E402
+from trainer.shards import load_shards  # noqa: E402
 from model import GPT, get_attention  # noqa: E402
 from model.attention import Modifications  # noqa: E402
 from scripts.args import fail, hydra_config  # noqa: E402
@@ -100,7 +101,10 @@ def load_model(ckpt: str, attention: str | None, device: torch.device) -> GPT:
                           "through its log-sum-exp, which torch does not return on the CPU: use attention=naive or "
                           "sdpa")
     model = GPT(model_cfg, name, window=trained["attn"].get("window", 0), mods=mods)
-    load_weights(model, state["model"], path)
+    if state["shards"] is not None:  # a sharded run's: its shards, read whole into this one process
+        load_shards(state["shards"]["path"], {"model": model.state_dict()})
+    else:
+        load_weights(model, state["model"], path)
     return model.to(device).eval()
 
 

@@ -47,7 +47,7 @@ from configs.overrides import quoted_where_needed
 from configs.schema import TrainConfig
 from trainer import preflight
 from trainer import checkpoint
-from trainer.checkpoint import CheckpointError, load_checkpoint
+from trainer.checkpoint import FORMAT_VERSION, CheckpointError, load_checkpoint
 from trainer.metrics import json_line, read_metrics
 from tests.helpers import REPO, TINY, private_tmpfs_works, torchrun, wandb_file
 from tests.wandb_records import ending
@@ -379,7 +379,8 @@ FOREIGN = {
     "an empty file": (lambda path: path.write_bytes(b""), "is damaged"),
     "a missing key": (_rewritten(lambda state: state.pop("loader")), "lacks loader"),
     "an extra key": (_rewritten(lambda state: state.update(ema={})), "has unknown ema"),
-    "a newer format": (_rewritten(lambda state: state.update(format_version=3)), "is format 3"),
+    "a newer format": (_rewritten(lambda state: state.update(format_version=FORMAT_VERSION + 1)),
+                       f"is format {FORMAT_VERSION + 1}"),
     "other weights": (_rewritten(lambda state: state["model"].pop("ln_f.weight")), "does not fit this model"),
     "non-finite weights": (_rewritten(lambda state: state["model"]["ln_f.weight"].fill_(float("nan"))),
                            "holds non-finite weights"),
@@ -573,26 +574,33 @@ def test_a_diverging_run_keeps_its_last_good_checkpoint(data_root, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.skipif(not private_tmpfs_works(), reason="needs unshare -rm and tmpfs mounts for a private small disk")
-def test_a_full_disk_during_a_save_keeps_the_last_checkpoint(data_root, tmp_path):
-    # a ~20 MB checkpoint on a 30 MB disk: the first save fits, the second cannot (the old file stays
-    # until the new one is whole); everything is checked inside the namespace, where the disk exists
+@pytest.mark.parametrize("processes", [1, 2], ids=["one-file", "fsdp-shards"])
+def test_a_full_disk_during_a_save_keeps_the_last_checkpoint(processes, data_root, tmp_path):
+    # a ~20 MB checkpoint on a 30 MB disk: the first save fits, the second cannot (the old file, or
+    # shards, stay until the new ones are whole); everything is checked inside the namespace, where
+    # the disk exists. Sharded: every process writes its shards, and each learns that one failed
     disk = tmp_path / "disk"
     disk.mkdir()
     cmd = command(data_root, f"hydra.run.dir={disk / 'run'}", "ckpt_interval=3", "max_steps=9")
+    if processes > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}", *cmd[1:],
+               "parallel.dp=fsdp", "batch_tokens=256"]
     check = ("import json, sys; from pathlib import Path; from trainer.checkpoint import load_checkpoint; "
-             f"run = Path({str(disk / 'run')!r}); "
-             "print(json.dumps({'step': load_checkpoint(run / 'ckpt.pt')['step'], "
-             "'files': sorted(p.name for p in run.iterdir())}))")
+             f"run = Path({str(disk / 'run')!r}); ckpt = load_checkpoint(run / 'ckpt.pt'); "
+             "print(json.dumps({'step': ckpt['step'], 'files': sorted(p.name for p in run.iterdir()), "
+             "'shards': sorted(p.name for p in run.glob('shards/*'))}))")
     script = ('mount -t tmpfs -o size=30m tmpfs "$1" && shift && "$@"; echo "rc=$?"; '
               f'"{sys.executable}" -c "$CHECK"')
     done = run(["unshare", "-rm", "sh", "-c", script, "sh", str(disk), *cmd], REPO,
-               env={"CHECK": check})
+               env={"CHECK": check, "PYTHONPATH": str(REPO)})
     out = done.stdout.strip().splitlines()
     assert "rc=1" in out, done.stdout[-2000:] + done.stderr[-2000:]
-    message = [line for line in done.stderr.splitlines() if "disk full" in line]
-    assert len(message) == 1 and "the last checkpoint (step 3)" in message[0], done.stderr[-2000:]
+    said = done.stdout + done.stderr
+    message = [line for line in said.splitlines() if "disk full" in line and "last checkpoint" in line]
+    assert len(message) == 1 and "the last checkpoint (step 3)" in message[0], said[-3000:]
     result = eval(out[-1])  # the JSON printed by CHECK: true/false never occur in it
     assert result["step"] == 3 and not [f for f in result["files"] if f.endswith(".tmp")]
+    assert len(result["shards"]) == (processes > 1)  # the step-3 shards alone: the cut ones were removed
 
 
 # ----------------------------------------------------------------------------- what a run needs at its end

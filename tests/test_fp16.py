@@ -3,7 +3,7 @@
 - dtype=auto picks bf16 from CUDA compute capability 8.0, fp16 below it and fp32 on the CPU, and
   says so in one line; bfloat16 on an older GPU is refused in one line (the capability mocked);
 - a tiny fp16 run trains, and its checkpoint holds the loss scale (an fp32 run's holds none); a
-  checkpoint of format 1, from before the loss scale, still resumes;
+  checkpoint of format 1, from before the loss scale, or of format 2, from before shards, still resumes;
 - an fp16 resume continues bit for bit, the loss scale and its growth tracker restored;
 - a step whose scaled gradients overflow is skipped and the scale halved, not called divergence;
   a loss that is not finite still is.
@@ -88,12 +88,16 @@ def test_a_tiny_fp16_run_learns_and_checkpoints_its_loss_scale(dtype, data_root,
                                     "growth_interval": 2000, "_growth_tracker": 8}
 
 
-def test_a_checkpoint_from_before_the_loss_scale_still_resumes(data_root, tmp_path):
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_checkpoint_from_before_the_loss_scale_or_shards_still_resumes(version, data_root, tmp_path):
     common = TINY + [f"data.root={data_root}", "eval_interval=0", "wandb.mode=disabled"]
     train_module.train(compose(common + ["max_steps=2"]), tmp_path)
     state = torch.load(tmp_path / "ckpt.pt", weights_only=True)
-    for key in ("grad_scaler", "format_version", "sha256"):  # format 1 had neither the key nor the field
+    # format 1 had no loss scale and no format_version; format 2 had no shards
+    for key in (("grad_scaler", "format_version") if version == 1 else ()) + ("shards", "sha256"):
         state.pop(key)
+    if version == 2:
+        state["format_version"] = 2
     state["sha256"] = checkpoint._digest(state)
     torch.save(state, tmp_path / "ckpt.pt")
     summary = train_module.train(compose(common + ["max_steps=4", f"resume={tmp_path}"]), tmp_path / "ignored")

@@ -5,7 +5,7 @@ Under torchrun every process drives one GPU (or the CPU, through gloo). The proc
 ring attention), the rows are data-parallel, each drawing its own slice of the global batch.
 Gradients are averaged over all processes: by DDP, which keeps the whole model and AdamW state on
 every process, or by FSDP2 (fully_shard on units of blocks and on the rest), which shards weights,
-gradients and optimizer state. Checkpoints hold whole tensors either way (state_dict / load_state_dict).
+gradients and optimizer state; its checkpoints are its shards (trainer/shards.py), DDP's whole tensors.
 
 Context parallelism, zigzag: the T tokens of a window are cut into 2N chunks and rank r of the N
 keeps chunks r and 2N-1-r, so every rank has the same causal attention work
@@ -38,10 +38,6 @@ from torch.optim.adamw import adamw
 from configs.validate import launch_env
 from kernels.ring_attention import ring_attention
 from model.attention import Attention
-
-# checkpoints hold whole tensors whatever the sharding: gathered to rank 0 (on the CPU) to save,
-# and every rank loads the whole checkpoint and keeps its shard
-_WHOLE = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
 @dataclass(frozen=True)
@@ -293,20 +289,22 @@ class Parallel:
     # ------------------------------------------------------------------ checkpoints
 
     def state_dict(self, raw_model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
-        """(model, optimizer) state as whole tensors; sharded, every rank must call it and rank 0's
-        holds them."""
+        """(model, optimizer) state: sharded, each process's shards (DTensors, for trainer/shards.py;
+        every process must call it), else whole tensors."""
         if self.sharded:
-            return (get_model_state_dict(raw_model, options=_WHOLE),
-                    get_optimizer_state_dict(raw_model, optimizer, options=_WHOLE))
+            return get_model_state_dict(raw_model), get_optimizer_state_dict(raw_model, optimizer)
         return raw_model.state_dict(), optimizer.state_dict()
 
     def load_state_dict(self, raw_model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict,
                         optimizer_state: dict, load_weights) -> None:
-        """The inverse of state_dict, on every rank; load_weights(model, state) loads an unsharded one."""
+        """The inverse of state_dict, on every process; a sharded run also takes whole tensors (a
+        checkpoint exported to one file, or written before shards), keeping its part of each.
+        load_weights(model, state) loads an unsharded one."""
         if self.sharded:
-            whole = StateDictOptions(full_state_dict=True)
-            set_model_state_dict(raw_model, model_state, options=whole)
-            set_optimizer_state_dict(raw_model, optimizer, optimizer_state, options=whole)
+            whole = any(not isinstance(t, DTensor) for t in model_state.values())
+            options = StateDictOptions(full_state_dict=whole)
+            set_model_state_dict(raw_model, model_state, options=options)
+            set_optimizer_state_dict(raw_model, optimizer, optimizer_state, options=options)
         else:
             load_weights(raw_model, model_state)
             optimizer.load_state_dict(optimizer_state)
@@ -320,6 +318,22 @@ class Parallel:
         flag = torch.tensor(int(ok), device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         return bool(flag.item())
+
+    def broadcast(self, obj):
+        """Rank 0's obj, on every process."""
+        if self.world == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def gather(self, obj) -> list:
+        """Every process's obj, in rank order, on every process."""
+        if self.world == 1:
+            return [obj]
+        out = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
 
     def barrier(self) -> None:
         if self.world > 1:

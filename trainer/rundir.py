@@ -208,7 +208,7 @@ def resume_point(cfg: DictConfig, par, run_dir: Path) -> tuple[dict | None, Path
     path, run_dir = resume_target(hydra.utils.to_absolute_path(cfg.resume))
     if path is None:
         return None, run_dir
-    ckpt = load_checkpoint(path)
+    ckpt = load_checkpoint(path, par)
     changes = check_resume(ckpt, plain(cfg), par.dp, path)
     step = ckpt["step"]
     if step > cfg.max_steps or (step == cfg.max_steps and finished_summary(run_dir) is not None):
