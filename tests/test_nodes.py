@@ -61,8 +61,9 @@ def worker_rank(agent: int) -> int | None:
 
 
 def last_step(run_dir: Path) -> int:
-    return max((r["step"] for r in metrics(run_dir) if "loss" in r), default=0) if (run_dir / "metrics.jsonl").exists() \
-        else 0
+    if not (run_dir / "metrics.jsonl").exists():
+        return 0
+    return max((r["step"] for r in metrics(run_dir) if "loss" in r), default=0)
 
 
 def curve(run_dir: Path) -> list[tuple]:

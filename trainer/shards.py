@@ -105,8 +105,8 @@ def verify_shards(directory: Path, files: dict[str, str], par=None) -> None:
     present = sorted(os.listdir(directory)) if directory.is_dir() else []
     missing, extra = sorted(set(files) - set(present)), sorted(set(present) - set(files))
     if missing or extra:
-        said = "; ".join(f"{what} {', '.join(names[:3])}" for what, names in (("lacks", missing), ("has unknown", extra))
-                         if names)
+        said = "; ".join(f"{what} {', '.join(names[:3])}"
+                         for what, names in (("lacks", missing), ("has unknown", extra)) if names)
         raise ShardError(f"its shard directory {directory} {said}" if directory.is_dir()
                          else f"its shard directory {directory} is missing")
     seen = _digests(directory, list(files), par)
