@@ -259,17 +259,18 @@ class Parallel:
         """The gradients' norm over the whole model, and the gradients scaled to at most max_norm."""
         if not self.sharded:
             return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-        # sharded: each process's shards, their squares summed over the processes (FSDP's mesh is
-        # every process: the default group). On the local tensors: DTensor's dispatch of each op
-        # over every gradient costs more host time than the kernels do on a small model
-        grads = [local(p.grad) for p in model.parameters() if p.grad is not None]
-        if not grads:
+        # sharded: the norm from each process's shards, their squares summed over the processes
+        # (FSDP's mesh is every process: the default group), on the local tensors; the scaling is
+        # torch's over the DTensors (one foreach op: 0.99x the tokens/s of scaling the local
+        # shards, GPT-2 small on one H200, within the runs' spread)
+        params = [p for p in model.parameters() if p.grad is not None]
+        if not params:
             return torch.zeros((), device=self.device)
-        squares = torch.nn.utils.get_total_norm(grads, foreach=True).square()
+        squares = torch.nn.utils.get_total_norm([local(p.grad) for p in params], foreach=True).square()
         if self.world > 1:
             dist.all_reduce(squares)
         norm = squares.sqrt()
-        torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0))  # as clip_grad_norm_ scales
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
         return norm
 
     def mean(self, t: torch.Tensor) -> torch.Tensor:
