@@ -2,7 +2,8 @@
 writes (trainer/shards.py) beside one file gathered to rank 0, in the same run.
 
     torchrun --standalone --nproc_per_node=2 scripts/bench_checkpoint.py model=gpt2_small
-    torchrun --standalone --nproc_per_node=2 scripts/bench_checkpoint.py model.n_layer=24 model.d_model=2048 model.n_head=16
+    torchrun --standalone --nproc_per_node=2 scripts/bench_checkpoint.py \
+        model.n_layer=24 model.d_model=2048 model.n_head=16
 
 The arguments are train.py overrides; parallel.dp=fsdp is added. The run is set up as train.py
 sets it up (setup: the model sharded over the processes, AdamW), AdamW takes one step of zero
