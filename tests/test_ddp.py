@@ -80,7 +80,7 @@ def test_sharded_runs_match_one_process_and_resume_exactly(data_root, tmp_path, 
     assert summary["sample"]  # every rank sampled
     # the 2 tiny blocks: one unit of both, unless each is asked to be its own
     assert summary["fsdp_blocks_per_unit"] == ([1, 1] if "parallel.unit_params=1" in extra else [2])
-    # the checkpoint gathers whole tensors and every rank keeps its shard again: the same run, bit for bit
+    # every rank reads its shards back from the checkpoint: the same run, bit for bit
     values = lambda records: [(r["step"], r.get("loss"), r.get("grad_norm"), r.get("val_loss")) for r in records
                               if r["step"] > 3]
     assert values(resumed) == values(whole)

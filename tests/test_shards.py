@@ -1,9 +1,9 @@
 """Sharded checkpoints (parallel.dp=fsdp, trainer/shards.py) under torchrun on the CPU (gloo).
 
 - written by 2 processes, resumed by 4 from the shards and by 1 from the file that
-  scripts/export_checkpoint.py makes of them: the losses equal the uninterrupted 2-process run's
-  (to 1e-5: the gradients' sums run over other process counts), and sample.py reads the shards
-  and the exported file alike;
+  scripts/export_checkpoint.py makes of them: the losses equal those of one process trained
+  through (to 1e-5: the gradients' sums run over other process counts), and sample.py reads the
+  shards and the exported file alike;
 - a kill -9 while the shards are written leaves the previous checkpoint whole, and the next save
   removes what was cut short;
 - a shard that is damaged, missing or joined by a stranger, or a shard directory that is gone, is
@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import ENV, REPO, TINY, metrics
+import train as train_module
+from tests.helpers import ENV, REPO, TINY, compose, metrics
 from trainer.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from trainer.parallel import Parallel
 from trainer.shards import save_shards
@@ -52,7 +53,6 @@ def losses(run_dir: Path, after: int) -> list[tuple]:
 @pytest.mark.slow
 def test_written_on_two_processes_resumed_on_four_and_from_its_export_on_one(data_root, tmp_path):
     common = RUN + [f"data.root={data_root}"]
-    torchrun(2, [*common, f"hydra.run.dir={tmp_path / 'through'}"], tmp_path)
     torchrun(2, [*common, "max_steps=3", f"hydra.run.dir={tmp_path / 'cut'}"], tmp_path)
     shards = load_checkpoint(tmp_path / "cut" / "ckpt.pt")["shards"]
     assert shards["dir"].startswith("shards/step-00000003-") and len(list((tmp_path / "cut" / "shards").iterdir())) == 1
@@ -68,6 +68,8 @@ def test_written_on_two_processes_resumed_on_four_and_from_its_export_on_one(dat
     shutil.copy(tmp_path / "cut" / "ckpt-whole.pt", tmp_path / "on1" / "ckpt.pt")
     torchrun(4, [*common, f"resume={tmp_path / 'on4'}"], tmp_path)
     torchrun(1, [*common, f"resume={tmp_path / 'on1'}"], tmp_path)
+    plain = [a for a in common if not a.startswith("parallel.")] + ["ckpt_interval=-1"]
+    train_module.train(compose(plain), tmp_path / "through")  # one process, in this one
     through = losses(tmp_path / "through", 3)
     for n in (4, 1):
         resumed = losses(tmp_path / f"on{n}", 3)

@@ -11,7 +11,6 @@ processes share the reading) before DCP reads any of it.
 """
 
 import errno
-import hashlib
 import os
 import secrets
 import shutil
@@ -24,7 +23,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException, FileSystemWriter
 from torch.distributed.tensor import DTensor
 
-from data.files import WriteError, write_error
+from data.files import WriteError, sha256_file, write_error
 
 SHARDS_DIR = "shards"
 
@@ -33,15 +32,10 @@ class ShardError(ValueError):
     """Shards missing or not matching their digests; trainer/checkpoint.py raises it as its CheckpointError."""
 
 
-def _sha256(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
 def _digests(directory: Path, names: list[str], par) -> dict[str, str]:
     """{name: sha256} of every file named, this process hashing every world-th of them from its rank."""
     rank, world = (par.rank, par.world) if par is not None else (0, 1)
-    mine = {name: _sha256(directory / name) for name in sorted(names)[rank::world]}
+    mine = {name: sha256_file(directory / name) for name in sorted(names)[rank::world]}
     if par is None:
         return mine
     return {name: digest for part in par.gather(mine) for name, digest in part.items()}
