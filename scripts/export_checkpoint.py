@@ -47,7 +47,7 @@ def main() -> None:
     path = checkpoint_path(args.run)
     out = args.out or path.parent / "ckpt-whole.pt"
     if problem := unwritable(out.parent):
-        fail(f"--out {out}: {out.parent} {problem}")
+        fail(f"--out {out}: " + (f"{out.parent} {problem}" if problem.startswith("is a") else problem))
     try:
         step = export(path, out)
     except CheckpointError as e:

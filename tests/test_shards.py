@@ -26,7 +26,7 @@ import train as train_module
 from tests.helpers import ENV, REPO, TINY, compose, metrics
 from trainer.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from trainer.parallel import Parallel
-from trainer.shards import save_shards
+from trainer.shards import load_shards, save_shards
 
 RUN = TINY + ["model.n_layer=2", "batch_tokens=128", "log_interval=1", "eval_interval=2", "wandb.mode=disabled",
               "ckpt_interval=3", "parallel.dp=fsdp", "sample_tokens=0", "max_steps=6"]
@@ -145,3 +145,17 @@ def test_a_damaged_shard_directory_is_refused_in_one_line(damage, tmp_path):
     with pytest.raises(CheckpointError) as e:
         load_checkpoint(path)
     assert str(e.value) == f"checkpoint {path} cannot be loaded: {said}; nothing can be loaded from it"
+
+
+def test_export_makes_one_file_of_the_shards_and_refuses_what_is_one_already(tmp_path):
+    path = sharded_checkpoint(tmp_path / "run")
+    done = script("export_checkpoint.py", str(tmp_path / "run"), "--out", str(tmp_path / "whole.pt"), cwd=tmp_path)
+    assert done.returncode == 0 and done.stdout.startswith(f"wrote {tmp_path / 'whole.pt'}"), done.stderr
+    whole, shards = load_checkpoint(tmp_path / "whole.pt"), load_checkpoint(path)["shards"]
+    assert whole["shards"] is None and whole["step"] == 7 and not list(tmp_path.glob(".whole.pt.*"))
+    model = {"w": torch.empty(64, 8)}
+    load_shards(shards["path"], {"model": model})
+    assert torch.equal(whole["model"]["w"], model["w"]) and whole["optimizer"]["state"]["w"]["exp_avg"].shape == (64, 8)
+    again = script("export_checkpoint.py", str(tmp_path / "whole.pt"), cwd=tmp_path)
+    assert again.returncode == 2 and again.stderr == (f"error: {tmp_path / 'whole.pt'} already holds its weights and "
+                                                      "optimizer state: it is one file\n")
