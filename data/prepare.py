@@ -48,10 +48,10 @@ from data.config import DataConfig
 from data.files import DiskFullError, atomic_write, sha256_file
 from data.lifetime import FileLock, die_with_parent
 from data.loader import SPLITS, DatasetError, load_meta
+from data.tokenizer import EOT, VOCAB_SIZE, get_encoding
 
 if TYPE_CHECKING:  # imported where a dataset is built: a run whose data is prepared never needs it (~1 s)
     import datasets
-from data.tokenizer import EOT, VOCAB_SIZE, get_encoding
 
 log = logging.getLogger(__name__)
 
