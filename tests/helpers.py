@@ -80,13 +80,25 @@ def wandb_file(run_dir: Path) -> Path:
     return files[-1]
 
 
-def torchrun(n: int, args: list[str], cwd: Path, timeout: int = 900) -> None:
+def torchrun(n: int, args: list[str], cwd: Path, timeout: int = 900, env: dict | None = None) -> None:
     """Runs `torchrun --standalone --nproc_per_node=n ARGS` (a script and its arguments) in cwd, with the
-    repo importable; fails the test with the end of stderr if it does not exit 0."""
+    repo importable (env: the environment, default this one's); fails the test with the end of stderr
+    if it does not exit 0."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", *args]
-    done = subprocess.run(cmd, cwd=cwd, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
-                          timeout=timeout)
+    done = subprocess.run(cmd, cwd=cwd, env={**(env or os.environ), "PYTHONPATH": str(REPO)}, capture_output=True,
+                          text=True, timeout=timeout)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def curve(run_dir: Path) -> list[tuple]:
+    """The run's training and validation records (not its events: a stop, a divergence)."""
+    return [(r["step"], r.get("loss"), r.get("grad_norm"), r.get("val_loss")) for r in metrics(run_dir)
+            if "event" not in r]
+
+
+def last_step(run_dir: Path) -> int:
+    """The last step the run logged a loss for (0 before its first)."""
+    return max((r["step"] for r in metrics(run_dir) if "loss" in r), default=0)
 
 
 def assert_within_own_error(name: str, got: torch.Tensor, ref64: torch.Tensor, own: torch.Tensor,

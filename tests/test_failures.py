@@ -49,7 +49,7 @@ from trainer import preflight
 from trainer import checkpoint
 from trainer.checkpoint import FORMAT_VERSION, CheckpointError, load_checkpoint
 from trainer.metrics import json_line, read_metrics
-from tests.helpers import REPO, TINY, private_tmpfs_works, torchrun, wandb_file
+from tests.helpers import REPO, TINY, curve, last_step, private_tmpfs_works, torchrun, wandb_file
 from tests.wandb_records import ending
 
 SEED = int(os.environ.get("FAULT_SEED", "20261122"))
@@ -74,16 +74,6 @@ def start(cmd, cwd: Path, log: Path) -> subprocess.Popen:
 
 def run(cmd, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=600, env={**ENV, **(env or {})})
-
-
-def curve(run_dir: Path) -> list[tuple]:
-    """The run's training and validation records (not its events: a stop, a divergence)."""
-    return [(r["step"], r.get("loss"), r.get("grad_norm"), r.get("val_loss"))
-            for r in read_metrics(run_dir / "metrics.jsonl") if "event" not in r]
-
-
-def last_step(run_dir: Path) -> int:
-    return max((r["step"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r), default=0)
 
 
 def saving(run_dir: Path) -> bool:

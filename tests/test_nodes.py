@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ENV, REPO, TINY, metrics
+from tests.helpers import ENV, REPO, TINY, curve, last_step, torchrun
 from trainer.checkpoint import load_checkpoint
 
 # the lr schedule runs to max_steps: the same for the stopped, the resumed and the uninterrupted run
@@ -60,17 +60,6 @@ def worker_rank(agent: int) -> int | None:
     return int(dict(kv.split("=", 1) for kv in environ.split("\0") if "=" in kv).get("RANK", -1))
 
 
-def last_step(run_dir: Path) -> int:
-    if not (run_dir / "metrics.jsonl").exists():
-        return 0
-    return max((r["step"] for r in metrics(run_dir) if "loss" in r), default=0)
-
-
-def curve(run_dir: Path) -> list[tuple]:
-    return [(r["step"], r.get("loss"), r.get("grad_norm"), r.get("val_loss")) for r in metrics(run_dir)
-            if "event" not in r]
-
-
 def logs(cwd: Path, tag: str) -> str:
     return "\n".join((cwd / f"{tag}-node{rank}.log").read_text() for rank in (0, 1))
 
@@ -100,8 +89,6 @@ def test_two_nodes_stop_together_on_a_sigterm_to_one_and_resume_bit_for_bit(data
         p.wait(timeout=600)
     assert [p.returncode for p in again] == [0, 0], logs(tmp_path, "again")[-3000:]
     through = tmp_path / "through"  # one launch, one node: the same two ranks' sums
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(REPO / "train.py"),
-           *RUN, f"data.root={data_root}", f"hydra.run.dir={through}"]
-    done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=ENV)
-    assert done.returncode == 0, done.stderr[-3000:]
+    torchrun(2, [str(REPO / "train.py"), *RUN, f"data.root={data_root}", f"hydra.run.dir={through}"], tmp_path,
+             timeout=600, env=ENV)
     assert curve(run_dir) == curve(through)  # every step once, bit for bit

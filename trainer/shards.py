@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException, FileSystemWriter
-from torch.distributed.tensor import DTensor
 
 from data.files import WriteError, sha256_file, write_error
+from trainer.parallel import local
 
 SHARDS_DIR = "shards"
 
@@ -121,12 +121,8 @@ def load_shards(directory: Path, state: dict) -> None:
 def non_finite_shards(state: dict, par) -> list[str]:
     """Names of the floating-point tensors in state holding NaN or inf in this process's shards; on
     every process, ["a shard of another process"] where only another process found one."""
-    bad = [name for name, t in _leaves(state) if t.is_floating_point() and not torch.isfinite(_local(t)).all()]
+    bad = [name for name, t in _leaves(state) if t.is_floating_point() and not torch.isfinite(local(t)).all()]
     return bad if par.all_agree(not bad) or bad else ["a shard of another process"]
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _leaves(state, name: str = ""):
