@@ -17,14 +17,10 @@ import contextlib
 import errno
 import hashlib
 import os
-import tempfile
+import secrets
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO
-
-
-_UMASK = os.umask(0)
-os.umask(_UMASK)  # read once at import: mkstemp's files are 0600, written files get the usual mode
 
 
 class WriteError(OSError):
@@ -92,25 +88,25 @@ def atomic_path(path: Path) -> Iterator[Path]:
     """A temp path beside `path` to write to; once the block completes it is fsynced and renamed
     over `path`. If the block fails, the temp file is removed and `path` is as it was."""
     path = Path(path)
+    # Named here and created inside the try, not by mkstemp: a Ctrl-C that lands the moment the file
+    # appears still removes it. 64 random bits: no other writer picks the same name.
+    tmp = path.parent / f".{path.name}.{secrets.token_hex(8)}.tmp"
     try:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    except OSError as e:
-        raise write_error(e, path, "nothing written") or e from None
-    os.close(fd)
-    try:
-        yield Path(tmp)
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+        yield tmp
         fd = os.open(tmp, os.O_RDONLY)
         try:
             os.fsync(fd)
         finally:
             os.close(fd)
-        os.chmod(tmp, 0o666 & ~_UMASK)
         os.replace(tmp, path)
     except BaseException as e:
-        Path(tmp).unlink(missing_ok=True)
+        made = tmp.exists()
+        tmp.unlink(missing_ok=True)
         if (stop := _interruption(e)) is not None and stop is not e:
             raise stop  # a Ctrl-C inside torch.save comes out as its RuntimeError: the stop goes on as itself
-        kept = "temp file removed; " + ("the previous file is intact" if path.exists() else "nothing written")
+        kept = ("temp file removed; " if made else "") + (
+            "the previous file is intact" if path.exists() else "nothing written")
         if (error := write_error(e, path, kept)) is not None:
             raise error from e
         raise

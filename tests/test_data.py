@@ -353,6 +353,30 @@ def test_ctrl_c_inside_torch_save_is_the_interruption_not_a_full_disk(after, tmp
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]
 
 
+def test_ctrl_c_the_moment_the_temp_file_appears_leaves_no_temp_file(tmp_path, monkeypatch):
+    # a loaded machine can pause the writer right after the file's creation, and the signal lands there
+    path = tmp_path / "ckpt.pt"
+    path.write_bytes(b"the previous checkpoint")
+    real_open = os.open
+
+    def open_then_ctrl_c(name, flags, *args, **kwargs):
+        fd = real_open(name, flags, *args, **kwargs)
+        if flags & os.O_CREAT and Path(name).name.startswith(".ckpt.pt."):
+            os.kill(os.getpid(), signal.SIGINT)
+        return fd
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    monkeypatch.setattr(os, "open", open_then_ctrl_c)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            atomic_write(path, b"the next checkpoint")
+    finally:
+        monkeypatch.undo()
+        signal.signal(signal.SIGINT, previous)
+    assert path.read_bytes() == b"the previous checkpoint"
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]
+
+
 # ----------------------------------------------------------------------------- loader
 
 
