@@ -7,9 +7,10 @@ compute. Partial outputs are merged in fp32 from their LSEs (the forward returns
 LSE = log sum exp, so softmax over the union of two key sets is a weighted sum of the two
 partial outputs). The backward runs the ring again: with the final O and LSE every block's
 gradients are exact pieces of the whole (P = exp(s - LSE) and delta = rowsum(dO · O) are the
-global ones); dQ stays home, dK/dV accumulate in fp32 and travel with their K/V back to the
-rank that owns them (the last hop, complete, in K/V's dtype). Every sum is taken in a fixed
-order: the backward is bit-identical run to run, like the kernels'.
+global ones); dQ stays home, dK/dV sums travel with their K/V back to the rank that owns them
+(the last hop, complete, in K/V's dtype), in fp32 only where a third term will join them. Every
+sum is taken in a fixed order: the backward is bit-identical run to run, like the kernels'. A
+buffer is let go as soon as it is read, a sent one once it has arrived.
 
 Layout, zigzag (load-balanced, as in ring-flash-attention and torchtitan's context parallel):
 the T tokens are cut into 2N chunks of c = T / (2N); rank r holds chunks r and 2N-1-r, in that
@@ -37,6 +38,9 @@ class _Transfer:
     def wait(self) -> list[torch.Tensor]:
         for request in self.requests:
             request.wait()
+        # delivered: the sent tensors' memory can go before the next transfer's is taken (a request
+        # holds its tensors too)
+        self.sent = self.requests = ()
         return self.received
 
 
@@ -61,7 +65,8 @@ class _Ring:
 def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
     """out (fp32, ..., T, D) and lse (..., T) become the softmax over both key sets, in place."""
     merged = torch.logaddexp(lse, block_lse)
-    out.mul_(torch.exp(lse - merged).unsqueeze(-1)).add_(block_out.float() * torch.exp(block_lse - merged).unsqueeze(-1))
+    # addcmul_ reads block_out in its own dtype: no fp32 copy of the block, no product buffer
+    out.mul_(torch.exp(lse - merged).unsqueeze(-1)).addcmul_(block_out, torch.exp(block_lse - merged).unsqueeze(-1))
     lse.copy_(merged)
 
 
@@ -90,40 +95,48 @@ def _ring_forward(q, k, v, scale, ring, backend):
             out, lse = o.float(), block_lse
         else:
             _merge(out[:, :, rows], lse[:, :, rows], o, block_lse)
+        del o  # each buffer goes as soon as it is read: the next one is made without it
         if step < ring.size - 1:
             kv = tuple(incoming.wait())
+    del kv
     return out.to(q.dtype), lse
 
 
 def _ring_backward(do, q, k, v, o, lse, scale, ring, backend):
     """(dq, dk, dv) of this rank's shards, typed like q, k, v."""
-    c = q.shape[2] // 2
+    c, n = q.shape[2] // 2, ring.size
     # the kernels read LSE as a dense (B, H, T): the later chunk's rows copied once
     lse_of = {None: lse, c: lse[:, :, c:].contiguous()}
-    dq = torch.zeros_like(q, dtype=torch.float32)
     kv = (k.contiguous(), v.contiguous())
-    dkv = passing = None  # dK/dV of the K/V in hand as the ranks before summed them (fp32 until the last step)
-    for step in range(ring.size):
-        if step < ring.size - 1:
+    # A sum is held in fp32 only once a third term will join it: PyTorch adds two bf16 tensors in
+    # fp32 and rounds once, the bits of an fp32 sum rounded at the end. So a dK/dV sum leaves its
+    # owner (one term) in K/V's dtype, and with 2 ranks dQ and every sum stay in the inputs' dtype.
+    dq = dkv = passing = None  # dkv: dK/dV of the K/V in hand as the ranks before summed them
+    for step in range(n):
+        if step < n - 1:
             incoming = ring.shift(*kv)
         rows, keys, causal = _block(ring, step, c)
         dq_b, dk_b, dv_b = flash_attn_backward(do[:, :, rows], q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys],
                                                o[:, :, rows], lse_of[rows.start], causal=causal, softmax_scale=scale,
                                                backend=backend)
-        dq[:, :, rows] += dq_b
-        if step == 0:  # own K/V, every key (_block): the sums start here, dense as P2P sends them
-            dkv = [torch.empty_like(t, dtype=torch.float32, memory_format=torch.contiguous_format).copy_(t)
-                   for t in (dk_b, dv_b)]
+        if step == 0:  # own K/V, every query and key (_block): the sums start here, dense as P2P sends them
+            dq = dq_b if n <= 2 else dq_b.float()
+            dkv = [dk_b.contiguous(), dv_b.contiguous()]
         else:
+            dq[:, :, rows] += dq_b
             dkv = passing.wait()  # sent by the previous rank after its last step: overlapped with ours
+            if step == 1 and n > 2:  # a third term will follow
+                dkv = [t.float() for t in dkv]
             dkv[0][:, :, keys] += dk_b
             dkv[1][:, :, keys] += dv_b
-        if step == ring.size - 1:
+        del dq_b, dk_b, dv_b
+        if step == n - 1:
+            del kv
             # the sums are complete and the owner only rounds them: rounded here, the last hop (the
             # one no compute hides) carries the same values at half the bytes
             dkv = [dkv[0].to(k.dtype), dkv[1].to(v.dtype)]
         passing = ring.shift(*dkv)  # on to the next holder; after the last step, to the owner
-        if step < ring.size - 1:
+        if step < n - 1:
             kv = tuple(incoming.wait())
     dk, dv = passing.wait()
     return dq.to(q.dtype), dk, dv

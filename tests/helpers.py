@@ -80,14 +80,15 @@ def wandb_file(run_dir: Path) -> Path:
     return files[-1]
 
 
-def torchrun(n: int, args: list[str], cwd: Path, timeout: int = 900, env: dict | None = None) -> None:
+def torchrun(n: int, args: list[str], cwd: Path, timeout: int = 900, env: dict | None = None) -> str:
     """Runs `torchrun --standalone --nproc_per_node=n ARGS` (a script and its arguments) in cwd, with the
-    repo importable (env: the environment, default this one's); fails the test with the end of stderr
-    if it does not exit 0."""
+    repo importable (env: the environment, default this one's); its stdout, or the test fails with the
+    end of stderr if it does not exit 0."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", *args]
     done = subprocess.run(cmd, cwd=cwd, env={**(env or os.environ), "PYTHONPATH": str(REPO)}, capture_output=True,
                           text=True, timeout=timeout)
     assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
 
 
 def curve(run_dir: Path) -> list[tuple]:

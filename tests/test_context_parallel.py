@@ -65,6 +65,31 @@ def test_ring_attention_on_gpus_matches_whole_sequence_attention(tmp_path, T, H,
     _check_ring(tmp_path, 2, T, H, H_kv, D, "cuda")
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+def test_two_bf16_terms_add_as_their_fp32_sum_rounded_once(device):
+    # what lets the ring keep a sum of two terms (dQ, dK/dV with 2 ranks) in the inputs' dtype with the
+    # bits of an fp32 sum: PyTorch adds bf16 in fp32 and rounds once, also in place on a strided view
+    gen = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(4, 64, 256, generator=gen) * 2.0 ** torch.randint(-30, 30, (4, 64, 256), generator=gen)
+            for _ in range(2))
+    a, b = a.to(device, torch.bfloat16), b.to(device, torch.bfloat16)
+    want = (a.float() + b.float()).to(torch.bfloat16)
+    assert torch.equal(a + b, want)
+    into = a.transpose(1, 2).contiguous().transpose(1, 2)  # a's values, strided as a kernel's output may be
+    into[:, :, 100:] += b[:, :, 100:]
+    assert torch.equal(into[:, :, 100:], want[:, :, 100:]) and torch.equal(into[:, :, :100], a[:, :, :100])
+
+
+@pytest.mark.slow
+def test_the_ring_memory_script_prints_each_ranks_peaks(tmp_path):
+    out = torchrun(2, [str(REPO / "scripts" / "ring_memory.py"), "--tokens", "256", "--heads", "2", "--head-dim", "16"],
+                   tmp_path)
+    lines = sorted(line for line in out.splitlines() if line.startswith("rank "))
+    assert [line.split(",")[0] for line in lines] == ["rank 0 of 2", "rank 1 of 2"], out
+    assert all("one process " in line and "; ring " in line for line in lines), out
+
+
 def test_a_shard_must_hold_two_equal_chunks():
     from kernels.ring_attention import ring_attn_forward
 
