@@ -134,6 +134,10 @@ class ParallelConfig:  # under torchrun: processes = data-parallel ranks x cp
     # step, which a small model's blocks do not cover (docs/several-gpus.md)
     unit_params: int = 100_000_000
     cp_rotate: Optional[CpRotate] = None  # attn=sdpa with cp > 1; null: torch's default, allgather
+    # attn=triton with cp > 1: the heads go round the ring in this many groups, one after the other
+    # (a divisor of the K/V heads): the ring's buffers shrink as many times, for smaller transfers
+    # and kernels; the same results, up to fp32 rounding (docs/several-gpus.md)
+    cp_head_groups: int = 1
 
 
 @dataclass

@@ -75,8 +75,8 @@ def validate(cfg: DictConfig, world: int = 1) -> None:
     """Raises ConfigError for the first key whose value cannot run; world is the process count."""
     m = cfg.model
     _int64(cfg)
-    _at_least(cfg, "seq_len batch_size grad_accum max_steps log_interval model.n_layer model.n_head "
-                   "model.d_model model.max_seq_len model.loss_chunk batch_tokens parallel.cp", 1)
+    _at_least(cfg, "seq_len batch_size grad_accum max_steps log_interval model.n_layer model.n_head model.d_model "
+                   "model.max_seq_len model.loss_chunk batch_tokens parallel.cp parallel.cp_head_groups", 1)
     _at_least(cfg, "eval_interval eval_steps optim.warmup_steps sample_tokens model.mlp_chunk model.n_kv_head "
                    "attn.window attn.window_warmup attn.prefix", 0)
     _at_least(cfg, "ckpt_interval", -1)
@@ -211,6 +211,13 @@ def _parallel(cfg: DictConfig, world: int) -> None:
     if cfg.parallel.cp_rotate is not None and cp == 1:
         _fail("parallel.cp_rotate", cfg.parallel.cp_rotate, "is how the ranks of a split sequence pass K/V: add "
                                                             "parallel.cp=N (N > 1), or drop it")
+    groups, kv_heads = cfg.parallel.cp_head_groups, cfg.model.n_kv_head or cfg.model.n_head
+    if groups > 1 and (cp == 1 or method != "ring"):
+        _fail("parallel.cp_head_groups", groups, "is how our ring attention splits its heads: it needs attn=triton "
+                                                 "and parallel.cp=N (N > 1); drop it, or set it to 1")
+    if kv_heads % groups:
+        _fail("parallel.cp_head_groups", groups, f"must divide the model's {kv_heads} K/V heads (model.n_kv_head, "
+                                                 "or model.n_head)")
     if cp == 1:
         return
     if not method:
@@ -295,7 +302,7 @@ RESUMABLE = frozenset({
     # (data.cycle changes only windows longer than their split, which fail without it)
     "device", "compile", "compile_mode", "ac", "attn.name", "attn.sdpa_backend", "attn.backend", "model.loss",
     "model.loss_chunk", "model.mlp_chunk", "parallel.cp", "parallel.param_dtype", "parallel.reshard_after_forward",
-    "parallel.unit_params", "parallel.cp_rotate", "data.root", "data.cycle",
+    "parallel.unit_params", "parallel.cp_rotate", "parallel.cp_head_groups", "data.root", "data.cycle",
     # the lr schedule, which depends on max_steps anyway
     "optim.lr", "optim.min_lr_ratio", "optim.warmup_steps", "optim.grad_clip"})
 

@@ -105,8 +105,9 @@ def _ring_forward(q, k, v, scale, ring, backend):
 def _ring_backward(do, q, k, v, o, lse, scale, ring, backend):
     """(dq, dk, dv) of this rank's shards, typed like q, k, v."""
     c, n = q.shape[2] // 2, ring.size
-    # the kernels read LSE as a dense (B, H, T): the later chunk's rows copied once
-    lse_of = {None: lse, c: lse[:, :, c:].contiguous()}
+    # the kernels read LSE as a dense (B, H, T): the later chunk's rows copied once (and a group of
+    # heads' LSE, a strided view, whole)
+    lse_of = {None: lse.contiguous(), c: lse[:, :, c:].contiguous()}
     kv = (k.contiguous(), v.contiguous())
     # A sum is held in fp32 only once a third term will join it: PyTorch adds two bf16 tensors in
     # fp32 and rounds once, the bits of an fp32 sum rounded at the end. So a dK/dV sum leaves its
@@ -142,47 +143,86 @@ def _ring_backward(do, q, k, v, o, lse, scale, ring, backend):
     return dq.to(q.dtype), dk, dv
 
 
+def _heads(t: torch.Tensor, groups: int, g: int) -> torch.Tensor:
+    """Group g of t's heads (dim 1) cut into `groups` equal groups: a view."""
+    return t.unflatten(1, (groups, -1))[:, g]
+
+
+def _forward(q, k, v, scale, ring, backend, groups: int = 1):
+    """_ring_forward, one ring pass per group of heads: every buffer of a pass is 1/groups the size."""
+    if groups == 1:
+        return _ring_forward(q, k, v, scale, ring, backend)
+    o, lse = torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+    for g in range(groups):
+        o_g, lse_g = _ring_forward(*(_heads(t, groups, g) for t in (q, k, v)), scale, ring, backend)
+        _heads(o, groups, g).copy_(o_g)
+        _heads(lse, groups, g).copy_(lse_g)
+        del o_g, lse_g  # not held through the next pass
+    return o, lse
+
+
+def _backward(do, q, k, v, o, lse, scale, ring, backend, groups: int = 1):
+    """_ring_backward, one ring pass per group of heads."""
+    if groups == 1:
+        return _ring_backward(do, q, k, v, o, lse, scale, ring, backend)
+    grads = [torch.empty_like(t) for t in (q, k, v)]
+    for g in range(groups):
+        got = _ring_backward(*(_heads(t, groups, g) for t in (do, q, k, v, o, lse)), scale, ring, backend)
+        for grad, part in zip(grads, got, strict=True):
+            _heads(grad, groups, g).copy_(part)
+        del got, part  # not held through the next pass
+    return grads
+
+
 class RingAttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, scale, ring, backend):
-        o, lse = _ring_forward(q, k, v, scale, ring, backend)
+    def forward(ctx, q, k, v, scale, ring, backend, groups):
+        o, lse = _forward(q, k, v, scale, ring, backend, groups)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.scale, ctx.ring, ctx.backend = scale, ring, backend
+        ctx.scale, ctx.ring, ctx.backend, ctx.groups = scale, ring, backend, groups
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
-        return *_ring_backward(do, q, k, v, o, lse, ctx.scale, ctx.ring, ctx.backend), None, None, None
+        return *_backward(do, q, k, v, o, lse, ctx.scale, ctx.ring, ctx.backend, ctx.groups), None, None, None, None
 
 
-def _prepare(q, k, v, group, softmax_scale):
+def _prepare(q, k, v, group, softmax_scale, head_groups: int = 1):
     if q.shape[2] % 2 or q.shape[2] != k.shape[2]:
         raise ValueError(f"ring_attention: q {tuple(q.shape)} and k {tuple(k.shape)} must hold the same even number "
                          "of tokens: two zigzag chunks of the sequence")
+    if head_groups < 1 or k.shape[1] % head_groups:
+        raise ValueError(f"ring_attention: head_groups={head_groups} must divide k's {k.shape[1]} heads")
     return softmax_scale_of(q, softmax_scale), _Ring(group)
 
 
-def ring_attn_forward(q, k, v, group: dist.ProcessGroup, softmax_scale=None, backend="auto"):
+def ring_attn_forward(q, k, v, group: dist.ProcessGroup, softmax_scale=None, backend="auto", head_groups=1):
     """(o, lse) of this rank's queries, as flash_attn_forward gives for those rows; no autograd."""
-    return _ring_forward(q, k, v, *_prepare(q, k, v, group, softmax_scale), backend)
+    return _forward(q, k, v, *_prepare(q, k, v, group, softmax_scale, head_groups), backend, head_groups)
 
 
-def ring_attn_backward(do, q, k, v, o, lse, group: dist.ProcessGroup, softmax_scale=None, backend="auto"):
+def ring_attn_backward(do, q, k, v, o, lse, group: dist.ProcessGroup, softmax_scale=None, backend="auto",
+                       head_groups=1):
     """(dq, dk, dv) of this rank's shards from ring_attn_forward's o and lse; deterministic."""
-    return _ring_backward(do, q, k, v, o, lse, *_prepare(q, k, v, group, softmax_scale), backend)
+    return _backward(do, q, k, v, o, lse, *_prepare(q, k, v, group, softmax_scale, head_groups), backend,
+                     head_groups)
 
 
 @torch.compiler.disable  # point-to-point communication inside: compiled models call it eagerly
-def ring_attention(q, k, v, group: dist.ProcessGroup, softmax_scale=None, backend="auto"):
+def ring_attention(q, k, v, group: dist.ProcessGroup, softmax_scale=None, backend="auto", head_groups=1):
     """Causal attention of a sequence held zigzag-sharded over `group` (see the module docstring).
 
     q (B, H, 2c, D) and k, v (B, H_kv, 2c, D) are this rank's chunks r and 2N-1-r of the whole
     sequence's q, k and v, in that order; returns this rank's (B, H, 2c, D) of the output, equal
     to those rows of flash_attention over the whole sequence, run by the same backend. Every rank
     of the group must call it, in the same order. With one rank it is flash_attention.
+    head_groups (dividing H_kv): the heads go round the ring in this many groups, one after the
+    other; the ring's buffers shrink as many times, for more and smaller transfers and kernels.
+    Heads never mix: the results are those of one pass, up to fp32 rounding in the forward's merges.
     """
     q, k, v = autocast_inputs(q, k, v)
     if dist.get_world_size(group) == 1:
         return flash_attention(q, k, v, causal=True, softmax_scale=softmax_scale, backend=backend)
-    return RingAttentionFunction.apply(q, k, v, *_prepare(q, k, v, group, softmax_scale), backend)
+    return RingAttentionFunction.apply(q, k, v, *_prepare(q, k, v, group, softmax_scale, head_groups), backend,
+                                       head_groups)

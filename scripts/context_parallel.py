@@ -7,13 +7,15 @@ torchrun with parallel.cp=N (every sequence split over the N GPUs). Prints and w
 (context_parallel.csv and .md in --out) tokens/s, the time of one step, the peak memory of the
 fullest GPU, the scaling efficiency against one GPU with the same attention on the same sequence,
 tokens/s(N) / (N x tokens/s(1)), and the last step's loss (the same batches at every N: equal up
-to bf16 rounding). Autotuning is off, as in scripts/long_context.py. A stop signal goes on to the
-run in flight, which checkpoints and stops; the script then writes the rows so far and exits as
-the signal would have ended it.
+to bf16 rounding). --head-groups runs our ring on N > 1 GPUs once for each value of
+parallel.cp_head_groups (its heads in that many passes round the ring). Autotuning is off, as in
+scripts/long_context.py. A stop signal goes on to the run in flight, which checkpoints and stops;
+the script then writes the rows so far and exits as the signal would have ended it.
 
     python scripts/context_parallel.py --gpus 1,2,4 --seq-lens 65536,131072
     python scripts/context_parallel.py --gpus 1,2 --seq-lens 131072,524288 --attns triton,sdpa
     python scripts/context_parallel.py --gpus 4 --seq-lens 1048576 --steps 1 ac=full
+    python scripts/context_parallel.py --gpus 1,2 --seq-lens 131072 --attns triton --head-groups 1,2,4
 """
 
 import functools
@@ -42,14 +44,16 @@ from scripts.args import (ArgumentParser, directory, names, positive_int, positi
 from scripts.outputs import write_csv, write_text  # noqa: E402
 from scripts.stopping import Stop, stoppable  # noqa: E402
 
-FIELDS = ["attn", "gpus", "seq_len", "status", "tokens_per_s", "step_s", "peak_mem_alloc_gib", "efficiency", "loss",
-          "wall_s"]
+FIELDS = ["attn", "gpus", "head_groups", "seq_len", "status", "tokens_per_s", "step_s", "peak_mem_alloc_gib",
+          "efficiency", "loss", "wall_s"]
 SPLITTING = [a.name for a in ATTENTIONS.values() if a.context_parallel]  # what can split a sequence over GPUs
 
 
-def train_overrides(attn: str, gpus: int, seq_len: int, steps: int, overrides: list[str]) -> list[str]:
+def train_overrides(attn: str, gpus: int, seq_len: int, steps: int, overrides: list[str], head_groups: int = 1
+                    ) -> list[str]:
     return (["experiment=long_context", f"attn={attn}", f"seq_len={seq_len}", f"max_steps={steps}",
-             "wandb.mode=disabled", *overrides] + ([f"parallel.cp={gpus}"] if gpus > 1 else []))
+             "wandb.mode=disabled", *overrides] + ([f"parallel.cp={gpus}"] if gpus > 1 else [])
+            + ([f"parallel.cp_head_groups={head_groups}"] if head_groups > 1 else []))
 
 
 def _child_start(parent: int, mask: set) -> None:
@@ -96,18 +100,19 @@ def run_child(cmd: list[str], env: dict) -> tuple[subprocess.CompletedProcess, i
     return subprocess.CompletedProcess(cmd, child.returncode, stdout, stderr), got[0] if got else 0
 
 
-def run(attn: str, gpus: int, seq_len: int, steps: int, out: Path, overrides: list[str]) -> tuple[dict, int]:
+def run(attn: str, gpus: int, seq_len: int, steps: int, out: Path, overrides: list[str], head_groups: int = 1
+        ) -> tuple[dict, int]:
     """The row of one run, and the stop signal that arrived during it (0 if none)."""
-    run_dir = out / f"{attn}_gpus{gpus}_T{seq_len}"
+    run_dir = out / (f"{attn}_gpus{gpus}_T{seq_len}" + (f"_groups{head_groups}" if head_groups > 1 else ""))
     launcher = ([sys.executable] if gpus == 1 else
                 [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}"])
     cmd = [*launcher, str(REPO / "train.py"), f"hydra.run.dir={run_dir}",
-           *train_overrides(attn, gpus, seq_len, steps, overrides)]
+           *train_overrides(attn, gpus, seq_len, steps, overrides, head_groups)]
     env = {**os.environ, "FLASH_ATTENTION_AUTOTUNE": "0", "PYTHONPATH": str(REPO)}
     start = time.perf_counter()
     done, stopped = run_child(cmd, env)
     wall = time.perf_counter() - start
-    row = {"attn": attn, "gpus": gpus, "seq_len": seq_len, "wall_s": wall}
+    row = {"attn": attn, "gpus": gpus, "head_groups": head_groups, "seq_len": seq_len, "wall_s": wall}
     summary_path = run_dir / "summary.json"
     if not summary_path.exists():
         print(done.stderr[-2000:], file=sys.stderr)
@@ -122,17 +127,18 @@ def run(attn: str, gpus: int, seq_len: int, steps: int, out: Path, overrides: li
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| attn | GPUs | seq_len | tokens/s | s per step | peak allocated GiB (fullest GPU) | efficiency vs 1 GPU "
-             "| last loss |",
-             "|:--|--:|--:|--:|--:|--:|--:|--:|"]
+    lines = ["| attn | GPUs | head groups | seq_len | tokens/s | s per step | peak allocated GiB (fullest GPU) "
+             "| efficiency vs 1 GPU | last loss |",
+             "|:--|--:|--:|--:|--:|--:|--:|--:|--:|"]
     for r in rows:
         if r["status"] != "ok":
-            lines.append(f"| {r['attn']} | {r['gpus']} | {r['seq_len']:,} | {r['status']} | | | | |")
+            lines.append(f"| {r['attn']} | {r['gpus']} | {r['head_groups']} | {r['seq_len']:,} | {r['status']} "
+                         "| | | | |")
             continue
         eff = f"{r['efficiency']:.2f}" if r.get("efficiency") is not None else "—"
         mem = "—" if r["peak_mem_alloc_gib"] is None else f"{r['peak_mem_alloc_gib']:.1f}"  # None on the CPU
-        lines.append(f"| {r['attn']} | {r['gpus']} | {r['seq_len']:,} | {r['tokens_per_s']:,.0f} | {r['step_s']:.2f} "
-                     f"| {mem} | {eff} | {r['loss']:.4f} |")
+        lines.append(f"| {r['attn']} | {r['gpus']} | {r['head_groups']} | {r['seq_len']:,} | {r['tokens_per_s']:,.0f} "
+                     f"| {r['step_s']:.2f} | {mem} | {eff} | {r['loss']:.4f} |")
     return "\n".join(lines)
 
 
@@ -146,17 +152,20 @@ def main():
                    help=f"comma subset of {','.join(SPLITTING)}: each over every GPU count")
     p.add_argument("--steps", type=positive_int, default=4,
                    help="training steps per run; tokens/s leaves out the first")
+    p.add_argument("--head-groups", type=positive_ints, default=[1],
+                   help="comma list of parallel.cp_head_groups for our ring on N > 1 GPUs")
     p.add_argument("--out", type=directory, default=f"bench/context_parallel_{time.strftime('%Y-%m-%d_%H-%M-%S')}")
     p.add_argument("overrides", nargs="*", help="more train.py overrides, e.g. ac=full")
     args = p.parse_args()
-    ladder = [(s, a, g) for s in args.seq_lens for a in args.attns for g in args.gpus]
-    for seq_len, attn, gpus in ladder:  # as train.py will check each run, in its number of processes
-        train_config(train_overrides(attn, gpus, seq_len, args.steps, args.overrides), world=gpus)
+    ladder = [(s, a, g, h) for s in args.seq_lens for a in args.attns for g in args.gpus
+              for h in (args.head_groups if g > 1 and ATTENTIONS[a].context_parallel == "ring" else [1])]
+    for seq_len, attn, gpus, groups in ladder:  # as train.py will check each run, in its number of processes
+        train_config(train_overrides(attn, gpus, seq_len, args.steps, args.overrides, groups), world=gpus)
     require_cuda(f"context_parallel.py --gpus {','.join(map(str, args.gpus))}", max(args.gpus))
     args.out.mkdir(parents=True, exist_ok=True)
     rows, stopped = [], 0
-    for seq_len, attn, gpus in ladder:
-        row, stopped = run(attn, gpus, seq_len, args.steps, args.out, args.overrides)
+    for seq_len, attn, gpus, groups in ladder:
+        row, stopped = run(attn, gpus, seq_len, args.steps, args.out, args.overrides, groups)
         rows.append(row)
         print(table(rows[-1:]).splitlines()[-1], flush=True)
         if stopped:

@@ -3,6 +3,7 @@
 
     torchrun --standalone --nproc_per_node=2 scripts/ring_memory.py
     torchrun --standalone --nproc_per_node=4 scripts/ring_memory.py --tokens 16384 --heads 12 --head-dim 64
+    torchrun --standalone --nproc_per_node=2 scripts/ring_memory.py --head-groups 1,2,4
 
 The kernels are replaced by stand-ins that only allocate what they return (o and LSE; dQ, dK and
 dV), so the peak is the ring's plan alone: the K/V in hand and on their way, the output and the
@@ -10,8 +11,8 @@ sums, and the kernels' outputs while they are read. One process's attention hold
 and dV. Memory is the largest rise of the process's resident set over the call (Linux's VmHWM,
 reset before it), with glibc's mmap threshold at 64 KiB, so that every tensor's pages come and go
 with it; it is printed in units of q's bytes (--tokens x --heads x --head-dim bf16 values), the
-same unit on a GPU, where each unit is the GPU memory of q at that length. Each rank prints its
-own line.
+same unit on a GPU, where each unit is the GPU memory of q at that length. Each rank prints a
+line for each --head-groups (ring_attention's head_groups: the heads go round in that many passes).
 """
 
 import os
@@ -27,7 +28,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import kernels.ring_attention as ring_attention  # noqa: E402
-from scripts.args import ArgumentParser, fail, positive_int  # noqa: E402
+from scripts.args import ArgumentParser, fail, positive_int, positive_ints  # noqa: E402
 
 
 def forward(q, k, v, causal, softmax_scale, backend):
@@ -55,11 +56,14 @@ def main() -> None:
     parser.add_argument("--tokens", type=positive_int, default=16384, help="tokens a rank holds (even)")
     parser.add_argument("--heads", type=positive_int, default=12)
     parser.add_argument("--head-dim", type=positive_int, default=64)
+    parser.add_argument("--head-groups", type=positive_ints, default=[1], help="comma-separated divisors of --heads")
     args = parser.parse_args()
     if "RANK" not in os.environ:
         fail("ring_memory.py runs under torchrun: torchrun --standalone --nproc_per_node=N scripts/ring_memory.py")
     if args.tokens % 2:
         fail(f"--tokens {args.tokens}: must be even (a rank holds two zigzag chunks)")
+    if any(args.heads % g for g in args.head_groups):
+        fail(f"--head-groups {','.join(map(str, args.head_groups))}: each must divide --heads {args.heads}")
     dist.init_process_group("gloo")
     ring_attention.flash_attn_forward, ring_attention.flash_attn_backward = forward, backward
     # (B, H, T, D) views of (B, T, H, D) memory, as the model passes them
@@ -68,16 +72,17 @@ def main() -> None:
     unit = q.numel() * q.element_size()
     ring = ring_attention._Ring(dist.group.WORLD)
     scale = args.head_dim ** -0.5
-    o, lse = ring_attention._ring_forward(q, k, v, scale, ring, "auto")
-    rows = {
-        "one process": (peak_bytes(lambda: forward(q, k, v, True, scale, "auto")),
-                        peak_bytes(lambda: backward(do, q, k, v, o, lse, True, scale, "auto"))),
-        "ring": (peak_bytes(lambda: ring_attention._ring_forward(q, k, v, scale, ring, "auto")),
-                 peak_bytes(lambda: ring_attention._ring_backward(do, q, k, v, o, lse, scale, ring, "auto"))),
-    }
-    said = "; ".join(f"{name} {f / unit:.1f} / {b / unit:.1f}" for name, (f, b) in rows.items())
-    print(f"rank {dist.get_rank()} of {dist.get_world_size()}, {args.tokens} tokens: peak forward / backward, in units "
-          f"of q ({unit / 2**20:.0f} MiB): {said}", flush=True)
+    o, lse = ring_attention._forward(q, k, v, scale, ring, "auto")
+    one = (peak_bytes(lambda: forward(q, k, v, True, scale, "auto")),
+           peak_bytes(lambda: backward(do, q, k, v, o, lse, True, scale, "auto")))
+    for groups in args.head_groups:
+        ring_pass = (peak_bytes(lambda: ring_attention._forward(q, k, v, scale, ring, "auto", groups)),
+                     peak_bytes(lambda: ring_attention._backward(do, q, k, v, o, lse, scale, ring, "auto", groups)))
+        said = "; ".join(f"{name} {f / unit:.1f} / {b / unit:.1f}" for name, (f, b) in (("one process", one),
+                                                                                       ("ring", ring_pass)))
+        # one write a line: the ranks share stdout
+        print(f"rank {dist.get_rank()} of {dist.get_world_size()}, {args.tokens} tokens, head groups {groups}: peak "
+              f"forward / backward, in units of q ({unit / 2**20:.1f} MiB): {said}\n", end="", flush=True)
     dist.destroy_process_group()
 
 

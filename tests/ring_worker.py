@@ -2,8 +2,8 @@
 
 Every rank draws the same whole-sequence q, k, v and dO (inputs()), runs ring attention on its
 zigzag shard, given as strided (B, T, H, D)-memory views as the model passes them, and saves its
-shard's o, lse, dq, dk, dv from the direct calls and through autograd, and whether a second
-backward was bit-identical, to OUT/rank<r>.pt. On the CPU: gloo, fp32, Triton's interpreter; with
+shard's o, lse, dq, dk, dv from the direct calls, with the heads in H_KV groups and through
+autograd, and whether a second backward was bit-identical, to OUT/rank<r>.pt. On the CPU: gloo, fp32, Triton's interpreter; with
 DEVICE=cuda: NCCL, one GPU per rank, bf16.
     torchrun --nproc_per_node=N tests/ring_worker.py OUT T H H_KV D [DEVICE]
 """
@@ -43,6 +43,10 @@ def main(out: str, T: int, H: int, H_kv: int, D: int, device: str = "cpu") -> No
     o_autograd.backward(do)
     results = {"o": o, "lse": lse, "dq": dq, "dk": dk, "dv": dv, "o_autograd": o_autograd.detach(),
                **{f"{n}_autograd": t.grad for n, t in zip(("dq", "dk", "dv"), leaves, strict=True)}}
+    # the heads in H_kv groups, one ring pass each (with one K/V head, the one group there is)
+    o_grouped, lse_grouped = ring_attn_forward(q, k, v, cp.group, head_groups=H_kv)
+    results |= dict(zip(("o_grouped", "lse_grouped", "dq_grouped", "dk_grouped", "dv_grouped"),
+                        (o_grouped, lse_grouped, *ring_attn_backward(do, q, k, v, o, lse, cp.group, head_groups=H_kv))))
     results = {name: t.cpu() for name, t in results.items()}
     results["deterministic"] = all(torch.equal(a, b) for a, b in zip((dq, dk, dv), again, strict=True))
     torch.save(results, f"{out}/rank{cp.rank}.pt")

@@ -25,8 +25,8 @@ REPORTING = {"max_steps", "log_interval", "eval_interval", "eval_steps", "ckpt_i
 # the same function on the same batches, computed elsewhere or by other kernels
 SAME_FUNCTION = {"device", "compile", "compile_mode", "ac", "attn.name", "attn.sdpa_backend", "attn.backend",
                  "model.loss", "model.loss_chunk", "model.mlp_chunk", "parallel.cp", "parallel.param_dtype",
-                 "parallel.reshard_after_forward", "parallel.unit_params", "parallel.cp_rotate", "data.root",
-                 "data.cycle"}
+                 "parallel.reshard_after_forward", "parallel.unit_params", "parallel.cp_rotate",
+                 "parallel.cp_head_groups", "data.root", "data.cycle"}
 SCHEDULE = {"optim.lr", "optim.min_lr_ratio", "optim.warmup_steps", "optim.grad_clip"}
 # another model, other data or masks, other batches or seeds, another precision or optimizer
 REFUSED = {"seq_len", "batch_size", "grad_accum", "seed", "data_seed", "dtype", "attn.window", "model.n_layer",

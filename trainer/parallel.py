@@ -164,13 +164,15 @@ class Parallel:
 
     # ------------------------------------------------------------------ the model
 
-    def attention(self, attention: Attention) -> Attention:
-        """The attention the model calls: under our context parallelism the ring over it (one op no
-        more: selective activation checkpointing recomputes it); torch's patches SDPA in place."""
+    def attention(self, attention: Attention, head_groups: int = 1) -> Attention:
+        """The attention the model calls: under our context parallelism the ring over it, its heads in
+        head_groups passes (one op no more: selective activation checkpointing recomputes it);
+        torch's patches SDPA in place."""
         if self.cp is None or self.cp.method != "ring":
             return attention
-        return dataclasses.replace(attention, fn=functools.partial(ring_attention, group=self.cp.group,
-                                                                   backend=attention.backend), saved_ops=())
+        ring = functools.partial(ring_attention, group=self.cp.group, backend=attention.backend,
+                                 head_groups=head_groups)
+        return dataclasses.replace(attention, fn=ring, saved_ops=())
 
     def shard(self, model: nn.Module, param_dtype: torch.dtype | None = None,
               reshard_after_forward: bool = True, unit_params: int = 1) -> list[int]:

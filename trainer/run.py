@@ -135,8 +135,8 @@ def recorded_end(run: Run) -> None:
 def build_model(cfg: DictConfig, par: Parallel) -> GPT:
     """The GPT on this process's device, with the attention the layout calls (the ring under cp)."""
     try:
-        return GPT(cfg.model, par.attention(get_attention(cfg.attn.name, cfg.attn.backend)), cfg.ac,
-                   cfg.attn.window, Modifications.of(cfg.attn)).to(par.device)
+        attention = par.attention(get_attention(cfg.attn.name, cfg.attn.backend), cfg.parallel.cp_head_groups)
+        return GPT(cfg.model, attention, cfg.ac, cfg.attn.window, Modifications.of(cfg.attn)).to(par.device)
     except (MemoryError, RuntimeError) as e:
         if not out_of_memory(e):
             raise
