@@ -212,18 +212,21 @@ def _parallel(cfg: DictConfig, world: int) -> None:
         _fail("parallel.cp_rotate", cfg.parallel.cp_rotate, "is how the ranks of a split sequence pass K/V: add "
                                                             "parallel.cp=N (N > 1), or drop it")
     groups, kv_heads = cfg.parallel.cp_head_groups, cfg.model.n_kv_head or cfg.model.n_head
-    if groups > 1 and (cp == 1 or method != "ring"):
-        _fail("parallel.cp_head_groups", groups, "is how our ring attention splits its heads: it needs attn=triton "
-                                                 "and parallel.cp=N (N > 1); drop it, or set it to 1")
-    if kv_heads % groups:
-        _fail("parallel.cp_head_groups", groups, f"must divide the model's {kv_heads} K/V heads (model.n_kv_head, "
-                                                 "or model.n_head)")
+    ring_needed = ("is how our ring attention splits its heads: it needs attn=triton and parallel.cp=N (N > 1); "
+                   "drop it, or set it to 1")
+    if groups > 1 and cp == 1:
+        _fail("parallel.cp_head_groups", groups, ring_needed)
     if cp == 1:
         return
     if not method:
         able = ", ".join(f"attn={a.name}" for a in ATTENTIONS.values() if a.context_parallel)
         _fail("parallel.cp", cp, f"needs {able} (ring attention over its kernels); attn={cfg.attn.name} "
                                  "cannot split a sequence over ranks")
+    if groups > 1 and method != "ring":
+        _fail("parallel.cp_head_groups", groups, ring_needed)
+    if kv_heads % groups:
+        _fail("parallel.cp_head_groups", groups, f"must divide the model's {kv_heads} K/V heads (model.n_kv_head, "
+                                                 "or model.n_head)")
     if cfg.seq_len % (2 * cp):
         _fail("seq_len", cfg.seq_len, f"must be a multiple of 2 x parallel.cp = {2 * cp}: each rank holds two "
                                       "equal chunks of every sequence (zigzag)")

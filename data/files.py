@@ -101,8 +101,13 @@ def atomic_path(path: Path) -> Iterator[Path]:
             os.close(fd)
         os.replace(tmp, path)
     except BaseException as e:
-        made = tmp.exists()
-        tmp.unlink(missing_ok=True)
+        made = False
+        # a name taken already is another writer's file, never ours to remove; and the cleanup never
+        # hides e (a directory that cannot be searched, a file where the directory should be)
+        if not (isinstance(e, FileExistsError) and e.filename == str(tmp)):
+            with contextlib.suppress(OSError):
+                made = tmp.exists()
+                tmp.unlink(missing_ok=True)
         if (stop := _interruption(e)) is not None and stop is not e:
             raise stop  # a Ctrl-C inside torch.save comes out as its RuntimeError: the stop goes on as itself
         kept = ("temp file removed; " if made else "") + (

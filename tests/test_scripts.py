@@ -105,6 +105,7 @@ BAD = [
     case("context_parallel.py", "--gpus 2 --seq-lens 131070", "seq_len=131070: must be a multiple of 2 x parallel.cp"),
     case("context_parallel.py", "--gpus 1,2 --attns triton --head-groups 1,5",
          "parallel.cp_head_groups=5: must divide the model's 12 K/V heads"),
+    case("context_parallel.py", "--gpus 1 --head-groups 2", "--head-groups 2: no run would use it"),
     # sweep_summary.py
     case("sweep_summary.py", "{in}/nonexistent", "nonexistent: no such directory"),
     case("sweep_summary.py", "{in}/sweep", "metrics.jsonl, line 2, is not JSON",
