@@ -71,6 +71,14 @@ def test_ring_attention_on_gpus_matches_whole_sequence_attention(tmp_path, T, H,
     _check_ring(tmp_path, 2, T, H, H_kv, D, "cuda")
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_the_rings_bf16_sums_are_its_fp32_sums_rounded_once(tmp_path, n):
+    torchrun(n, [str(REPO / "tests" / "ring_bf16_worker.py"), str(tmp_path)], tmp_path)
+    for r in range(n):
+        assert all(torch.load(tmp_path / f"rank{r}.pt").values()), (r, torch.load(tmp_path / f"rank{r}.pt"))
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
 def test_two_bf16_terms_add_as_their_fp32_sum_rounded_once(device):
