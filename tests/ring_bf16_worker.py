@@ -1,12 +1,13 @@
 """One rank of the check that the ring's bf16 buffers cost no bits (tests/test_context_parallel.py
 runs it under torchrun, gloo, on the CPU, where Triton's interpreter cannot run bf16 matmuls).
 
-The ring runs twice over dense attention that rounds every output to bf16, so that both runs sum
-the same values: once on bf16 inputs, where kernels/ring_attention.py keeps a sum in bf16 wherever
-at most two terms meet, once on the same values in fp32, where every sum is fp32. Rounded to bf16,
-the fp32 run must give the bf16 run's dQ, dK, dV and LSE bit for bit, and its o within one bf16
-rounding (the merge's fp32 arithmetic may round differently by operand dtype on the CPU). Writes
-whether each holds to OUT/rank<r>.pt.
+The ring runs twice over the reference kernels (kernels/reference/flash_ref.py) on the inputs'
+values in bf16, every output rounded to bf16, so that both runs sum the same values: once on bf16
+inputs, where kernels/ring_attention.py keeps a sum in bf16 wherever at most two terms meet, once
+on the same values in fp32, where every sum is fp32. Rounded to bf16, the fp32 run must give the
+bf16 run's dQ, dK, dV and LSE bit for bit, and its o within one bf16 rounding (the merge's fp32
+arithmetic may round differently by operand dtype on the CPU). Writes whether each holds to
+OUT/rank<r>.pt.
     torchrun --nproc_per_node=N tests/ring_bf16_worker.py OUT
 """
 
@@ -16,29 +17,21 @@ import torch
 import torch.distributed as dist
 
 import kernels.ring_attention as ring_attention
+from kernels.reference.flash_ref import flash_attention_reference_backward, flash_attention_reference_forward
 from tests.ring_worker import inputs
 from trainer.parallel import ContextParallel
 
 
-def _probs(q, k, causal, scale):
-    s = q.float() @ k.float().transpose(-1, -2) * scale
-    if causal:  # bottom-right aligned, T == S here
-        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
-    return s
-
-
 def forward(q, k, v, causal, softmax_scale, backend):
-    s = _probs(q, k, causal, softmax_scale)
-    lse = torch.logsumexp(s, -1)
-    return (torch.softmax(s, -1) @ v.float()).to(torch.bfloat16).to(q.dtype), lse
+    """The reference on q, k, v's values in bf16 (they are bf16 values in both runs), o in q's dtype."""
+    o, lse = flash_attention_reference_forward(*(t.to(torch.bfloat16) for t in (q, k, v)), causal, softmax_scale)
+    return o.to(q.dtype), lse
 
 
 def backward(do, q, k, v, o, lse, causal, softmax_scale, backend):
-    p = torch.exp(_probs(q, k, causal, softmax_scale) - lse.unsqueeze(-1))
-    ds = p * (do.float() @ v.float().transpose(-1, -2) - (do.float() * o.float()).sum(-1, keepdim=True))
-    ds = ds * softmax_scale
-    grads = (ds @ k.float(), ds.transpose(-1, -2) @ q.float(), p.transpose(-1, -2) @ do.float())
-    return tuple(g.to(torch.bfloat16).to(t.dtype) for g, t in zip(grads, (q, k, v), strict=True))
+    grads = flash_attention_reference_backward(*(t.to(torch.bfloat16) for t in (q, k, v, o)), lse,
+                                               do.to(torch.bfloat16), causal, softmax_scale)
+    return tuple(g.to(t.dtype) for g, t in zip(grads, (q, k, v), strict=True))
 
 
 def main(out: str) -> None:
