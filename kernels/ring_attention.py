@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from kernels.api import flash_attention, flash_attn_backward, flash_attn_forward
-from kernels.inputs import autocast_inputs, softmax_scale_of
+from kernels.inputs import autocast_inputs, empty_bhtd, softmax_scale_of
 
 
 class _Transfer:
@@ -152,7 +152,9 @@ def _forward(q, k, v, scale, ring, backend, groups: int = 1):
     """_ring_forward, one ring pass per group of heads: every buffer of a pass is 1/groups the size."""
     if groups == 1:
         return _ring_forward(q, k, v, scale, ring, backend)
-    o, lse = torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+    # o in the kernels' (B, T, H, D) memory order, as one pass returns it, whatever q's: after RoPE
+    # q is (B, H, T, D)-contiguous, and the model's transpose back would copy o (one more per layer)
+    o, lse = empty_bhtd(*q.shape, q), q.new_empty(q.shape[:3], dtype=torch.float32)
     for g in range(groups):
         o_g, lse_g = _ring_forward(*(_heads(t, groups, g) for t in (q, k, v)), scale, ring, backend)
         _heads(o, groups, g).copy_(o_g)
