@@ -1,11 +1,11 @@
 """One rank of the ring-attention check (tests/test_context_parallel.py runs it under torchrun).
 
 Every rank draws the same whole-sequence q, k, v and dO (inputs()), runs ring attention on its
-zigzag shard (k, v strided (B, T, H, D)-memory views as the model passes them, q (B, H, T, D)-
-contiguous as RoPE returns it), and saves its shard's o, lse, dq, dk, dv from the direct calls,
-with the heads in H_KV groups and through autograd, whether a second backward was bit-identical,
-and whether every o came out in one memory order, to OUT/rank<r>.pt. On the CPU: gloo, fp32,
-Triton's interpreter; with DEVICE=cuda: NCCL, one GPU per rank, bf16.
+zigzag shard, given as strided (B, T, H, D)-memory views as the model passes them, and saves its
+shard's o, lse, dq, dk, dv from the direct calls, with the heads in H_KV groups (q then
+(B, H, T, D)-contiguous, as RoPE returns it) and through autograd, whether a second backward was
+bit-identical, and whether every o came out in (B, T, H, D) memory, to OUT/rank<r>.pt. On the
+CPU: gloo, fp32, Triton's interpreter; with DEVICE=cuda: NCCL, one GPU per rank, bf16.
     torchrun --nproc_per_node=N tests/ring_worker.py OUT T H H_KV D [DEVICE]
 """
 
@@ -36,7 +36,7 @@ def main(out: str, T: int, H: int, H_kv: int, D: int, device: str = "cpu") -> No
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     # shard along T in (B, T, H, D) memory: the shards stay strided views, like the model's q, k, v
     q, k, v, do = (cp.shard(t.transpose(1, 2).to(device), dim=1).transpose(1, 2) for t in inputs(T, H, H_kv, D, dtype))
-    q = q.contiguous()  # (B, H, T, D) memory, as RoPE returns it (model/gpt.py)
+    q_rope = q.contiguous()  # (B, H, T, D) memory, as RoPE returns q (model/gpt.py): the grouped calls take it
     o, lse = ring_attn_forward(q, k, v, cp.group)
     dq, dk, dv = ring_attn_backward(do, q, k, v, o, lse, cp.group)
     again = ring_attn_backward(do, q, k, v, o, lse, cp.group)
@@ -46,11 +46,13 @@ def main(out: str, T: int, H: int, H_kv: int, D: int, device: str = "cpu") -> No
     results = {"o": o, "lse": lse, "dq": dq, "dk": dk, "dv": dv, "o_autograd": o_autograd.detach(),
                **{f"{n}_autograd": t.grad for n, t in zip(("dq", "dk", "dv"), leaves, strict=True)}}
     # the heads in H_kv groups, one ring pass each (with one K/V head, the one group there is)
-    o_grouped, lse_grouped = ring_attn_forward(q, k, v, cp.group, head_groups=H_kv)
+    o_grouped, lse_grouped = ring_attn_forward(q_rope, k, v, cp.group, head_groups=H_kv)
     results |= dict(zip(("o_grouped", "lse_grouped", "dq_grouped", "dk_grouped", "dv_grouped"),
-                        (o_grouped, lse_grouped, *ring_attn_backward(do, q, k, v, o, lse, cp.group, head_groups=H_kv))))
-    results = {name: t.cpu() for name, t in results.items()}
-    results["same_layout"] = o_grouped.stride() == o.stride() == o_autograd.stride()  # the model's transpose is free
+                        (o_grouped, lse_grouped,
+                         *ring_attn_backward(do, q_rope, k, v, o, lse, cp.group, head_groups=H_kv))))
+    # whatever q's layout, o comes out in (B, T, H, D) memory: the model's transpose back is free
+    results["bthd_layout"] = all(t.transpose(1, 2).is_contiguous() for t in (o, o_autograd, o_grouped))
+    results = {name: t.cpu() if isinstance(t, torch.Tensor) else t for name, t in results.items()}
     results["deterministic"] = all(torch.equal(a, b) for a, b in zip((dq, dk, dv), again, strict=True))
     torch.save(results, f"{out}/rank{cp.rank}.pt")
     dist.destroy_process_group()

@@ -55,7 +55,7 @@ def _check_ring(tmp_path, n, T, H, H_kv, D, device="cpu"):
         assert torch.equal(grouped, got) if name.startswith("d") else \
             (grouped - got).abs().max() <= 2 ** -20 * got.abs().max(), name
     assert all(r["deterministic"] for r in ranks)
-    assert all(r["same_layout"] for r in ranks)  # grouped or not, o comes out in the kernels' memory order
+    assert all(r["bthd_layout"] for r in ranks)  # grouped or not, o comes out in the kernels' memory order
 
 
 @pytest.mark.slow
