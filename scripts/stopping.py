@@ -4,7 +4,8 @@ SIGTERM, SIGHUP and SIGUSR1 (what schedulers send before they stop a job) and SI
 raise Stop wherever the script is inside `stoppable` (around its main, once its imports are done:
 a signal during those ends it as Python does); stoppable ends the script with one line on stderr,
 `<script>: stopped by SIGTERM; <what is kept>`, and exit code 128 + the signal's number (130 for
-Ctrl-C): no traceback, and no verdict, table or plot of work cut short. Stop is no Exception, so
+Ctrl-C), then and there (_exit_now): no traceback, no verdict, table or plot of work cut short, and
+no work queued in a thread pool (torch.compile's kernels) run first. Stop is no Exception, so
 a script's `except Exception` around one cell or rung does not swallow it; one that Python loses
 (raised where C code drops errors) is raised again each second until it lands. A script writes its
 files whole or not at all (scripts/outputs.py), so a stop leaves the previous file, never half of
@@ -19,7 +20,7 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator, NoReturn
 
 from data.files import WriteError
 from trainer.signals import STOP_SIGNALS, nvrtc_first_compile
@@ -78,6 +79,23 @@ def _set(handlers: dict) -> None:
         signal.signal(sig, handler)
 
 
+def _exit_now(code: int) -> NoReturn:
+    """Ends a stopped script now. Python's own exit would first join every thread pool's threads,
+    which run the work still queued: stopped inside torch.compile, every compile job queued
+    (minutes on a CPU). What the script holds
+    has been closed as the stop unwound it (files are written whole or not at all); what exit hooks
+    would close is closed here: the run dirs it holds, a W&B run still open."""
+    try:
+        if (rundir := sys.modules.get("trainer.rundir")) is not None:
+            rundir.release_run_dirs()
+        if (wandb := sys.modules.get("wandb")) is not None and getattr(wandb, "run", None) is not None:
+            wandb.finish(exit_code=code)
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(code)
+
+
 @contextlib.contextmanager
 def stoppable(script: str, kept: Callable[[], str]) -> Iterator[None]:
     """Inside, a stop signal ends the script: one line naming the signal and kept() (what the
@@ -96,7 +114,7 @@ def stoppable(script: str, kept: Callable[[], str]) -> Iterator[None]:
         if signum:
             _set(dict.fromkeys(STOP_SIGNALS, signal.SIG_DFL))  # a second signal ends the process at once
             print(f"{script}: stopped by {signal.Signals(signum).name}; {kept()}", file=sys.stderr)
-            sys.exit(128 + signum)
+            _exit_now(128 + signum)
         if isinstance(e, WriteError):
             print(f"error: {e}", file=sys.stderr)
             sys.exit(1)

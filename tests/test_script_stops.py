@@ -5,9 +5,10 @@ Real processes, real signals (scripts/stopping.py is the mechanism):
   as that run closes, says so in one line, starts no other run, gives no verdict and writes no
   result;
 - sample.py stopped while it generates: one line, exit 143, no traceback;
+- a script stopped while torch.compile builds its kernels ends then, building no more of them;
 - on a GPU, every benchmark script stopped after its first printed row: one line, exit 143, no
   traceback, no file torn (each is written whole or not at all).
-The CPU tests start four processes (a few minutes on 2 busy cores):
+The CPU tests start five processes (a few minutes on 2 busy cores):
 
     .venv/bin/python -m pytest tests/test_script_stops.py -q
 """
@@ -16,6 +17,7 @@ import json
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -70,6 +72,37 @@ def test_a_stop_as_a_run_of_loss_equivalence_closes_stops_the_script_there(data_
     stopped(proc, tmp_path, signal.SIGTERM, "loss_equivalence.py")
     assert json.loads((out / "sdpa" / "summary.json").read_text())["status"] == "ok"
     assert not (out / "naive").exists() and not list(out.glob("equivalence.*"))
+
+
+def _compilers(cache: Path) -> list[int]:
+    """The processes building a kernel into cache (Inductor's C++ compiler runs, whoever their parent)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and str(cache) in (proc / "cmdline").read_bytes().decode(errors="replace"):
+                pids.append(int(proc.name))
+        except OSError:  # ended while we looked
+            continue
+    return pids
+
+
+def test_a_stop_while_torch_compile_builds_kernels_ends_the_script_at_once(tmp_path):
+    # Python's own exit would first build every kernel still queued in Inductor's compile threads
+    # (41 here); the stop ends the script with the compilers already running, and no more start
+    cache = tmp_path / "inductor"
+    proc = start([str(REPO / "tests" / "compile_stop_worker.py")], tmp_path,
+                 {"TORCHINDUCTOR_CACHE_DIR": str(cache)})  # a new cache: every kernel is built
+    # two kernels built: every other one is queued by then, its compile job submitted
+    wait_for(proc, tmp_path, lambda: len(list(cache.rglob("*.so"))) >= 2, "the second kernel")
+    before = len(list(cache.rglob("*.so")))
+    stopped(proc, tmp_path, signal.SIGTERM, "compile_stop_worker.py")
+    deadline = time.monotonic() + 300
+    while _compilers(cache) and time.monotonic() < deadline:  # those running finish, orphaned
+        time.sleep(0.1)
+    built = len(list(cache.rglob("*.so")))
+    # the two compile threads' kernels in flight, and a few more where the stop waited on a busy machine
+    assert built <= before + 6, f"{built} kernels built, {before} at the stop: the exit ran the queued jobs"
+    assert "compiled" not in (tmp_path / "out.log").read_text()
 
 
 @pytest.fixture(scope="module")
