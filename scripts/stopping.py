@@ -82,18 +82,26 @@ def _set(handlers: dict) -> None:
 def _exit_now(code: int) -> NoReturn:
     """Ends a stopped script now. Python's own exit would first join every thread pool's threads,
     which run the work still queued: stopped inside torch.compile, every compile job queued
-    (minutes on a CPU). What the script holds
-    has been closed as the stop unwound it (files are written whole or not at all); what exit hooks
-    would close is closed here: the run dirs it holds, a W&B run still open."""
-    try:
-        if (rundir := sys.modules.get("trainer.rundir")) is not None:
-            rundir.release_run_dirs()
-        if (wandb := sys.modules.get("wandb")) is not None and getattr(wandb, "run", None) is not None:
-            wandb.finish(exit_code=code)
-        sys.stdout.flush()
-        sys.stderr.flush()
-    finally:
-        os._exit(code)
+    (minutes on a CPU). What the script holds has been closed as the stop unwound it (files are
+    written whole or not at all); what exit hooks would close is closed here, each step on its own
+    (one that fails says so in a line): the run dirs it holds, W&B (an open run finished, and its
+    service waited for, so that its offline files end whole), the standard streams."""
+    steps = []
+    if (rundir := sys.modules.get("trainer.rundir")) is not None:
+        steps.append(("the run dirs' locks", rundir.release_run_dirs))
+    if (wandb := sys.modules.get("wandb")) is not None:
+        steps.append(("W&B", lambda: wandb.teardown(exit_code=code)))
+    for what, step in steps:
+        try:
+            step()
+        except Exception as e:  # the stop ends the process whatever fails here
+            print(f"error: closing {what} as the script stopped: {e}", file=sys.stderr)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a full disk, a closed pipe: nothing more can be said
+            pass
+    os._exit(code)
 
 
 @contextlib.contextmanager

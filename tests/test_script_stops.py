@@ -14,6 +14,7 @@ The CPU tests start five processes (a few minutes on 2 busy cores):
 """
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -23,7 +24,8 @@ from pathlib import Path
 import pytest
 
 import train as train_module
-from tests.helpers import REPO, TINY, catches, compose, metrics, start, wait_for
+from tests.helpers import REPO, TINY, catches, compose, metrics, start, wait_for, wandb_file
+from tests.wandb_records import ending
 
 pytestmark = pytest.mark.slow
 
@@ -71,6 +73,7 @@ def test_a_stop_as_a_run_of_loss_equivalence_closes_stops_the_script_there(data_
     wait_for(proc, tmp_path, lambda: (out / "sdpa" / "summary.json").exists(), "sdpa's summary.json")
     stopped(proc, tmp_path, signal.SIGTERM, "loss_equivalence.py")
     assert json.loads((out / "sdpa" / "summary.json").read_text())["status"] == "ok"
+    assert ending(wandb_file(out / "sdpa"))["exit_code"] == 0  # its W&B run closed whole, the service waited for
     assert not (out / "naive").exists() and not list(out.glob("equivalence.*"))
 
 
@@ -86,20 +89,29 @@ def _compilers(cache: Path) -> list[int]:
     return pids
 
 
+def _kernels(cache: Path) -> int:
+    """Kernels built into cache so far (os.walk: Inductor makes and removes folders there as it goes)."""
+    return sum(name.endswith(".so") for _, _, names in os.walk(cache) for name in names)
+
+
 def test_a_stop_while_torch_compile_builds_kernels_ends_the_script_at_once(tmp_path):
     # Python's own exit would first build every kernel still queued in Inductor's compile threads
     # (41 here); the stop ends the script with the compilers already running, and no more start
     cache = tmp_path / "inductor"
     proc = start([str(REPO / "tests" / "compile_stop_worker.py")], tmp_path,
                  {"TORCHINDUCTOR_CACHE_DIR": str(cache)})  # a new cache: every kernel is built
-    # two kernels built: every other one is queued by then, its compile job submitted
-    wait_for(proc, tmp_path, lambda: len(list(cache.rglob("*.so"))) >= 2, "the second kernel")
-    before = len(list(cache.rglob("*.so")))
-    stopped(proc, tmp_path, signal.SIGTERM, "compile_stop_worker.py")
+    try:
+        # two kernels built: every other one is queued by then, its compile job submitted
+        wait_for(proc, tmp_path, lambda: _kernels(cache) >= 2, "the second kernel")
+        before = _kernels(cache)
+        stopped(proc, tmp_path, signal.SIGTERM, "compile_stop_worker.py")
+    finally:
+        proc.kill()  # where the test failed first: no compiler left running for minutes
+        proc.wait()
     deadline = time.monotonic() + 300
     while _compilers(cache) and time.monotonic() < deadline:  # those running finish, orphaned
         time.sleep(0.1)
-    built = len(list(cache.rglob("*.so")))
+    built = _kernels(cache)
     # the two compile threads' kernels in flight, and a few more where the stop waited on a busy machine
     assert built <= before + 6, f"{built} kernels built, {before} at the stop: the exit ran the queued jobs"
     assert "compiled" not in (tmp_path / "out.log").read_text()
