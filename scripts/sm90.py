@@ -45,12 +45,8 @@ def compile_hopper(direction: str, head_dim: int, dtype: torch.dtype, mask: str,
 
 def kernels(head_dims) -> list[tuple[str, int, str, int]]:
     """(direction, head dim, mask, seq) of every kernel the rows of these head dims run: each
-    direction and mask at SEQ, and the backward's longest first order where a row has one."""
-    from kernels.hopper.config import TABLE
-
-    every = [(direction, D, mask, SEQ) for direction in ("fwd", "bwd") for D in head_dims for mask in MASKS]
-    return every + [("bwd", D, "causal", TABLE[D].bwd_longest_first_from) for D in head_dims
-                    if TABLE[D].bwd_longest_first_from]
+    direction and mask at SEQ (a row's backward order follows its mask, not seq)."""
+    return [(direction, D, mask, SEQ) for direction in ("fwd", "bwd") for D in head_dims for mask in MASKS]
 
 
 def _tool(name: str) -> str:

@@ -65,10 +65,9 @@ def test_compiles_for_sm90_without_a_gpu(tmp_path):
                          env=env, capture_output=True, text=True, timeout=1800)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
-    # forward and backward, D 64 and 128, full, causal and documents; and the backward's longest
-    # first order, where a row has one (D = 128, causal from 8,192 keys)
-    longest = [D for D, row in hopper.TABLE.items() if row.bwd_longest_first_from]
-    assert len(lines) == 12 + len(longest), out.stdout
+    # forward and backward, D 64 and 128, full, causal and documents (the backward's causal kernel
+    # at D = 128 goes longest first)
+    assert len(lines) == 12, out.stdout
     for line in lines:
         assert int(re.search(r"(\d+) HGMMA", line)[1]) > 0, line  # the matmuls run on Hopper's wgmma
         assert int(re.search(r"(\d+) B shared", line)[1]) <= 232448, line  # an sm_90 block's most
@@ -103,14 +102,13 @@ def test_compiling_refuses_a_head_dim_without_kernels_in_one_line(tmp_path):
     assert not (tmp_path / "sass").exists()  # refused before anything is written
 
 
-def test_backward_order_is_chosen_per_head_dim_mask_and_keys():
-    # longest first only where its row says, and only where it measured faster: plain causal, D = 128,
-    # from 8192 keys
-    assert hopper.bwd_longest_first(128, True, False, 8192) and hopper.bwd_longest_first(128, True, False, 2 ** 24)
-    assert not hopper.bwd_longest_first(128, True, False, 8191)
-    assert not hopper.bwd_longest_first(128, True, True, 8192)  # documents, a window
-    assert not hopper.bwd_longest_first(128, False, False, 8192)
-    assert not hopper.bwd_longest_first(64, True, False, 65536)
+def test_backward_order_is_chosen_per_head_dim_and_mask():
+    # longest first, in sections of 8 (batch, kv head) pairs, only where its row says and it measured
+    # faster: plain causal, D = 128; shortest first (0) elsewhere
+    assert hopper.bwd_section(128, True, False) == 8
+    assert hopper.bwd_section(128, True, True) == 0  # documents, a window
+    assert hopper.bwd_section(128, False, False) == 0
+    assert hopper.bwd_section(64, True, False) == 0
 
 
 def test_every_choice_of_the_kernels_is_a_row_of_the_table_not_the_environment():
@@ -340,10 +338,10 @@ def test_gluon_forward_never_reads_keys_past_its_rows(D):
 @pytest.mark.gpu
 @sm90
 @pytest.mark.parametrize("mask", ["causal", "full", "documents", "window"])
-@pytest.mark.parametrize("D, T", [(64, 2048), (128, 2048), (128, 8192)], ids=["D64", "D128", "D128-longest-first"])
+@pytest.mark.parametrize("D, T", [(64, 2048), (128, 2048), (128, 8192)], ids=["D64", "D128", "D128-long"])
 def test_gluon_backward_is_bit_identical_over_100_runs(D, T, mask):
-    # the dQ shares are added in a fixed order, either launch order (at D = 128, causal, from 8192
-    # keys: longest first); unordered atomics would differ within a few runs
+    # the dQ shares are added in a fixed order, either launch order (at D = 128, causal: longest
+    # first); unordered atomics would differ within a few runs
     B = 2 if T == 2048 else 1
     q, k, v, do = make_inputs(f"gluon-determinism-{mask}-{D}-{T}", B, 1024 // D, 2, T, T, D, BF16, "packed", "cuda")
     lengths = [[300, 1, 900, 847], [2048]] if T == 2048 else [[300, 1, 900, 6991]]
@@ -426,13 +424,13 @@ def test_persistent_kernels_take_every_tile_once(D):
     # tile taken twice would add into dQ twice, one never taken would leave NaN where the poison
     # was, and either would differ from the portable kernels (one program per tile, by launch).
     # More tiles than SMs (up to ~4 a program, so that the rings and the tile ring wrap), fewer,
-    # documents (tiles of unequal length, some with no steps), a window, longest first (D = 128
-    # from 8192 keys); launches in a row, on a second stream, and from two CUDA graphs replayed in
-    # reverse order, each with the first launch's bits
+    # documents (tiles of unequal length, some with no steps), a window, longest first (D = 128,
+    # causal) in one section of pairs and in two (9 pairs); launches in a row, on a second stream,
+    # and from two CUDA graphs replayed in reverse order, each with the first launch's bits
     docs = [1, 700, 1300, 64, 33, 1950]
     cases = [(4, 8, 2, 3000, None, 0), (1, 2, 2, 300, None, 0), (2, 4, 2, 4048, [docs, [4048]], 0),
              (4, 8, 4, 4048, [docs, [4048], docs[::-1], [2024, 2024]], 0), (1, 8, 8, 8192, None, 0),
-             (1, 8, 8, 8192, [[3000, 5192]], 1024)]
+             (1, 8, 8, 8192, [[3000, 5192]], 1024), (3, 6, 3, 2500, None, 0)]
     for B, H, H_kv, T, lengths, window in cases:
         q, k, v, do = make_inputs(f"gluon-persistent-{D}-{T}", B, H, H_kv, T, T, D, BF16, "packed", "cuda")
         doc_ids = doc_ids_of(lengths, "cuda") if lengths else None

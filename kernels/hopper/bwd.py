@@ -9,8 +9,8 @@ by keys, transposed as FlashAttention-3 does: S^T = K Q^T, P^T from the forward'
 dP^T = V dO^T, dV += P^T dO, dK += dS^T Q (P^T and dS^T kept in registers as the A operands) and
 a dQ share dS K; a dQ-writer warp adds each share to an fp32 accumulator with one TMA reduce-add,
 in a fixed order, so that dQ has the same bits every run. dK and dV stay in registers to the
-tile's end. The tiles go out shortest or (long causal sequences at D = 128) longest first
-(config.bwd_longest_first), and the fixed order of dQ's adds follows that order: a share waits
+tile's end. The tiles go out shortest or (causal at D = 128) longest first, in sections of
+pairs (config.bwd_section), and the fixed order of dQ's adds follows that order: a share waits
 only on tiles already taken by programs that run.
 Two Triton passes (bwd_passes.py) run around it: LSE * log2(e) and delta = rowsum(dO * O) laid
 out for TMA before, dQ scaled out of the accumulator after. The derivation: docs/flash-attention.md.
@@ -384,12 +384,12 @@ class _Launches(NamedTuple):
     offsets: tuple[int, ...]  # bytes from its start to each of passes.buffers' views
 
 
-def _launch(do, q, k, v, o, lse, dq, dk, dv, bounds: Bounds | None, causal: bool, scale: float, longest_first: bool,
+def _launch(do, q, k, v, o, lse, dq, dk, dv, bounds: Bounds | None, causal: bool, scale: float, longest_first: int,
             warmup: bool = False):
     """Launches the backward (the LSE-delta pass, the kernel, the dQ pass) through Triton's front
     door and returns the three launches bound for later calls of this layout (or, with warmup,
     only compiles the backward kernel and returns it). bounds: as backward's; longest_first:
-    config.bwd_longest_first's choice."""
+    config.bwd_section's choice."""
     (B, H, T, D), (H_kv, S) = q.shape, k.shape[1:3]
     tiles = config.TABLE[D].bwd
     scratch, views = passes.buffers(q, tiles.block_m, "cpu" if warmup else q.device)
@@ -437,7 +437,7 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, bounds
         launches.main(q, k, v, do, aux, dq_acc, counts, dk, dv, *_lo_hi(bounds))
         launches.dq(dq_acc, dq)
         return
-    longest_first = config.bwd_longest_first(q.shape[3], causal, bounds is not None, k.shape[2])
+    longest_first = config.bwd_section(q.shape[3], causal, bounds is not None)
     with on_device(q):
         PREPARED[(backward, signature)] = _launch(do, q, k, v, o, lse, dq, dk, dv, bounds, causal, scale,
                                                   longest_first)
@@ -450,4 +450,4 @@ def compile_only(do, q, k, v, causal: bool, bounded: bool = False):
         if bounded else None
     o, dq, dk, dv, lse = (*map(torch.empty_like, (q, q, k, v)), torch.empty((B, H, T), dtype=torch.float32))
     return _launch(do, q, k, v, o, lse, dq, dk, dv, bounds, causal, D ** -0.5,
-                   config.bwd_longest_first(D, causal, bounded, S), warmup=True)
+                   config.bwd_section(D, causal, bounded), warmup=True)

@@ -37,15 +37,16 @@ class Row(NamedTuple):
     fwd_long: FwdTiles  # and from FWD_LONG on
     fwd_overlap: bool  # block j - 1's P V issued behind block j's S, the softmax run while it runs
     bwd: BwdTiles  # the backward's tiles
-    bwd_longest_first_from: int | None  # from this many keys a plain causal backward launches longest first
+    bwd_section: int | None  # a plain causal backward goes longest first in sections of this many pairs
 
 
 # D = 64: a third consumer from FWD_LONG queries on, where its 64 extra masked rows per program no
 # longer cost more than it gains; no overlap (it does not pay there); the backward's step of 128
 # rows in two column halves (FlashAttention-3's), shortest first. D = 128: the overlap with a
-# 3-slot ring, longest first from 8,192 keys. docs/perf-notes.md gives each choice its number.
+# 3-slot ring, longest first in sections of 8 (batch, kv head) pairs. docs/perf-notes.md gives each
+# choice its number.
 TABLE = {64: Row(FwdTiles(2, 128, 3), FwdTiles(3, 128, 3), False, BwdTiles(128, 128, 2), None),
-         128: Row(FwdTiles(2, 128, 3), FwdTiles(2, 128, 3), True, BwdTiles(64, 128, 2), 8192)}
+         128: Row(FwdTiles(2, 128, 3), FwdTiles(2, 128, 3), True, BwdTiles(64, 128, 2), 8)}
 HEAD_DIMS = tuple(TABLE)
 FWD_ROWS = 64  # query rows per consumer warpgroup: one wgmma M
 FWD_LONG = 2048
@@ -68,16 +69,19 @@ def fwd_tiles(head_dim: int, seq_len: int) -> FwdTiles:
     return row.fwd_long if seq_len >= FWD_LONG else row.fwd
 
 
-def bwd_longest_first(head_dim: int, causal: bool, bounded: bool, seq_k: int) -> bool:
-    """The backward's order. Shortest first: the programs of a kv head launch last key block first,
-    each walks its Q blocks up from the diagonal, and dQ's shares are added last key block first.
-    Longest first: key block 0 of every (batch, kv head) pair, then block 1, ...; each walks its Q
-    blocks down from the last, and dQ's shares are added first key block first. Under a plain
-    causal mask, from the row's bwd_longest_first_from keys, longest first does not end on a tail
-    of the longest programs. With fewer keys, or documents, the programs are short, and their
-    lock-step start waits on dQ's order; with no mask or a window they are alike."""
-    start = TABLE[head_dim].bwd_longest_first_from
-    return causal and not bounded and start is not None and start <= seq_k
+def bwd_section(head_dim: int, causal: bool, bounded: bool) -> int:
+    """The backward's order: 0, shortest first, or longest first in sections of this many (batch, kv
+    head) pairs. Shortest first: the programs of a kv head launch last key block first, each walks
+    its Q blocks up from the diagonal, and dQ's shares are added last key block first. Longest
+    first: key block 0 of each of a section's pairs, then their block 1, ...; each program walks its
+    Q blocks down from the last, and dQ's shares are added first key block first. Under a plain
+    causal mask at D = 128 the launch then ends on the last section's shortest programs, not on a
+    tail of the longest; sections of 8 pairs measured faster than shortest first and than all
+    pairs at once below 8,192 keys, and no slower from there (docs/perf-notes.md). With documents
+    the programs are short, and their lock-step start waits on dQ's order; with no mask or a window
+    they are alike."""
+    section = TABLE[head_dim].bwd_section
+    return section if causal and not bounded and section else 0
 
 
 def fwd_registers(consumers: int) -> tuple[int, int]:

@@ -4,7 +4,7 @@ tile from a counter zeroed for the launch (hand_out_tile, by the producer warp, 
 tile to the program's other partitions through a 2-slot ring: take_tile). The forward numbers its
 tiles in L2-sized sections of (batch, head) pairs, each section's longest query blocks first
 (fwd_tile; the section's size: config.fwd_section); the backward numbers key blocks shortest or
-longest first (bwd_tile; config.bwd_longest_first), and walks each tile's query blocks
+longest first (bwd_tile; config.bwd_section), and walks each tile's query blocks
 (bwd_step_rows) in the order its dQ writer adds their shares."""
 
 from triton.experimental import gluon
@@ -66,16 +66,24 @@ class FwdProgram:
 
 
 @gluon.jit
+def in_sections(tile, per_pair, pairs, SECTION: gl.constexpr):
+    """(pair, i) of tile number `tile` of per_pair tiles for each of `pairs` pairs, numbered in
+    sections of SECTION pairs: a section's tile 0 of each of its pairs in turn, then their tile 1,
+    and so on."""
+    section = tile // (SECTION * per_pair)
+    first = section * SECTION
+    in_section = gl.minimum(pairs - first, SECTION)  # the last section may have fewer
+    rank = tile - section * (SECTION * per_pair)
+    return first + rank % in_section, rank // in_section
+
+
+@gluon.jit
 def fwd_tile(tile, n_m, H, B, SECTION: gl.constexpr, BLOCK_M: gl.constexpr):
     """(start_m, off_h, off_b) of tile number `tile` of n_m * H * B in launch order: in sections of
     SECTION (batch, head) pairs, each section's query blocks longest first, its heads in turn within
     a block row: tiles running together share K and V that fit L2."""
-    section = tile // (SECTION * n_m)
-    first = section * SECTION
-    heads = gl.minimum(H * B - first, SECTION)  # the last section may have fewer
-    rank = tile - section * (SECTION * n_m)
-    head = first + rank % heads
-    return (n_m - 1 - rank // heads) * BLOCK_M, head % H, head // H
+    head, i = in_sections(tile, n_m, H * B, SECTION)
+    return (n_m - 1 - i) * BLOCK_M, head % H, head // H
 
 
 @gluon.jit
@@ -103,7 +111,7 @@ def fwd_program(tile, n_m, work, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr, BL
 @aggregate
 class BwdWork:
     """The launch's work: tiles of one key block (BLOCK_N keys) of one kv head and batch row,
-    numbered in launch order (bwd_tile: LONGEST_FIRST); COUNTER (int32, zeroed for the
+    numbered in launch order (bwd_tile: LONGEST_FIRST, 0 or a section's pairs); COUNTER (int32, zeroed for the
     launch; the kernel's COUNTS[0]): the tiles handed out, every one of them; KEY_LO and ROW_HI
     (Bounds', or None); the sizes."""
     COUNTER: gl.tensor
@@ -150,12 +158,11 @@ class BwdProgram:
 @gluon.jit
 def bwd_tile(tile, n_blocks, H_kv, B, LONGEST_FIRST: gl.constexpr):
     """(off_b, off_hkv, n) of tile number `tile` of n_blocks * H_kv * B in launch order: shortest
-    first, each (batch, kv head) pair's key blocks last first, pair after pair; longest first, key
-    block 0 (causal: the longest) of every pair, then block 1, and so on."""
+    first, each (batch, kv head) pair's key blocks last first, pair after pair; longest first, in
+    sections of LONGEST_FIRST pairs, key block 0 (causal: the longest) of each of a section's pairs,
+    then block 1, and so on."""
     if LONGEST_FIRST:
-        pairs = H_kv * B
-        n = tile // pairs
-        pair = tile - n * pairs
+        pair, n = in_sections(tile, n_blocks, H_kv * B, LONGEST_FIRST)
         return pair // H_kv, pair % H_kv, n
     pair = tile // n_blocks
     return pair // H_kv, pair % H_kv, n_blocks - 1 - (tile - pair * n_blocks)
