@@ -27,15 +27,14 @@ MASKS = ("full", "causal", "documents")  # documents: causal within packed docum
 SEQ = 4096  # T = S of the compiled inputs: the forward's tiles of long sequences
 
 
-def compile_hopper(direction: str, head_dim: int, dtype: torch.dtype, mask: str, seq: int = SEQ):
-    """The compiled forward or backward kernel for one configuration (compiled in a fresh Triton
-    cache key only when its source or options changed); seq keys and queries pick the schedule its
-    head dim's row gives them."""
+def compile_hopper(direction: str, head_dim: int, dtype: torch.dtype, mask: str):
+    """The compiled forward or backward kernel for one configuration, at SEQ keys and queries
+    (compiled in a fresh Triton cache key only when its source or options changed)."""
     from kernels.hopper import bwd, fwd
 
     B, H, H_kv = 1, 2, 1
-    q, do = (torch.empty(B, seq, H, head_dim, dtype=dtype).transpose(1, 2) for _ in range(2))
-    k, v = (torch.empty(B, seq, H_kv, head_dim, dtype=dtype).transpose(1, 2) for _ in range(2))
+    q, do = (torch.empty(B, SEQ, H, head_dim, dtype=dtype).transpose(1, 2) for _ in range(2))
+    k, v = (torch.empty(B, SEQ, H_kv, head_dim, dtype=dtype).transpose(1, 2) for _ in range(2))
     causal, documents = mask != "full", mask == "documents"
     with stand_in():
         if direction == "fwd":
@@ -43,10 +42,10 @@ def compile_hopper(direction: str, head_dim: int, dtype: torch.dtype, mask: str,
         return bwd.compile_only(do, q, k, v, causal, documents)
 
 
-def kernels(head_dims) -> list[tuple[str, int, str, int]]:
-    """(direction, head dim, mask, seq) of every kernel the rows of these head dims run: each
-    direction and mask at SEQ (a row's backward order follows its mask, not seq)."""
-    return [(direction, D, mask, SEQ) for direction in ("fwd", "bwd") for D in head_dims for mask in MASKS]
+def kernels(head_dims) -> list[tuple[str, int, str]]:
+    """(direction, head dim, mask) of every kernel the rows of these head dims run (a row's backward
+    order follows its mask, not the length)."""
+    return [(direction, D, mask) for direction in ("fwd", "bwd") for D in head_dims for mask in MASKS]
 
 
 def _tool(name: str) -> str:
@@ -70,9 +69,9 @@ def main() -> None:
         parser.error(f"--head-dims {args.head_dims}: the Hopper kernels have head dims {', '.join(map(str, HEAD_DIMS))}")
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    for direction, head_dim, mask, seq in kernels(list(map(int, head_dims))):
-        kernel = compile_hopper(direction, head_dim, torch.bfloat16, mask, seq)
-        name = f"{direction}_d{head_dim}_{mask}" + (f"_T{seq}" if seq != SEQ else "")
+    for direction, head_dim, mask in kernels(list(map(int, head_dims))):
+        kernel = compile_hopper(direction, head_dim, torch.bfloat16, mask)
+        name = f"{direction}_d{head_dim}_{mask}"
         cubin = out / f"{name}.cubin"
         cubin.write_bytes(kernel.asm["cubin"])
         usage = re.search(r"REG:(\d+) STACK:(\d+)", _run(_tool("cuobjdump"), "-res-usage", str(cubin)))

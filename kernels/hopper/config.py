@@ -43,8 +43,8 @@ class Row(NamedTuple):
 # D = 64: a third consumer from FWD_LONG queries on, where its 64 extra masked rows per program no
 # longer cost more than it gains; no overlap (it does not pay there); the backward's step of 128
 # rows in two column halves (FlashAttention-3's), shortest first. D = 128: the overlap with a
-# 3-slot ring, longest first in sections of 8 (batch, kv head) pairs. docs/perf-notes.md gives each
-# choice its number.
+# 3-slot ring, longest first in sections of 8 (batch, kv head) pairs under a plain causal mask.
+# docs/perf-notes.md gives each choice its number.
 TABLE = {64: Row(FwdTiles(2, 128, 3), FwdTiles(3, 128, 3), False, BwdTiles(128, 128, 2), None),
          128: Row(FwdTiles(2, 128, 3), FwdTiles(2, 128, 3), True, BwdTiles(64, 128, 2), 8)}
 HEAD_DIMS = tuple(TABLE)
@@ -77,7 +77,7 @@ def bwd_section(head_dim: int, causal: bool, bounded: bool) -> int:
     Q blocks down from the last, and dQ's shares are added first key block first. Under a plain
     causal mask at D = 128 the launch then ends on the last section's shortest programs, not on a
     tail of the longest; sections of 8 pairs measured faster than shortest first and than all
-    pairs at once below 8,192 keys, and no slower from there (docs/perf-notes.md). With documents
+    pairs at once below 8,192 keys, and level from there (docs/perf-notes.md). With documents
     the programs are short, and their lock-step start waits on dQ's order; with no mask or a window
     they are alike."""
     section = TABLE[head_dim].bwd_section
