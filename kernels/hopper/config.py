@@ -37,7 +37,7 @@ class Row(NamedTuple):
     fwd_long: FwdTiles  # and from FWD_LONG on
     fwd_overlap: bool  # block j - 1's P V issued behind block j's S, the softmax run while it runs
     bwd: BwdTiles  # the backward's tiles
-    bwd_section: int | None  # a plain causal backward goes longest first in sections of this many pairs
+    bwd_section: int  # a plain causal backward goes longest first in sections of this many pairs; 0: shortest
 
 
 # D = 64: a third consumer from FWD_LONG queries on, where its 64 extra masked rows per program no
@@ -45,7 +45,7 @@ class Row(NamedTuple):
 # rows in two column halves (FlashAttention-3's), shortest first. D = 128: the overlap with a
 # 3-slot ring, longest first in sections of 8 (batch, kv head) pairs under a plain causal mask.
 # docs/perf-notes.md gives each choice its number.
-TABLE = {64: Row(FwdTiles(2, 128, 3), FwdTiles(3, 128, 3), False, BwdTiles(128, 128, 2), None),
+TABLE = {64: Row(FwdTiles(2, 128, 3), FwdTiles(3, 128, 3), False, BwdTiles(128, 128, 2), 0),
          128: Row(FwdTiles(2, 128, 3), FwdTiles(2, 128, 3), True, BwdTiles(64, 128, 2), 8)}
 HEAD_DIMS = tuple(TABLE)
 FWD_ROWS = 64  # query rows per consumer warpgroup: one wgmma M
@@ -80,8 +80,7 @@ def bwd_section(head_dim: int, causal: bool, bounded: bool) -> int:
     pairs at once below 8,192 keys, and level from there (docs/perf-notes.md). With documents
     the programs are short, and their lock-step start waits on dQ's order; with no mask or a window
     they are alike."""
-    section = TABLE[head_dim].bwd_section
-    return section if causal and not bounded and section else 0
+    return TABLE[head_dim].bwd_section if causal and not bounded else 0
 
 
 def fwd_registers(consumers: int) -> tuple[int, int]:
